@@ -1,0 +1,30 @@
+# Set-up and entry points. `make demo` and `make test` work on a fresh machine:
+# they create .venv when it is missing and install torch and dsrun into it.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# CPU build of torch unless an NVIDIA driver is present (then the default CUDA build).
+TORCH_SPEC := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch" || echo "torch==2.13.0")
+
+.PHONY: install demo test test-quick bench clean
+
+$(VENV)/.installed: pyproject.toml setup.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet -e ".[test]"
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(VENV)/bin/dsrun --num_procs 2 examples/train_gpt.py --config examples/configs/gpt_demo.json
+
+test: install
+	$(PY) -m pytest -q
+
+test-quick: install
+	$(PY) -m pytest -q -m "not slow"
+
+clean:
+	rm -rf $(VENV) build *.egg-info
