@@ -1,0 +1,104 @@
+"""Placement: which global rank runs on which host, slot and device.
+
+Ranks are numbered node-major: node 0 holds global ranks 0..n0-1, node 1 the
+next n1, and so on, in hostfile order. Within a node, local rank i runs on
+the i-th selected slot; with GPUs the slot index is the device index
+(CUDA_VISIBLE_DEVICES lists the node's selected slots).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from rich.console import Console
+from rich.table import Table
+
+
+@dataclass(frozen=True)
+class NodePlacement:
+    """The ranks of one node.
+
+    Attributes:
+        node_rank: index of the node in the job (0 = master node).
+        host: host name as written in the hostfile / Slurm node list.
+        slots: selected slot (device) indices; `slots[i]` serves local rank i.
+        first_rank: global rank of local rank 0.
+    """
+
+    node_rank: int
+    host: str
+    slots: tuple[int, ...]
+    first_rank: int
+
+    @property
+    def local_world_size(self) -> int:
+        return len(self.slots)
+
+    @property
+    def global_ranks(self) -> list[int]:
+        return list(range(self.first_rank, self.first_rank + len(self.slots)))
+
+
+@dataclass(frozen=True)
+class Placement:
+    """All nodes of a job; `world_size` is the total number of ranks."""
+
+    nodes: tuple[NodePlacement, ...]
+
+    @property
+    def world_size(self) -> int:
+        return sum(n.local_world_size for n in self.nodes)
+
+    @property
+    def hosts(self) -> list[str]:
+        return [n.host for n in self.nodes]
+
+
+def build_placement(selection: dict[str, list[int]]) -> Placement:
+    """Number the ranks of a selection (host -> slot indices, in node order).
+
+    Raises:
+        ValueError: the selection is empty or a host has no slot.
+    """
+    if not selection:
+        raise ValueError("placement needs at least one host with one slot")
+    nodes, first = [], 0
+    for node_rank, (host, slots) in enumerate(selection.items()):
+        if not slots:
+            raise ValueError(f"host {host!r} has no slot selected")
+        nodes.append(NodePlacement(node_rank, host, tuple(slots), first))
+        first += len(slots)
+    return Placement(tuple(nodes))
+
+
+def compact_ranges(values: Iterable[int]) -> str:
+    """Write integers compactly: [0, 1, 2, 5, 7, 8] -> '0-2,5,7-8'."""
+    parts: list[str] = []
+    i = 0
+    vals = list(values)
+    while i < len(vals):
+        j = i
+        while j + 1 < len(vals) and vals[j + 1] == vals[j] + 1:
+            j += 1
+        parts.append(str(vals[i]) if i == j else f"{vals[i]}-{vals[j]}")
+        i = j + 1
+    return ",".join(parts)
+
+
+def placement_table(placement: Placement, master_addr: str | None = None) -> Table:
+    """A rich table of the placement, for `--dry_run`."""
+    title = f"dsrun placement: {len(placement.nodes)} node(s), world size {placement.world_size}"
+    if master_addr:
+        title += f", master {master_addr}"
+    table = Table(title=title)
+    for col in ("node rank", "host", "local ranks", "global ranks", "devices"):
+        table.add_column(col)
+    for n in placement.nodes:
+        table.add_row(str(n.node_rank), n.host, compact_ranges(range(n.local_world_size)),
+                      compact_ranges(n.global_ranks), compact_ranges(n.slots))
+    return table
+
+
+def print_placement(placement: Placement, console: Console, master_addr: str | None = None) -> None:
+    """Print the placement table to `console`."""
+    console.print(placement_table(placement, master_addr))
