@@ -1,0 +1,36 @@
+"""ZeRO memory formulas (paper, SC20) and tensor accounting."""
+import pytest
+import torch
+
+from dsrun.runtime.memory import estimate_zero_memory, tensor_breakdown
+
+
+@pytest.mark.parametrize("n", [1, 4, 64])
+def test_paper_formulas_mixed_adam(n):
+    psi = 1024 * 64  # divisible by every n: no padding
+    per = lambda stage: estimate_zero_memory(psi, n, stage, "bf16", grad_accum_dtype="bf16").bytes_per_param()
+    assert per(0) == pytest.approx(16)
+    assert per(1) == pytest.approx(4 + 12 / n)
+    assert per(2) == pytest.approx(2 + 14 / n)
+    assert per(3) == pytest.approx(16 / n)
+
+
+def test_fp32_default_grads_and_padding():
+    est = estimate_zero_memory(10, 4, 2, "fp32")  # padded to 12, shard 3
+    assert est.categories == {"params": {"fp32": 48}, "grads": {"fp32": 12}, "master": {},
+                              "optimizer_states": {"fp32": 24}}
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 1))  # 12 + 4 params
+    est = estimate_zero_memory(model, 3, 1, "bf16", bucket_numel=12)  # buckets 12 and 4 -> 12 + 6
+    assert est.num_params == 16 and est.categories["params"] == {"bf16": 36}
+    assert est.categories["master"] == {"fp32": 6 * 4}
+    with pytest.raises(ValueError, match="stage"):
+        estimate_zero_memory(10, 2, 4)
+    with pytest.raises(ValueError, match="dtype"):
+        estimate_zero_memory(10, 2, 1, "int8")
+
+
+def test_tensor_breakdown_counts_storage_once():
+    flat = torch.zeros(10, dtype=torch.bfloat16)
+    views = [flat[:3], flat[3:7]]
+    out = tensor_breakdown({"params": views + [flat], "grads": [torch.zeros(5), None]})
+    assert out == {"params": {"bf16": 20}, "grads": {"fp32": 20}}
