@@ -1,0 +1,247 @@
+"""Real daemons for the multi-node tests: an OpenSSH server on loopback.
+
+`sshd_cluster` starts Debian's sshd on a free port, listening on 127.0.0.1
+and 127.0.0.2 (both loopback on Linux), with host and client keys generated
+in a temporary directory, and writes an ssh config file that maps the host
+aliases `node-a` -> 127.0.0.1 and `node-b` -> 127.0.0.2. The launcher reads
+that file through `--ssh_config`, so the tests also prove ~/.ssh/config
+handling (HostName, Port, User, IdentityFile, UserKnownHostsFile,
+ProxyJump). Nothing outside loopback is contacted. A daemon that cannot
+start fails the test with its log: these tests are the proof that
+multi-node launch works, they are never skipped.
+"""
+from __future__ import annotations
+
+import os
+import pwd
+import shutil
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.system_packages import ensure_debian_packages
+
+
+def free_port(addr: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((addr, 0))
+        return s.getsockname()[1]
+
+
+def wait_for_port(addr: str, port: int, proc: subprocess.Popen, log: Path, timeout: float = 20.0) -> None:
+    """Wait until `addr:port` accepts connections; fail with the daemon's log otherwise."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"{proc.args[0]} exited with {proc.returncode} before listening:\n{log.read_text()[-3000:]}")
+        try:
+            socket.create_connection((addr, port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.1)
+    pytest.fail(f"{proc.args[0]} did not listen on {addr}:{port} within {timeout}s:\n{log.read_text()[-3000:]}")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def keygen(path: Path) -> Path:
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(path)], check=True)
+    return path
+
+
+@dataclass
+class SshCluster:
+    """A running loopback sshd and the client-side files that reach it."""
+
+    dir: Path
+    port: int
+    ssh_config: Path
+    known_hosts: Path
+    client_key: Path
+    user: str
+    log: Path
+
+    def write_config(self, name: str, extra: str) -> Path:
+        """Another ssh config: the base one plus `extra` (prepended, so it wins)."""
+        path = self.dir / name
+        path.write_text(extra + "\n" + self.ssh_config.read_text())
+        return path
+
+
+@pytest.fixture(scope="session")
+def sshd_cluster(tmp_path_factory) -> SshCluster:
+    ensure_debian_packages("openssh-server", "openssh-client")
+    d = tmp_path_factory.mktemp("sshd")
+    host_key = keygen(d / "ssh_host_ed25519_key")
+    client_key = keygen(d / "id_client")
+    (d / "authorized_keys").write_text((d / "id_client.pub").read_text())
+    os.makedirs("/run/sshd", exist_ok=True)  # sshd's privilege-separation directory
+    port = free_port()
+    user = pwd.getpwuid(os.getuid()).pw_name
+    sshd_cfg = d / "sshd_config"
+    sshd_cfg.write_text(f"""\
+Port {port}
+ListenAddress 127.0.0.1
+ListenAddress 127.0.0.2
+HostKey {host_key}
+PidFile {d}/sshd.pid
+AuthorizedKeysFile {d}/authorized_keys
+PubkeyAuthentication yes
+PasswordAuthentication no
+KbdInteractiveAuthentication no
+UsePAM no
+StrictModes no
+PermitRootLogin prohibit-password
+AllowTcpForwarding yes
+MaxStartups 100
+MaxSessions 50
+LogLevel VERBOSE
+""")
+    known_hosts = d / "known_hosts"
+    ssh_config = d / "ssh_config"
+    ssh_config.write_text("".join(f"""\
+Host {alias}
+    HostName {addr}
+    Port {port}
+    User {user}
+    IdentityFile {client_key}
+    IdentitiesOnly yes
+    UserKnownHostsFile {known_hosts}
+""" for alias, addr in (("node-a", "127.0.0.1"), ("node-b", "127.0.0.2"))))
+    log = d / "sshd.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([shutil.which("sshd") or "/usr/sbin/sshd", "-D", "-e", "-f", str(sshd_cfg)],
+                                stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_for_port("127.0.0.1", port, proc, log)
+        wait_for_port("127.0.0.2", port, proc, log)
+        yield SshCluster(d, port, ssh_config, known_hosts, client_key, user, log)
+    finally:
+        stop(proc)
+
+
+@dataclass
+class SlurmCluster:
+    """A running two-node Slurm (slurmctld + two slurmd + munged) on loopback.
+
+    Both nodes (`n1`, `n2`) are slurmd daemons on this machine with their own
+    ports; Slurm commands reach the cluster with `env` (SLURM_CONF set).
+    """
+
+    dir: Path
+    env: dict[str, str]
+    logs: list[Path]
+
+    def log_tail(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text()[-1500:]}" for p in self.logs if p.exists())
+
+
+def _slurm_conf(d: Path, munge_sock: Path, ports: list[int]) -> str:
+    ctld, slurmd, n1, n2 = ports
+    return f"""\
+ClusterName=dsruntest
+SlurmctldHost=localhost
+SlurmctldPort={ctld}
+SlurmdPort={slurmd}
+AuthType=auth/munge
+AuthInfo=socket={munge_sock}
+CredType=cred/munge
+MpiDefault=none
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SwitchType=switch/none
+ReturnToService=2
+SlurmUser=root
+SlurmdUser=root
+SchedulerType=sched/builtin
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+JobCompType=jobcomp/none
+AccountingStorageType=accounting_storage/none
+JobAcctGatherType=jobacct_gather/none
+MailProg=/bin/true
+StateSaveLocation={d}/state
+SlurmctldPidFile={d}/slurmctld.pid
+SlurmctldLogFile={d}/slurmctld.log
+SlurmdPidFile={d}/slurmd-%n.pid
+SlurmdSpoolDir={d}/spool/%n
+SlurmdLogFile={d}/slurmd-%n.log
+NodeName=n1 NodeHostname=localhost NodeAddr=127.0.0.1 CPUs=2 Port={n1}
+NodeName=n2 NodeHostname=localhost NodeAddr=127.0.0.1 CPUs=2 Port={n2}
+PartitionName=debug Nodes=n[1-2] Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE
+"""
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory) -> SlurmCluster:
+    """Start munged, slurmctld and two slurmd configured in a temporary directory.
+
+    [Note: two Slurm nodes on one machine]
+    Debian's slurmd accepts `-N NODENAME`, so two daemons with their own
+    ports act as nodes n1 and n2 of one cluster; srun then places one task
+    per "node" exactly as on a real cluster. proctrack/linuxproc and
+    task/none avoid cgroups, which the test machine may not delegate.
+    """
+    ensure_debian_packages("slurm-wlm", "munge")
+    d = tmp_path_factory.mktemp("slurm")
+    for sub in ("state", "spool/n1", "spool/n2", "munge"):
+        (d / sub).mkdir(parents=True)
+    (d / "munge").chmod(0o711)
+    key = d / "munge" / "munge.key"
+    key.write_bytes(os.urandom(1024))
+    key.chmod(0o400)
+    sock = d / "munge" / "munge.sock"
+    conf = d / "slurm.conf"
+    conf.write_text(_slurm_conf(d, sock, [free_port() for _ in range(4)]))
+    env = dict(os.environ, SLURM_CONF=str(conf))
+    logs = [d / "munged.log", d / "slurmctld.out", d / "slurmd-n1.out", d / "slurmd-n2.out",
+            d / "slurmctld.log", d / "slurmd-n1.log", d / "slurmd-n2.log"]
+    commands = [
+        ["munged", "-F", "-f", f"--key-file={key}", f"--socket={sock}", f"--pid-file={d}/munge/munged.pid",
+         f"--log-file={d}/munged.log", f"--seed-file={d}/munge/seed"],
+        ["slurmctld", "-D", "-f", str(conf)],
+        ["slurmd", "-D", "-N", "n1", "-f", str(conf)],
+        ["slurmd", "-D", "-N", "n2", "-f", str(conf)],
+    ]
+    procs: list[subprocess.Popen] = []
+    cluster = SlurmCluster(d, env, logs)
+    try:
+        for cmd, out_name in zip(commands, ("munged.out", "slurmctld.out", "slurmd-n1.out", "slurmd-n2.out")):
+            with open(d / out_name, "wb") as out:
+                procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env))
+            if cmd[0] == "munged":
+                _wait_for(lambda: sock.exists(), 10, "munged socket", procs[-1], cluster)
+        _wait_for(lambda: _both_nodes_idle(env), 30, "both slurmd nodes idle in sinfo", None, cluster)
+        yield cluster
+    finally:
+        for p in reversed(procs):
+            stop(p)
+
+
+def _both_nodes_idle(env: dict[str, str]) -> bool:
+    out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], capture_output=True, text=True, env=env)
+    states = dict(line.split() for line in out.stdout.splitlines() if line.strip())
+    return states.get("n1") == "idle" and states.get("n2") == "idle"
+
+
+def _wait_for(check, timeout: float, what: str, proc: subprocess.Popen | None, cluster: SlurmCluster) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            break
+        if check():
+            return
+        time.sleep(0.2)
+    pytest.fail(f"Slurm test cluster: {what} not reached within {timeout}s\n{cluster.log_tail()}")
