@@ -1,0 +1,115 @@
+"""Counting what every collective sends: calls, elements and bytes per op.
+
+Counters are always kept (a dict update per collective, far below the cost
+of any collective), so tests and `engine.comm_stats()` can assert traffic
+whether or not the user enabled DeepSpeed's `comms_logger`. The config only
+decides what is *printed*: `verbose` prints one line per op as it is issued,
+and `log_summary()` prints a table of the ops selected by `prof_all` /
+`prof_ops`.
+
+Byte accounting: the size of the full (unsharded) tensor an op works on --
+the tensor for all_reduce/broadcast, the output for all_gather_into_tensor,
+the input for reduce_scatter_tensor. That is DeepSpeed's "message size",
+so the figures compare directly.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+
+@dataclasses.dataclass
+class OpStats:
+    """Totals for one op name since the last reset.
+
+    Attributes:
+        calls: number of collectives issued.
+        elements: total elements (see module docstring for which tensor).
+        bytes: total bytes = elements * element size.
+        seconds: wall time of synchronous calls (async calls add 0: their
+            cost shows up at wait()).
+    """
+
+    calls: int = 0
+    elements: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+
+
+class CommsLogger:
+    """Per-process collective counters plus optional printing.
+
+    One instance per process (`comms_logger`, below): collectives are
+    process-wide, so are their counts.
+    """
+
+    def __init__(self) -> None:
+        self.enabled = False
+        self.verbose = False
+        self.prof_all = True
+        self.prof_ops: list[str] = []
+        self._stats: dict[str, OpStats] = {}
+        self._console = Console(stderr=True)
+
+    def configure(self, enabled: bool, verbose: bool = False, prof_all: bool = True,
+                  prof_ops: list[str] | None = None) -> None:
+        """Apply DeepSpeed's `comms_logger` section (enabled, verbose, prof_all, prof_ops)."""
+        self.enabled = enabled
+        self.verbose = verbose
+        self.prof_all = prof_all
+        self.prof_ops = list(prof_ops or [])
+
+    def record(self, op: str, tensor: torch.Tensor, seconds: float = 0.0) -> None:
+        """Count one collective `op` over `tensor` (any shape/dtype)."""
+        stats = self._stats.setdefault(op, OpStats())
+        numel = tensor.numel()
+        stats.calls += 1
+        stats.elements += numel
+        stats.bytes += numel * tensor.element_size()
+        stats.seconds += seconds
+        if self.enabled and self.verbose and self._profiled(op):
+            self._console.print(
+                f"[comm] {op}: {numel} x {tensor.dtype} = {numel * tensor.element_size()} B"
+                f" in {seconds * 1e3:.3f} ms")
+
+    def _profiled(self, op: str) -> bool:
+        return self.prof_all or op in self.prof_ops
+
+    def snapshot(self) -> dict[str, OpStats]:
+        """A copy of the counters, keyed by op name."""
+        return {op: dataclasses.replace(s) for op, s in self._stats.items()}
+
+    def reset(self) -> None:
+        """Zero every counter."""
+        self._stats.clear()
+
+    def log_summary(self) -> None:
+        """Print a table of the profiled ops (only when enabled)."""
+        if not self.enabled:
+            return
+        table = Table(title="collectives")
+        for col in ("op", "calls", "MiB", "seconds (sync)"):
+            table.add_column(col, justify="right" if col != "op" else "left")
+        for op, s in sorted(self._stats.items()):
+            if self._profiled(op):
+                table.add_row(op, str(s.calls), f"{s.bytes / 2**20:.2f}", f"{s.seconds:.4f}")
+        self._console.print(table)
+
+
+comms_logger = CommsLogger()
+
+
+class timed:
+    """Context manager measuring wall seconds into `.seconds`."""
+
+    def __enter__(self) -> "timed":
+        self._t0 = time.perf_counter()
+        self.seconds = 0.0
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.seconds = time.perf_counter() - self._t0

@@ -1,0 +1,247 @@
+"""Gradient strategies: how gradients get from autograd to the optimizer step.
+
+`GradientStrategy` is the seam between the engine and the ZeRO stages. The
+engine owns the training loop bookkeeping (micro-steps, accumulation
+boundary, LR scheduler, logging) and never looks at the ZeRO stage; a
+strategy owns everything that depends on it: where gradients live, how they
+are reduced, how the norm is computed and clipped, how the optimizer steps
+and how parameters are brought back in sync. `engine.build_strategy()` is
+the one place that picks a strategy from the config.
+
+`AllReduceStrategy` is stage 0 (plain data parallelism): every rank holds
+all parameters, gradients and optimizer states; gradients are averaged with
+bucketed all-reduces overlapped with backward. See [Note: bucket order].
+"""
+from __future__ import annotations
+
+import abc
+import dataclasses
+
+import torch
+
+from dsrun.runtime import comm
+from dsrun.runtime.dist import Topology
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOutcome:
+    """What an optimizer step did.
+
+    Attributes:
+        grad_norm: global L2 norm of the gradients (all ranks, all
+            parameters, after averaging and unscaling, before clipping);
+            None when the strategy did not compute it (e.g. on overflow).
+        applied: False when the step was skipped (fp16 overflow); the engine
+            then skips the LR scheduler step and counts a skipped step.
+    """
+
+    grad_norm: float | None
+    applied: bool
+
+
+class GradientStrategy(abc.ABC):
+    """The interface every ZeRO stage implements (stage 0: AllReduceStrategy).
+
+    Life cycle of one optimizer step with gradient accumulation steps = G:
+
+    1. G times: the engine runs forward, divides the loss by G, then calls
+       `backward(loss, sync=..., retain_graph=...)`. `sync` is True on the
+       last micro-step (the accumulation boundary) unless the user is inside
+       `engine.no_sync()`. When `backward` returns with sync=True, every
+       rank must hold the averaged gradients (or its partition of them) the
+       next `step` needs. With sync=False a strategy should send nothing;
+       a stage that partitions gradients may still reduce (that is its
+       trade), but must issue the same collectives on every rank.
+    2. Once, at the boundary: `step(max_grad_norm)` computes the global
+       gradient norm, clips when max_grad_norm > 0 (DeepSpeed's
+       `gradient_clipping`, 0 = off), steps `self.optimizer` (unless it
+       must skip, e.g. fp16 overflow) and leaves the module's parameters
+       updated and identical on every rank.
+    3. The engine then calls `zero_grad()`, steps the LR scheduler if the
+       step was applied, and updates its counters.
+
+    Attributes every strategy sets:
+        optimizer: the torch.optim.Optimizer whose `param_groups` the LR
+            scheduler drives and whose `lr` the engine reports. A stage that
+            partitions may rewrite its param_groups to point at partitions.
+        topology: the Topology of this rank.
+
+    Rules: all collectives go through `dsrun.runtime.comm`; every rank must
+    issue the same collectives in the same order whatever its data (no
+    branch on a rank-local value before a collective); no method may hang a
+    rank on bad input -- raise before communicating.
+    """
+
+    optimizer: torch.optim.Optimizer
+    topology: Topology
+
+    @abc.abstractmethod
+    def backward(self, loss: torch.Tensor, *, sync: bool, retain_graph: bool) -> None:
+        """Run autograd for one micro-step on `loss` (a scalar, already divided by G)."""
+
+    @abc.abstractmethod
+    def step(self, max_grad_norm: float) -> StepOutcome:
+        """Clip and apply one optimizer step at the accumulation boundary."""
+
+    @abc.abstractmethod
+    def zero_grad(self) -> None:
+        """Drop the accumulated gradients (set to None where possible)."""
+
+    def state_dict(self) -> dict:
+        """Strategy state to checkpoint (default: the optimizer's state_dict)."""
+        return {"optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what `state_dict` returned."""
+        self.optimizer.load_state_dict(state["optimizer"])
+
+
+@dataclasses.dataclass
+class _Bucket:
+    """Parameters whose gradients travel in one all-reduce.
+
+    `flat` (1-D, numel elements, the parameters' dtype) is allocated once
+    and reused; `ready` holds ids of parameters whose gradient is final for
+    this backward.
+    """
+
+    params: list[torch.nn.Parameter]
+    flat: torch.Tensor
+    ready: set[int] = dataclasses.field(default_factory=set)
+    handle: comm.Handle | None = None
+
+    def is_ready(self) -> bool:
+        return len(self.ready) == len(self.params)
+
+
+def plan_buckets(params: list[torch.nn.Parameter], bucket_size: int) -> list[list[torch.nn.Parameter]]:
+    """Split `params` (in order) into runs of at most `bucket_size` elements of one dtype/device.
+
+    A parameter larger than `bucket_size` gets a bucket of its own.
+
+    Raises:
+        ValueError: bucket_size < 1.
+    """
+    if bucket_size < 1:
+        raise ValueError(f"reduce_bucket_size must be >= 1 element, got {bucket_size}")
+    buckets: list[list[torch.nn.Parameter]] = []
+    current: list[torch.nn.Parameter] = []
+    size = 0
+    for p in params:
+        same_kind = not current or (p.dtype == current[0].dtype and p.device == current[0].device)
+        if current and (size + p.numel() > bucket_size or not same_kind):
+            buckets.append(current)
+            current, size = [], 0
+        current.append(p)
+        size += p.numel()
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+class AllReduceStrategy(GradientStrategy):
+    """ZeRO stage 0: replicated parameters, gradients averaged by bucketed all-reduce.
+
+    [Note: bucket order]
+    Gradients are grouped into flat buckets of at most `bucket_size`
+    elements, in reverse registration order (roughly the order backward
+    produces them). A post-accumulate-grad hook on every parameter marks it
+    ready during a sync backward; when the *next* bucket in order is
+    complete it is copied into its flat buffer and all-reduced
+    asynchronously, so communication overlaps the rest of backward. Buckets
+    are launched strictly in bucket order -- never out of order even when a
+    later bucket fills first -- so every rank issues the same sequence of
+    collectives even when ranks see different data and hooks fire in a
+    different order. Parameters that got no gradient (unused in this
+    forward, or unused on this rank) are given zeros at the end of
+    backward and the remaining buckets are flushed in order; only then do
+    we wait for all handles and write the averages back into `.grad`.
+
+    Args:
+        module: the model (parameters with requires_grad are reduced).
+        optimizer: a torch optimizer over (some of) module's parameters.
+        topology: this rank's Topology.
+        bucket_size: maximum elements per all-reduce (DeepSpeed's
+            `reduce_bucket_size`).
+        group: process group to average over (None = all ranks).
+    """
+
+    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 topology: Topology, bucket_size: int, group=None) -> None:
+        self.optimizer = optimizer
+        self.topology = topology
+        self._group = group
+        self._params = [p for p in module.parameters() if p.requires_grad]
+        self._buckets = [
+            _Bucket(ps, torch.empty(sum(p.numel() for p in ps), dtype=ps[0].dtype,
+                                    device=ps[0].device))
+            for ps in plan_buckets(list(reversed(self._params)), bucket_size)
+        ]
+        self._bucket_of = {id(p): i for i, b in enumerate(self._buckets) for p in b.params}
+        self._next_bucket = 0
+        self._syncing = False
+        self._hook_handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
+                              for p in self._params]
+
+    def backward(self, loss: torch.Tensor, *, sync: bool, retain_graph: bool) -> None:
+        self._syncing = sync
+        try:
+            loss.backward(retain_graph=retain_graph)
+            if sync:
+                self._flush()
+        finally:
+            self._syncing = False
+
+    def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
+        if not self._syncing:
+            return
+        self._buckets[self._bucket_of[id(param)]].ready.add(id(param))
+        self._launch_ready_buckets()
+
+    def _launch_ready_buckets(self) -> None:
+        # See [Note: bucket order]: only ever launch the next bucket in order.
+        while self._next_bucket < len(self._buckets) and self._buckets[self._next_bucket].is_ready():
+            bucket = self._buckets[self._next_bucket]
+            offset = 0
+            for p in bucket.params:
+                n = p.numel()
+                bucket.flat[offset:offset + n].copy_(p.grad.reshape(-1))
+                offset += n
+            bucket.handle = comm.all_reduce(bucket.flat, group=self._group, async_op=True)
+            self._next_bucket += 1
+
+    def _flush(self) -> None:
+        """Zero-fill missing gradients, launch the rest in order, wait, write averages back."""
+        for bucket in self._buckets:
+            for p in bucket.params:
+                if id(p) not in bucket.ready:
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                    bucket.ready.add(id(p))
+        self._launch_ready_buckets()
+        world = comm.get_world_size(self._group)
+        for bucket in self._buckets:
+            bucket.handle.wait()  # blocks until this bucket's sum has arrived
+            bucket.flat.div_(world)
+            offset = 0
+            for p in bucket.params:
+                n = p.numel()
+                p.grad.copy_(bucket.flat[offset:offset + n].view_as(p.grad))
+                offset += n
+            bucket.handle = None
+            bucket.ready.clear()
+        self._next_bucket = 0
+
+    def step(self, max_grad_norm: float) -> StepOutcome:
+        params = [p for p in self._params if p.grad is not None]
+        # Gradients are identical on every rank after the all-reduce, so the
+        # local norm is the global norm: no communication needed.
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
+        if max_grad_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, max_grad_norm, norm)
+        self.optimizer.step()
+        return StepOutcome(grad_norm=float(norm), applied=True)
+
+    def zero_grad(self) -> None:
+        for p in self._params:
+            p.grad = None

@@ -1,0 +1,162 @@
+"""Process-group set-up: who this rank is and how it talks to the others.
+
+`init_distributed()` reads the standard rank variables (RANK, LOCAL_RANK,
+WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), so a script runs the
+same under `dsrun`, `torchrun`, `srun` or as a plain single process, and
+returns a `Topology` that the runtime passes around explicitly.
+
+[Note: single process]
+With no rank variables set, the process is rank 0 of a world of size 1. We
+still create a one-rank process group (backed by an in-memory HashStore, so
+no port is opened) so that every collective in `dsrun.runtime.comm` works
+the same way at any world size; nothing in the runtime branches on
+"is distributed".
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
+
+_RANK_VARS = ("RANK", "WORLD_SIZE")
+
+
+class DistributedSetupError(RuntimeError):
+    """The rank environment is inconsistent or the process group cannot start."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    """Where this rank sits in the job.
+
+    Attributes:
+        rank: global rank, 0 <= rank < world_size.
+        world_size: number of ranks in the default process group.
+        local_rank: rank among the processes on this node.
+        local_world_size: number of ranks on this node.
+        device: the device this rank computes on (cuda:LOCAL_RANK with NCCL,
+            else cpu).
+        backend: torch.distributed backend name ("gloo" or "nccl").
+    """
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_rank_zero(self) -> bool:
+        """True on global rank 0 (the rank that prints and writes summaries)."""
+        return self.rank == 0
+
+
+def _env_int(name: str, default: int | None = None) -> int | None:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise DistributedSetupError(
+            f"environment variable {name}={raw!r} is not an integer; "
+            f"unset it or set it to this process's {name.lower()}") from None
+
+
+def _read_rank_env() -> tuple[int, int, int, int]:
+    """(rank, world_size, local_rank, local_world_size) from the environment.
+
+    Raises:
+        DistributedSetupError: only one of RANK/WORLD_SIZE is set, or the
+            values are out of range.
+    """
+    present = [v for v in _RANK_VARS if os.environ.get(v)]
+    if not present:
+        return 0, 1, 0, 1
+    if len(present) != len(_RANK_VARS):
+        missing = sorted(set(_RANK_VARS) - set(present))
+        raise DistributedSetupError(
+            f"{present[0]} is set but {', '.join(missing)} is not; set both RANK and "
+            "WORLD_SIZE (a launcher such as dsrun or torchrun does this) or neither "
+            "to run as a single process")
+    rank, world_size = _env_int("RANK"), _env_int("WORLD_SIZE")
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise DistributedSetupError(
+            f"RANK={rank} WORLD_SIZE={world_size}: need WORLD_SIZE >= 1 and "
+            "0 <= RANK < WORLD_SIZE")
+    local_rank = _env_int("LOCAL_RANK", rank)
+    local_world_size = _env_int("LOCAL_WORLD_SIZE", _env_int("LOCAL_SIZE", world_size))
+    return rank, world_size, local_rank, local_world_size
+
+
+def _pick_backend(requested: str | None) -> str:
+    if requested is not None:
+        return requested
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def _device_for(backend: str, local_rank: int) -> torch.device:
+    if backend == "nccl":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        return device
+    return torch.device("cpu")
+
+
+def init_distributed(dist_backend: str | None = None,
+                     timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+                     distributed_port: int | None = None) -> Topology:
+    """Start (or join) the default process group and describe this rank.
+
+    Idempotent: when torch.distributed is already initialised (by an earlier
+    call, or by the user's own script), the existing group is described and
+    nothing is re-created.
+
+    Args:
+        dist_backend: "gloo", "nccl", ... ; default nccl when CUDA is
+            available, else gloo.
+        timeout: how long a collective may wait for the other ranks before
+            failing (instead of hanging for ever).
+        distributed_port: used as MASTER_PORT only when the environment sets
+            none (DeepSpeed's `distributed_port` argument).
+
+    Returns:
+        The Topology of this rank. With nccl, the current CUDA device is set
+        to cuda:LOCAL_RANK.
+
+    Raises:
+        DistributedSetupError: inconsistent rank variables, or MASTER_ADDR
+            missing for a multi-rank job.
+    """
+    rank, world_size, local_rank, local_world_size = _read_rank_env()
+    if dist.is_initialized():
+        backend = dist.get_backend()
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        return Topology(rank, world_size, local_rank, local_world_size,
+                        _device_for(backend, local_rank), backend)
+
+    backend = _pick_backend(dist_backend)
+    device = _device_for(backend, local_rank)
+    if world_size == 1 and not os.environ.get("MASTER_ADDR"):
+        # See [Note: single process].
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timeout)
+    else:
+        if not os.environ.get("MASTER_ADDR"):
+            raise DistributedSetupError(
+                f"WORLD_SIZE={world_size} but MASTER_ADDR is not set; set MASTER_ADDR "
+                "and MASTER_PORT to rank 0's address (dsrun and torchrun do this)")
+        if not os.environ.get("MASTER_PORT"):
+            if distributed_port is None:
+                raise DistributedSetupError(
+                    "MASTER_PORT is not set; set it to a free port on rank 0's host")
+            os.environ["MASTER_PORT"] = str(distributed_port)
+        dist.init_process_group(backend, init_method="env://", rank=rank,
+                                world_size=world_size, timeout=timeout)
+    return Topology(rank, world_size, local_rank, local_world_size, device, backend)

@@ -1,0 +1,210 @@
+"""The training engine: DeepSpeed's engine API over a pluggable gradient strategy.
+
+The engine keeps the loop's bookkeeping -- micro-steps, the gradient
+accumulation boundary, `no_sync`, the LR scheduler, step counters and the
+progress log -- and delegates everything that depends on the ZeRO stage or
+the precision to its `GradientStrategy` (see data_parallel.py). It never
+branches on the stage; `build_strategy` is the one place that does.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+
+from dsrun.runtime.comm import OpStats, comms_logger
+from dsrun.runtime.config import ConfigError, DsConfig
+from dsrun.runtime.data_parallel import AllReduceStrategy, GradientStrategy
+from dsrun.runtime.dist import Topology
+from dsrun.runtime.logging import ProgressLog
+
+
+def build_strategy(cfg: DsConfig, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                   topology: Topology) -> GradientStrategy:
+    """The GradientStrategy for `cfg.zero_optimization.stage` (the only stage switch).
+
+    Raises:
+        ConfigError: a stage this build does not provide.
+    """
+    stage = cfg.zero_optimization.stage
+    if stage == 0:
+        return AllReduceStrategy(module, optimizer, topology,
+                                 bucket_size=int(cfg.zero_optimization.reduce_bucket_size))
+    raise ConfigError(f"zero_optimization.stage: stage {stage} is not available in this build; "
+                      "use stage 0")
+
+
+class Engine(torch.nn.Module):
+    """Wraps a model for data-parallel training (DeepSpeed's DeepSpeedEngine API).
+
+    Use: `loss = engine(batch)...; engine.backward(loss); engine.step()` once
+    per micro-batch. `step()` applies the optimizer only at the gradient
+    accumulation boundary (every `gradient_accumulation_steps()` calls) and
+    then zeroes gradients itself, as DeepSpeed does.
+
+    Args:
+        module: the model (already on `topology.device`, same weights on
+            every rank).
+        strategy: how gradients are reduced and the optimizer stepped.
+        lr_scheduler: object with step()/get_last_lr() (or None), driving
+            `strategy.optimizer`.
+        config: the resolved DsConfig.
+        topology: this rank's Topology.
+
+    Attributes:
+        module, optimizer, lr_scheduler, global_steps (optimizer steps
+        attempted), global_samples (samples consumed by those steps),
+        skipped_steps (steps skipped on overflow), micro_steps.
+    """
+
+    def __init__(self, module: torch.nn.Module, strategy: GradientStrategy,
+                 lr_scheduler: Any, config: DsConfig, topology: Topology) -> None:
+        super().__init__()
+        self.module = module
+        self.strategy = strategy
+        self.optimizer = strategy.optimizer
+        self.lr_scheduler = lr_scheduler
+        self.config = config
+        self.topology = topology
+        self.global_steps = 0
+        self.global_samples = 0
+        self.skipped_steps = 0
+        self.micro_steps = 0
+        self._boundary_override: bool | None = None
+        self._in_no_sync = False
+        self._grad_norm: float | None = None
+        self._step_applied = False
+        self._progress = ProgressLog(topology, config.steps_per_print)
+
+    # -- DeepSpeed compatibility: identity of this rank ------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.topology.device
+
+    @property
+    def global_rank(self) -> int:
+        return self.topology.rank
+
+    @property
+    def local_rank(self) -> int:
+        return self.topology.local_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.topology.world_size
+
+    # -- batch arithmetic ------------------------------------------------------------------
+    def train_batch_size(self) -> int:
+        """Samples per optimizer step over all ranks."""
+        return self.config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        """Samples per forward on one rank."""
+        return self.config.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        """Micro-steps per optimizer step."""
+        return self.config.gradient_accumulation_steps
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """True when the current micro-step is the last before an optimizer step."""
+        if self._boundary_override is not None:
+            return self._boundary_override
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
+        """Force the boundary decision (None restores the micro-step count rule)."""
+        self._boundary_override = is_boundary
+
+    # -- the step --------------------------------------------------------------------------
+    def forward(self, *inputs, **kwargs):
+        """Run the wrapped module's forward."""
+        return self.module(*inputs, **kwargs)
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False,
+                 scale_wrt_gas: bool = True) -> torch.Tensor:
+        """Backward for one micro-batch; gradients are reduced at the boundary.
+
+        Args:
+            loss: scalar loss of this micro-batch.
+            retain_graph: passed to autograd.
+            scale_wrt_gas: divide the loss by gradient_accumulation_steps so
+                accumulated gradients are a mean over the whole batch.
+
+        Returns:
+            The loss that autograd ran on (divided by G when scale_wrt_gas).
+        """
+        if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
+            loss = loss / self.gradient_accumulation_steps()
+        sync = self.is_gradient_accumulation_boundary() and not self._in_no_sync
+        self.strategy.backward(loss, sync=sync, retain_graph=retain_graph)
+        return loss
+
+    def step(self) -> None:
+        """End one micro-step; at the boundary: clip, optimizer step, LR step, zero grads.
+
+        Raises:
+            RuntimeError: called inside `no_sync()` at the boundary (the
+                gradients would be stale on other ranks).
+        """
+        self._step_applied = False
+        if self.is_gradient_accumulation_boundary():
+            if self._in_no_sync:
+                raise RuntimeError(
+                    "engine.step() at a gradient accumulation boundary inside engine.no_sync(): "
+                    "gradients were not reduced; leave no_sync() for the last micro-step")
+            outcome = self.strategy.step(self.config.gradient_clipping)
+            self._grad_norm = outcome.grad_norm
+            self._step_applied = outcome.applied
+            if outcome.applied:
+                if self.lr_scheduler is not None:
+                    self.lr_scheduler.step()
+            else:
+                self.skipped_steps += 1
+            self.strategy.zero_grad()
+            self.global_steps += 1
+            self.global_samples += self.train_batch_size()
+            self._progress.after_step(self.global_steps, self.skipped_steps,
+                                      self.global_samples, self.get_lr(), self.get_mom())
+        self.micro_steps += 1
+
+    def zero_grad(self) -> None:
+        """Drop accumulated gradients."""
+        self.strategy.zero_grad()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate locally and send nothing.
+
+        Raises:
+            RuntimeError: nested no_sync().
+        """
+        if self._in_no_sync:
+            raise RuntimeError("engine.no_sync() is already active; do not nest it")
+        self._in_no_sync = True
+        try:
+            yield
+        finally:
+            self._in_no_sync = False
+
+    # -- queries -----------------------------------------------------------------------------
+    def get_lr(self) -> list[float]:
+        """Current learning rate of each optimizer parameter group."""
+        return [float(g["lr"]) for g in self.optimizer.param_groups]
+
+    def get_mom(self) -> list:
+        """Momentum of each group: Adam-style `betas` or SGD `momentum` (None if neither)."""
+        return [g.get("betas", g.get("momentum")) for g in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        """L2 norm of all gradients at the last optimizer step, before clipping."""
+        return self._grad_norm
+
+    def was_step_applied(self) -> bool:
+        """Whether the last `step()` call updated the parameters."""
+        return self._step_applied
+
+    def comm_stats(self) -> dict[str, OpStats]:
+        """Collective counters of this process (calls/elements/bytes per op name)."""
+        return comms_logger.snapshot()
