@@ -73,10 +73,25 @@ class SshCluster:
     user: str
     log: Path
 
-    def write_config(self, name: str, extra: str) -> Path:
-        """Another ssh config: the base one plus `extra` (prepended, so it wins)."""
+    def write_config(self, name: str, hosts: dict[str, str] | None = None, *, port: int | None = None,
+                     identity: Path | None = None, known_hosts: Path | None = None, extra: str = "") -> Path:
+        """Write an ssh config `name` in the cluster dir and return its path.
+
+        Args:
+            hosts: alias -> address (default node-a -> 127.0.0.1, node-b -> 127.0.0.2).
+            port, identity, known_hosts: override the working values.
+            extra: lines added to every Host block (e.g. "ProxyJump node-a").
+        """
+        hosts = hosts or {"node-a": "127.0.0.1", "node-b": "127.0.0.2"}
+        blocks = []
+        for alias, addr in hosts.items():
+            blocks.append(
+                f"Host {alias}\n    HostName {addr}\n    Port {port or self.port}\n    User {self.user}\n"
+                f"    IdentityFile {identity or self.client_key}\n    IdentitiesOnly yes\n"
+                f"    UserKnownHostsFile {known_hosts or self.known_hosts}\n" + "".join(f"    {x}\n" for x in extra.splitlines())
+            )
         path = self.dir / name
-        path.write_text(extra + "\n" + self.ssh_config.read_text())
+        path.write_text("".join(blocks))
         return path
 
 
@@ -110,16 +125,6 @@ MaxSessions 50
 LogLevel VERBOSE
 """)
     known_hosts = d / "known_hosts"
-    ssh_config = d / "ssh_config"
-    ssh_config.write_text("".join(f"""\
-Host {alias}
-    HostName {addr}
-    Port {port}
-    User {user}
-    IdentityFile {client_key}
-    IdentitiesOnly yes
-    UserKnownHostsFile {known_hosts}
-""" for alias, addr in (("node-a", "127.0.0.1"), ("node-b", "127.0.0.2"))))
     log = d / "sshd.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen([shutil.which("sshd") or "/usr/sbin/sshd", "-D", "-e", "-f", str(sshd_cfg)],
@@ -127,7 +132,9 @@ Host {alias}
     try:
         wait_for_port("127.0.0.1", port, proc, log)
         wait_for_port("127.0.0.2", port, proc, log)
-        yield SshCluster(d, port, ssh_config, known_hosts, client_key, user, log)
+        cluster = SshCluster(d, port, d / "ssh_config", known_hosts, client_key, user, log)
+        cluster.write_config("ssh_config")
+        yield cluster
     finally:
         stop(proc)
 

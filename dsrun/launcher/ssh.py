@@ -1,0 +1,377 @@
+"""Reaching nodes over SSH with paramiko (no pdsh, no ssh binary).
+
+`connect_all` opens one SSH connection per host, in parallel, before any
+rank starts; if any host cannot be resolved, reached, verified or
+authenticated, it raises `SshConnectError` carrying a per-host table of what
+failed, and the job never starts anywhere. `start_agent` then runs the node
+agent (`python -m dsrun.launcher.agent`) over each connection, in the same
+working directory with the same Python as the head unless overridden.
+
+[Note: what crosses the SSH channel]
+The remote command line is only `cd CWD && exec PYTHON -m dsrun.launcher.agent`.
+The job description, including every propagated environment variable, is
+written as one JSON line to the channel's stdin, so no value ever appears
+in a command line (visible in `ps` on the node and in sshd logs) or in
+dsrun's output. The channel's stdin stays open for the whole job: when the
+head dies or the connection drops, sshd closes the agent's stdin, and the
+agent kills its ranks on EOF. So no rank outlives its connection.
+
+ssh config (default ~/.ssh/config, or `--ssh_config PATH`): HostName, User,
+Port, IdentityFile, IdentitiesOnly, ConnectTimeout, UserKnownHostsFile,
+ProxyJump (one or more hops, each resolved through the same config) and
+ProxyCommand are honoured. Host keys: `strict` refuses hosts missing from
+known_hosts; `accept-new` (OpenSSH's default and ours) adds unknown hosts
+to known_hosts after every connection succeeded. A *changed* host key is
+refused under both policies.
+"""
+from __future__ import annotations
+
+import enum
+import os
+import shlex
+import socket
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import paramiko
+from rich.table import Table
+
+AGENT_MODULE = "dsrun.launcher.agent"
+DEFAULT_CONNECT_TIMEOUT = 10.0
+
+
+class HostKeyPolicy(str, enum.Enum):
+    """What to do with a host whose key is not in known_hosts."""
+
+    STRICT = "strict"
+    ACCEPT_NEW = "accept-new"
+
+
+@dataclass(frozen=True)
+class SshTarget:
+    """Where and how to reach one host, after applying the ssh config.
+
+    Attributes:
+        alias: the name as written in the hostfile.
+        hostname: the address or name actually connected to (HostName).
+        port: TCP port (Port, default 22).
+        user: login name (User, default the local user).
+        identity_files: private keys to offer (IdentityFile).
+        identities_only: offer only `identity_files` (no agent, no ~/.ssh/id_*).
+        known_hosts: known_hosts file to check and extend.
+        proxy_jump: jump hosts, outermost first (ProxyJump).
+        proxy_command: command whose stdio carries the connection (ProxyCommand).
+        timeout: connect timeout in seconds (ConnectTimeout).
+    """
+
+    alias: str
+    hostname: str
+    port: int
+    user: str
+    identity_files: tuple[str, ...]
+    identities_only: bool
+    known_hosts: Path
+    proxy_jump: tuple[str, ...] = ()
+    proxy_command: str | None = None
+    timeout: float = DEFAULT_CONNECT_TIMEOUT
+
+
+def load_ssh_config(path: str | Path | None) -> paramiko.SSHConfig:
+    """Read an ssh config file; `path=None` means ~/.ssh/config if it exists.
+
+    Raises:
+        FileNotFoundError: `path` was given explicitly and does not exist.
+    """
+    if path is None:
+        default = Path.home() / ".ssh" / "config"
+        return paramiko.SSHConfig.from_path(str(default)) if default.is_file() else paramiko.SSHConfig()
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise FileNotFoundError(f"ssh config {str(p)!r} (given with --ssh_config) does not exist")
+    return paramiko.SSHConfig.from_path(str(p))
+
+
+def resolve_target(host: str, config: paramiko.SSHConfig) -> SshTarget:
+    """Apply the ssh config to `host` (which may be `user@host:port`, as in ProxyJump)."""
+    user, _, rest = host.rpartition("@")
+    name, _, port = rest.partition(":")
+    entry = config.lookup(name)
+    known = entry.get("userknownhostsfile", "~/.ssh/known_hosts").split()[0]
+    jumps = entry.get("proxyjump")
+    return SshTarget(
+        alias=host,
+        hostname=entry.get("hostname", name),
+        port=int(port or entry.get("port", 22)),
+        user=user or entry.get("user") or _local_user(),
+        identity_files=tuple(os.path.expanduser(f) for f in entry.get("identityfile", [])),
+        identities_only=entry.get("identitiesonly", "no").lower() == "yes",
+        known_hosts=Path(os.path.expanduser(known)),
+        proxy_jump=tuple(j.strip() for j in jumps.split(",")) if jumps and jumps.lower() != "none" else (),
+        proxy_command=entry.get("proxycommand") if entry.get("proxycommand", "none").lower() != "none" else None,
+        timeout=float(entry.get("connecttimeout", DEFAULT_CONNECT_TIMEOUT)),
+    )
+
+
+def _local_user() -> str:
+    import getpass
+    return getpass.getuser()
+
+
+class _RecordNewKeys(paramiko.MissingHostKeyPolicy):
+    """accept-new: accept an unknown host and remember its key for known_hosts."""
+
+    def __init__(self, sink: list[tuple[Path, str, paramiko.PKey]], known_hosts: Path, lock: threading.Lock):
+        self._sink, self._known_hosts, self._lock = sink, known_hosts, lock
+
+    def missing_host_key(self, client, hostname, key):
+        with self._lock:
+            self._sink.append((self._known_hosts, hostname, key))
+
+
+class _RefuseUnknown(paramiko.MissingHostKeyPolicy):
+    def missing_host_key(self, client, hostname, key):
+        raise paramiko.SSHException(
+            f"host key for {hostname} is not in known_hosts and --ssh_host_key_policy is strict; "
+            f"add it (ssh-keyscan) or use --ssh_host_key_policy accept-new")
+
+
+@dataclass
+class _Connector:
+    config: paramiko.SSHConfig
+    policy: HostKeyPolicy
+    new_keys: list[tuple[Path, str, paramiko.PKey]] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def connect(self, target: SshTarget, depth: int = 0) -> tuple[paramiko.SSHClient, list[paramiko.SSHClient]]:
+        """Connect to `target` through its jump hosts.
+
+        Returns the target's client and the jump hosts' clients, which must
+        stay open as long as the target's connection is used.
+        """
+        if depth > 8:
+            raise paramiko.SSHException("ProxyJump chain deeper than 8 hops; is there a loop in the ssh config?")
+        jumps: list[paramiko.SSHClient] = []
+        for hop in target.proxy_jump:
+            hop_target = resolve_target(hop, self.config)
+            if not jumps:  # the first hop is reached the way its own config says
+                client, outer = self.connect(hop_target, depth + 1)
+                jumps += outer
+            else:  # later hops are reached through the previous one
+                client = self._connect_one(hop_target, _tunnel(jumps[-1], hop_target))
+            jumps.append(client)
+        if jumps:
+            sock = _tunnel(jumps[-1], target)
+        elif target.proxy_command:
+            sock = paramiko.ProxyCommand(target.proxy_command)
+        else:
+            sock = None
+        return self._connect_one(target, sock), jumps
+
+    def _connect_one(self, target: SshTarget, sock) -> paramiko.SSHClient:
+        client = paramiko.SSHClient()
+        if target.known_hosts.is_file():
+            client.load_host_keys(str(target.known_hosts))
+        if self.policy is HostKeyPolicy.STRICT:
+            client.set_missing_host_key_policy(_RefuseUnknown())
+        else:
+            client.set_missing_host_key_policy(_RecordNewKeys(self.new_keys, target.known_hosts, self.lock))
+        client.connect(
+            target.hostname, port=target.port, username=target.user,
+            key_filename=list(target.identity_files) or None,
+            look_for_keys=not target.identities_only, allow_agent=not target.identities_only,
+            timeout=target.timeout, banner_timeout=target.timeout, auth_timeout=target.timeout,
+            sock=sock,
+        )
+        client.get_transport().set_keepalive(15)  # notice a dead link while the job runs
+        return client
+
+    def save_new_keys(self) -> None:
+        """Append the keys accepted under accept-new to their known_hosts files."""
+        for path, hostname, key in self.new_keys:
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            with open(path, "a") as f:
+                f.write(f"{hostname} {key.get_name()} {key.get_base64()}\n")
+
+
+def _tunnel(via: paramiko.SSHClient, target: SshTarget) -> paramiko.Channel:
+    """A direct-tcpip channel from jump host `via` to the target (what `ssh -J` does)."""
+    return via.get_transport().open_channel("direct-tcpip", (target.hostname, target.port), ("127.0.0.1", 0))
+
+
+@dataclass
+class Connection:
+    """An open SSH connection to one node (plus the jump hosts it goes through)."""
+
+    target: SshTarget
+    client: paramiko.SSHClient
+    jumps: list[paramiko.SSHClient]
+
+    def run(self, command: str, timeout: float) -> tuple[int, str]:
+        """Run a short command on the node; returns (exit status, stdout+stderr text)."""
+        chan = self.client.get_transport().open_session(timeout=timeout)
+        chan.settimeout(timeout)
+        chan.set_combine_stderr(True)
+        chan.exec_command(command)
+        out = b""
+        try:
+            while chunk := chan.recv(65536):
+                out += chunk
+            status = chan.recv_exit_status()
+        except socket.timeout:
+            status, out = 124, out + f"\n(no answer within {timeout}s)".encode()
+        finally:
+            chan.close()
+        return status, out.decode(errors="replace").strip()
+
+    def close(self) -> None:
+        self.client.close()
+        for jump in reversed(self.jumps):
+            jump.close()
+
+
+class SshConnectError(RuntimeError):
+    """One or more hosts could not be used; nothing was started anywhere.
+
+    Attributes:
+        failures: host alias -> what went wrong and how to fix it.
+        targets: host alias -> the resolved target (address, port, user).
+    """
+
+    def __init__(self, failures: dict[str, str], targets: dict[str, SshTarget], stage: str):
+        self.failures, self.targets, self.stage = failures, targets, stage
+        lines = [f"  {h} ({_where(targets[h])}): {why}" for h, why in failures.items()]
+        super().__init__(f"{stage} failed on {len(failures)} host(s); no rank was started:\n" + "\n".join(lines))
+
+    def table(self) -> Table:
+        """The failures as a rich table (host, address, reason)."""
+        table = Table(title=f"dsrun: {self.stage} failed; no rank was started")
+        for col in ("host", "address", "problem"):
+            table.add_column(col, overflow="fold")
+        for host, why in self.failures.items():
+            table.add_row(host, _where(self.targets[host]), why)
+        return table
+
+
+def _where(t: SshTarget) -> str:
+    via = f" via {','.join(t.proxy_jump)}" if t.proxy_jump else ""
+    return f"{t.user}@{t.hostname}:{t.port}{via}"
+
+
+def explain_connect_error(exc: BaseException, target: SshTarget) -> str:
+    """A one-line reason for a failed connection, with the likely fix."""
+    addr = f"{target.hostname}:{target.port}"
+    if isinstance(exc, socket.gaierror):
+        return f"cannot resolve host name {target.hostname!r} ({exc.strerror}); check the hostfile or HostName in the ssh config"
+    if isinstance(exc, paramiko.ssh_exception.NoValidConnectionsError) or isinstance(exc, ConnectionRefusedError):
+        return f"connection refused at {addr}; is sshd running there, and is Port right in the ssh config?"
+    if isinstance(exc, (socket.timeout, TimeoutError)):
+        return f"no answer from {addr} within {target.timeout:g}s (host down or firewalled?)"
+    if isinstance(exc, paramiko.BadHostKeyException):
+        return (f"host key CHANGED for {exc.hostname} (known_hosts: {target.known_hosts}); if the host was "
+                f"reinstalled, remove the old entry with ssh-keygen -R, otherwise do not connect")
+    if isinstance(exc, paramiko.AuthenticationException):
+        keys = ", ".join(target.identity_files) or "ssh-agent and ~/.ssh/id_*"
+        return f"authentication failed for user {target.user!r} (keys offered: {keys}); check IdentityFile/User"
+    if isinstance(exc, paramiko.SSHException):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"
+
+
+def connect_all(hosts: list[str], config: paramiko.SSHConfig, policy: HostKeyPolicy,
+                preflight: str | None = None, preflight_hint: str = "") -> dict[str, Connection]:
+    """Connect to every host in parallel and optionally run a check command on each.
+
+    Args:
+        hosts: host aliases (hostfile names), in node order.
+        config: the ssh config to resolve them with.
+        policy: host key policy (see `HostKeyPolicy`).
+        preflight: a shell command run on each node after connecting; a
+            non-zero exit counts as a failure of that host (its output and
+            `preflight_hint` become the reason).
+
+    Returns:
+        alias -> open Connection, in `hosts` order. New host keys are written
+        to known_hosts only when every host succeeded.
+
+    Raises:
+        SshConnectError: with the reason for every host that failed; all
+            connections that did open are closed again.
+    """
+    targets = {h: resolve_target(h, config) for h in hosts}
+    connector = _Connector(config, policy)
+
+    def one(host: str) -> Connection | str:
+        target = targets[host]
+        try:
+            client, jumps = connector.connect(target)
+        except Exception as exc:  # every failure becomes a row of the table
+            return explain_connect_error(exc, target)
+        conn = Connection(target, client, jumps)
+        if preflight is not None:
+            status, out = conn.run(preflight, timeout=max(target.timeout, 30.0))
+            if status != 0:
+                conn.close()
+                return f"{preflight_hint} (exit {status}: {out[-300:] or 'no output'})"
+        return conn
+
+    with ThreadPoolExecutor(max_workers=min(32, len(hosts))) as pool:
+        results = dict(zip(hosts, pool.map(one, hosts)))
+    failures = {h: r for h, r in results.items() if isinstance(r, str)}
+    if failures:
+        for r in results.values():
+            if isinstance(r, Connection):
+                r.close()
+        raise SshConnectError(failures, targets, "connecting over SSH")
+    connector.save_new_keys()
+    return results  # type: ignore[return-value]
+
+
+def agent_command(python: str, cwd: str) -> str:
+    """The remote command line: no job data, no environment values (see [Note: what crosses the SSH channel])."""
+    return f"cd {shlex.quote(cwd)} && exec {shlex.quote(python)} -m {AGENT_MODULE}"
+
+
+def preflight_command(python: str, cwd: str) -> str:
+    """A check that the node has the working directory, the Python and dsrun's agent."""
+    return f"cd {shlex.quote(cwd)} && {shlex.quote(python)} -c 'import {AGENT_MODULE}'"
+
+
+_PORT_PROBE = (
+    "import socket,sys\n"
+    "for p in sys.argv[1:]:\n"
+    "    s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+    "    try: s.bind(('', int(p)))\n"
+    "    except OSError: continue\n"
+    "    finally: s.close()\n"
+    "    print(p); break\n"
+)
+
+_REACH_PROBE = "import socket,sys; socket.create_connection((sys.argv[1], int(sys.argv[2])), 5).close()"
+
+
+def free_port_on(conn: Connection, python: str, candidates: list[int]) -> int | None:
+    """The first of `candidates` that can be bound on the node, or None if none can."""
+    status, out = conn.run(f"{shlex.quote(python)} -c {shlex.quote(_PORT_PROBE)} " + " ".join(map(str, candidates)),
+                           timeout=30)
+    return int(out.split()[-1]) if status == 0 and out.strip() else None
+
+
+def check_master_reachable(conns: dict[str, Connection], python: str, addr: str, port: int) -> None:
+    """Check that every node can open a TCP connection to `addr:port`, in parallel.
+
+    `port` is a port known to listen on the master node (its sshd), so a
+    failure means the address is wrong as seen from that node.
+
+    Raises:
+        SshConnectError: per node that cannot reach the address.
+    """
+    cmd = f"{shlex.quote(python)} -c {shlex.quote(_REACH_PROBE)} {shlex.quote(addr)} {port}"
+    with ThreadPoolExecutor(max_workers=min(32, len(conns))) as pool:
+        results = dict(zip(conns, pool.map(lambda c: c.run(cmd, timeout=30), conns.values())))
+    failures = {h: f"cannot reach master address {addr} (tried TCP port {port}): {out.splitlines()[-1] if out else ''}; "
+                   "pass --master_addr with an address all nodes can reach"
+                for h, (status, out) in results.items() if status != 0}
+    if failures:
+        raise SshConnectError(failures, {h: c.target for h, c in conns.items()}, "checking the master address")
