@@ -1,0 +1,358 @@
+"""The per-node agent: starts one node's ranks, streams their output, tears down on failure.
+
+Run as ``python -m dsrun.launcher.agent``. It reads a `NodeJob` as one JSON
+line on stdin, then keeps reading stdin for control lines from the head
+(see `control_line`). Its exit status is the failing rank's (128+N for a
+signal N), 128+N when stopped by signal N, 129 when stdin reached EOF (the
+head or the SSH channel went away), 0 only if every rank exited 0.
+
+[Note: agent process tree]
+Each rank is the leader of its own session (start_new_session), so a
+terminal's Ctrl-C reaches only the head, which decides what to forward, and
+so the agent can signal a rank together with everything the rank spawned
+(dataloader workers, compilers) with one killpg. Ranks get
+PR_SET_PDEATHSIG=SIGKILL: if the agent itself is SIGKILLed, the kernel kills
+the ranks, so nothing is orphaned even then. PDEATHSIG fires when the
+*thread* that forked the child exits, so ranks are spawned from the main
+thread, which lives as long as the agent; and they are all spawned before
+any helper thread starts, because preexec_fn is not safe to run while other
+threads may hold locks.
+Processes are only ever signalled by process group id, never by name. When
+a rank's leader has exited, its group is killed once more to reap anything
+it left behind; Linux does not reuse a pid while a group of that id still
+has members, so this cannot hit an unrelated process group.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import BinaryIO
+
+from pydantic import ValidationError
+
+from dsrun.launcher.env import rank_argv, rank_process_env
+from dsrun.launcher.failure import RankFailure, StderrTail, exit_status, signal_name
+from dsrun.launcher.job import NodeJob
+
+_PR_SET_PDEATHSIG = 1
+# Loaded in the parent: the child between fork and exec must not dlopen.
+_LIBC = ctypes.CDLL(None, use_errno=True)
+# How often the watch loop polls the ranks, seconds.
+_POLL_S = 0.05
+# How long to wait for a rank's output pipes to drain after it exited, seconds.
+_DRAIN_S = 2.0
+# Exit status when stdin reached EOF: like a SIGHUP ("the controlling side hung up").
+EOF_EXIT = 128 + signal.SIGHUP
+
+
+def control_line(signum: int | None = None, *, kill: bool = False) -> bytes:
+    """A control line for an agent's stdin.
+
+    ``control_line(signal.SIGINT)`` asks the agent to forward SIGINT to its
+    ranks and SIGKILL them after the job's grace period;
+    ``control_line(kill=True)`` asks it to SIGKILL them now.
+    """
+    message = {"kill": True} if kill else {"signal": signal.Signals(signum).name}
+    return (json.dumps(message) + "\n").encode()
+
+
+def _pdeathsig_setup(agent_pid: int):
+    """preexec_fn for a rank: die with SIGKILL when the agent dies (see [Note: agent process tree])."""
+
+    def setup() -> None:
+        if _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            os._exit(126)
+        # The agent may have died between fork and prctl; then no signal will come.
+        if os.getppid() != agent_pid:
+            os._exit(126)
+
+    return setup
+
+
+class _LineReader:
+    """Lines from a file descriptor, read with os.read.
+
+    Not a buffered file object: the control thread blocks in a read until
+    the head goes away, and a daemon thread blocked inside a BufferedReader
+    aborts the interpreter at shutdown; an os.read holds no Python lock.
+    """
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+        self._pending = b""
+
+    def readline(self) -> bytes:
+        """The next line including its newline; b"" at EOF."""
+        while b"\n" not in self._pending:
+            chunk = os.read(self._fd, 65536)
+            if not chunk:
+                line, self._pending = self._pending, b""
+                return line
+            self._pending += chunk
+        line, _, self._pending = self._pending.partition(b"\n")
+        return line + b"\n"
+
+
+class _Rank:
+    """One started rank process and what is captured from it."""
+
+    def __init__(self, index: int, rank: int, local_rank: int, log: BinaryIO | None) -> None:
+        self.index = index
+        self.rank = rank
+        self.local_rank = local_rank
+        self.log = log
+        self.log_lock = threading.Lock()
+        self.tail = StderrTail()
+        self.popen: subprocess.Popen | None = None
+        self.returncode: int | None = None
+        self.pumps: list[threading.Thread] = []
+
+    def signal_group(self, signum: int) -> None:
+        """Send `signum` to the rank's process group; a group that is gone is fine."""
+        try:
+            os.killpg(self.popen.pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+class Agent:
+    """Runs the ranks of one `NodeJob` until they all exit; see the module docstring."""
+
+    def __init__(self, job: NodeJob, stdin: _LineReader, stdout: BinaryIO, stderr: BinaryIO) -> None:
+        self.job = job
+        self._stdin = stdin
+        self._out = stdout
+        self._err = stderr
+        self._out_lock = threading.Lock()
+        self._events: queue.SimpleQueue = queue.SimpleQueue()  # put() is safe in signal handlers
+        self._ranks: list[_Rank] = []
+        self._failures: list[RankFailure] = []
+        self._stopping = False
+        self._external_status: int | None = None
+        self._kill_at: float | None = None
+
+    # ---- start -------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Start the ranks, watch them, tear down; returns the agent's exit status."""
+        self._spawn_all()
+        for rank in self._ranks:
+            self._start_pumps(rank)
+        threading.Thread(target=self._read_control, daemon=True, name="agent-stdin").start()
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(signum, lambda s, _f: self._events.put(("signal", s)))
+        self._watch()
+        for rank in self._ranks:
+            if rank.log is not None:
+                rank.log.close()
+        return self._exit_status()
+
+    def _spawn_all(self) -> None:
+        # Open every log before starting any rank, so a bad log_dir stops the job early.
+        logs: list[BinaryIO | None] = [None] * len(self.job.ranks)
+        if self.job.log_dir:
+            log_dir = Path(self.job.log_dir)
+            log_dir.mkdir(parents=True, exist_ok=True)
+            logs = [open(log_dir / f"rank_{r}.log", "wb") for r in self.job.ranks]
+        for index, (rank_id, local_rank, log) in enumerate(zip(self.job.ranks, self.job.local_ranks, logs)):
+            rank = _Rank(index, rank_id, local_rank, log)
+            try:
+                rank.popen = _popen(
+                    rank_argv(self.job, index),
+                    cwd=self.job.cwd,
+                    env=rank_process_env(self.job, index, dict(os.environ)),
+                    preexec_fn=_pdeathsig_setup(os.getpid()),
+                )
+            except OSError as exc:
+                # A bad interpreter path or cwd: report it like a rank failure.
+                code = 127 if isinstance(exc, FileNotFoundError) else 126
+                rank.tail.add(f"dsrun agent: cannot start rank {rank_id}: {exc}")
+                self._failures.append(self._record(rank, None, code, None))
+                self._emit_record(self._failures[-1])
+                for unused in logs[index:]:
+                    if unused is not None:
+                        unused.close()
+                self._begin_stop(signal.SIGTERM)
+                return
+            self._ranks.append(rank)
+
+    def _start_pumps(self, rank: _Rank) -> None:
+        for pipe, sink, keep_tail in ((rank.popen.stdout, self._out, False), (rank.popen.stderr, self._err, True)):
+            thread = threading.Thread(
+                target=self._pump, args=(rank, pipe, sink, keep_tail), daemon=True, name=f"pump-{rank.rank}"
+            )
+            thread.start()
+            rank.pumps.append(thread)
+
+    # ---- output ------------------------------------------------------------------------
+
+    def _pump(self, rank: _Rank, pipe: BinaryIO, sink: BinaryIO, keep_tail: bool) -> None:
+        """Copy a rank's pipe line by line to `sink` with a ``[rank N]`` prefix, the log and the tail."""
+        prefix = f"[rank {rank.rank}] ".encode()
+        for raw in iter(pipe.readline, b""):
+            if not raw.endswith(b"\n"):
+                raw += b"\n"
+            self._write(sink, prefix + raw)
+            if rank.log is not None:
+                with rank.log_lock:
+                    rank.log.write(raw)
+                    rank.log.flush()
+            if keep_tail:
+                rank.tail.add(raw.decode(errors="replace").rstrip("\r\n"))
+        pipe.close()
+
+    def _write(self, sink: BinaryIO, data: bytes) -> None:
+        with self._out_lock:
+            try:
+                sink.write(data)
+                sink.flush()
+            except (BrokenPipeError, ValueError, OSError):
+                # The head is gone; stdin EOF will stop the job. Keep draining the ranks.
+                pass
+
+    # ---- watch and tear down -------------------------------------------------------------
+
+    def _read_control(self) -> None:
+        """Turn control lines from the head into events; EOF means the head is gone."""
+        for line in iter(self._stdin.readline, b""):
+            try:
+                message = json.loads(line)
+            except ValueError:
+                continue
+            if message.get("kill"):
+                self._events.put(("kill", None))
+            elif "signal" in message:
+                self._events.put(("signal", signal.Signals[message["signal"]]))
+        self._events.put(("eof", None))
+
+    def _watch(self) -> None:
+        while True:
+            newly_failed = []
+            for rank in self._running():
+                returncode = rank.popen.poll()
+                if returncode is None:
+                    continue
+                rank.returncode = returncode
+                rank.signal_group(signal.SIGKILL)  # whatever the rank left behind in its group
+                if returncode != 0 and not self._stopping:
+                    newly_failed.append(rank)
+            if newly_failed:
+                self._begin_stop(signal.SIGTERM)  # stop the others first, then collect the report
+                for rank in newly_failed:
+                    self._join_pumps(rank)
+                    failure = self._record(rank, rank.popen.pid, exit_status(rank.returncode), signal_name(rank.returncode))
+                    self._failures.append(failure)
+                    self._emit_record(failure)
+            running = self._running()
+            if not running:
+                break
+            if self._kill_at is not None and time.monotonic() >= self._kill_at:
+                for rank in running:
+                    rank.signal_group(signal.SIGKILL)
+                self._kill_at = None
+            try:
+                kind, value = self._events.get(timeout=_POLL_S)
+            except queue.Empty:
+                continue
+            self._on_event(kind, value)
+        for rank in self._ranks:
+            self._join_pumps(rank)
+
+    def _on_event(self, kind: str, value) -> None:
+        if kind == "kill":
+            for rank in self._running():
+                rank.signal_group(signal.SIGKILL)
+            return
+        if self._external_status is None and not self._failures:
+            self._external_status = EOF_EXIT if kind == "eof" else 128 + value
+        forwarded = value if kind == "signal" and value in (signal.SIGINT, signal.SIGTERM) else signal.SIGTERM
+        self._begin_stop(forwarded)
+
+    def _begin_stop(self, signum: int) -> None:
+        """Send `signum` to every running rank's group and arm the SIGKILL deadline (once)."""
+        if self._stopping:
+            return
+        self._stopping = True
+        for rank in self._running():
+            rank.signal_group(signum)
+        self._kill_at = time.monotonic() + self.job.grace_period
+
+    def _running(self) -> list[_Rank]:
+        return [r for r in self._ranks if r.returncode is None]
+
+    @staticmethod
+    def _join_pumps(rank: _Rank) -> None:
+        for thread in rank.pumps:
+            thread.join(timeout=_DRAIN_S)
+
+    # ---- report --------------------------------------------------------------------------
+
+    def _record(self, rank: _Rank, pid: int | None, code: int, sig: str | None) -> RankFailure:
+        return RankFailure(
+            host=self.job.host,
+            node_rank=self.job.node_rank,
+            rank=rank.rank,
+            local_rank=rank.local_rank,
+            pid=pid,
+            exit_code=code,
+            signal=sig,
+            stderr_tail=rank.tail.lines(),
+            traceback=rank.tail.traceback(),
+            time=time.time(),
+        )
+
+    def _emit_record(self, failure: RankFailure) -> None:
+        self._write(self._err, (failure.to_line() + "\n").encode())
+
+    def _exit_status(self) -> int:
+        if self._failures:
+            return self._failures[0].exit_code
+        if self._external_status is not None:
+            return self._external_status
+        return next((exit_status(r.returncode) for r in self._ranks if r.returncode != 0), 0)
+
+
+def _popen(argv: list[str], *, cwd: str, env: dict[str, str], preexec_fn) -> subprocess.Popen:
+    return subprocess.Popen(
+        argv,
+        cwd=cwd,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+        preexec_fn=preexec_fn,
+    )
+
+
+def main() -> int:
+    """Entry point of ``python -m dsrun.launcher.agent``."""
+    stdin = _LineReader(sys.stdin.fileno())
+    line = stdin.readline()
+    if not line.strip():
+        print("dsrun agent: expected a NodeJob as one JSON line on stdin, got nothing", file=sys.stderr)
+        return 2
+    try:
+        job = NodeJob.from_json_line(line)
+    except ValidationError as exc:
+        print(f"dsrun agent: the NodeJob on stdin is invalid:\n{exc}", file=sys.stderr)
+        return 2
+    agent = Agent(job, stdin, sys.stdout.buffer, sys.stderr.buffer)
+    try:
+        return agent.run()
+    except OSError as exc:
+        # e.g. log_dir cannot be created: nothing has started, say why.
+        print(f"dsrun agent on {job.host}: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""The `dsrun` command: parse the command line, build the job, run it through the head.
+
+    dsrun [--num_procs N] [--master_port P] [--master_addr A] [--log_dir DIR]
+          [--module] [--pass_local_rank] [--grace_period S] script.py [script args...]
+
+Everything after the script is passed to it untouched.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+from rich.console import Console
+
+from dsrun.launcher.head import Head
+from dsrun.launcher.job import local_node_job
+from dsrun.launcher.local import LocalRunner
+from dsrun.launcher.ports import PortError, choose_master_port
+
+# dsrun's own messages go to stderr; rank output is passed through untouched.
+console = Console(stderr=True, highlight=False)
+
+
+def _positive_count(_ctx: click.Context, param: click.Parameter, value: int | None) -> int | None:
+    if value is not None and value < 1:
+        raise click.BadParameter(
+            f"{value} is not a number of processes; give 1 or more (or leave it out to use one per visible GPU)",
+            param=param,
+        )
+    return value
+
+
+def default_num_procs() -> int:
+    """One process per visible CUDA GPU, else 1 with a notice (imports torch: about a second)."""
+    import torch  # deferred: importing torch costs ~1 s, and only this default needs it
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        console.print("dsrun: no CUDA GPU visible; starting 1 process (pass --num_procs N to start N)")
+        return 1
+    return count
+
+
+def rank_command(script: str, script_args: tuple[str, ...], module: bool) -> list[str]:
+    """argv of every rank: this Python, unbuffered, running the script (or module) with its args."""
+    target = ["-m", script] if module else [script]
+    return [sys.executable, "-u", *target, *script_args]
+
+
+@click.command(
+    context_settings=dict(
+        ignore_unknown_options=True, allow_interspersed_args=False, help_option_names=["-h", "--help"]
+    )
+)
+@click.option(
+    "--num_procs", "--num_gpus", "--num_accelerators", "num_procs", type=int, default=None,
+    callback=_positive_count, help="Ranks to start on this machine [default: one per visible GPU, else 1].",
+)
+@click.option("--master_port", type=click.IntRange(1, 65535), default=None,
+              help="Rendezvous port [default: 29500, or a free port if 29500 is busy].")
+@click.option("--master_addr", default="127.0.0.1", show_default=True, help="Rendezvous address (rank 0's host).")
+@click.option("--log_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Also write each rank's output to DIR/rank_N.log.")
+@click.option("--module", is_flag=True, help="Run SCRIPT as a module (python -m SCRIPT).")
+@click.option("--pass_local_rank", is_flag=True, help="Append --local_rank=N to the script's arguments (DeepSpeed style).")
+@click.option("--grace_period", type=click.FloatRange(min=0), default=10.0, show_default=True,
+              help="Seconds between SIGTERM and SIGKILL when stopping ranks.")
+@click.argument("script")
+@click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
+@click.pass_context
+def cli(
+    ctx: click.Context,
+    num_procs: int | None,
+    master_port: int | None,
+    master_addr: str,
+    log_dir: Path | None,
+    module: bool,
+    pass_local_rank: bool,
+    grace_period: float,
+    script: str,
+    script_args: tuple[str, ...],
+) -> None:
+    """Launch SCRIPT as a distributed job: one process per rank, torch.distributed environment set."""
+    if not module and not Path(script).is_file():
+        raise click.BadParameter(
+            f"file '{script}' does not exist (looked relative to {Path.cwd()}); give the path of the "
+            "training script, or pass --module to run a module by name",
+            param_hint="SCRIPT",
+        )
+    if log_dir is not None:
+        try:
+            log_dir = log_dir.resolve()
+            log_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise click.BadParameter(f"cannot create '{log_dir}': {exc.strerror}", param_hint="--log_dir") from exc
+    try:
+        port, notice = choose_master_port(master_addr, master_port)
+    except PortError as exc:
+        raise click.BadParameter(str(exc), param_hint="--master_port") from exc
+    if notice:
+        console.print(f"dsrun: {notice}")
+    job = local_node_job(
+        rank_command(script, script_args, module),
+        num_procs or default_num_procs(),
+        master_addr,
+        port,
+        grace_period=grace_period,
+        pass_local_rank=pass_local_rank,
+        log_dir=str(log_dir) if log_dir else None,
+    )
+    ctx.exit(Head([job], LocalRunner(), console).run())
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console-script entry point (`dsrun`)."""
+    cli.main(args=argv, prog_name="dsrun")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""What each rank process gets: its environment variables and its argv.
+
+[Note: rank environment contract]
+Every rank gets both torchrun's and DeepSpeed's names for the same facts,
+so a script written for either launcher runs unchanged:
+
+    RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT     both launchers
+    LOCAL_RANK                                     both launchers
+    LOCAL_WORLD_SIZE, GROUP_RANK                   torchrun
+    LOCAL_SIZE, CROSS_RANK, CROSS_SIZE             DeepSpeed (and Horovod)
+    NODE_RANK                                      common in Lightning-style scripts
+    DSRUN_JOB_ID                                   dsrun: unique id of the job
+    PYTHONUNBUFFERED=1                             output reaches the launcher line by line
+
+The runtime reads only RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT (and LOCAL_WORLD_SIZE), so it also runs under torchrun.
+CROSS_RANK/CROSS_SIZE are the node index and node count, which is what they
+mean when every node runs the same number of ranks.
+"""
+from __future__ import annotations
+
+from dsrun.launcher.job import NodeJob
+
+
+def rank_environment(job: NodeJob, index: int) -> dict[str, str]:
+    """The contract variables for the `index`-th rank of `job` (see [Note: rank environment contract]).
+
+    Raises IndexError if `index` is not a position in `job.ranks`.
+    """
+    local_world = str(len(job.ranks))
+    return {
+        "RANK": str(job.ranks[index]),
+        "LOCAL_RANK": str(job.local_ranks[index]),
+        "WORLD_SIZE": str(job.world_size),
+        "LOCAL_WORLD_SIZE": local_world,
+        "LOCAL_SIZE": local_world,
+        "NODE_RANK": str(job.node_rank),
+        "GROUP_RANK": str(job.node_rank),
+        "CROSS_RANK": str(job.node_rank),
+        "CROSS_SIZE": str(job.nnodes),
+        "MASTER_ADDR": job.master_addr,
+        "MASTER_PORT": str(job.master_port),
+        "DSRUN_JOB_ID": job.job_id,
+        "PYTHONUNBUFFERED": "1",
+    }
+
+
+def rank_process_env(job: NodeJob, index: int, base: dict[str, str]) -> dict[str, str]:
+    """The full environment of a rank: `base` (the agent's own), then `job.env`, then the contract.
+
+    The contract variables win over anything inherited, so a stale RANK in the
+    user's shell cannot leak into a rank.
+    """
+    return {**base, **job.env, **rank_environment(job, index)}
+
+
+def rank_argv(job: NodeJob, index: int) -> list[str]:
+    """The argv of the `index`-th rank: the job command, plus ``--local_rank=N`` if asked for."""
+    if job.pass_local_rank:
+        return [*job.command, f"--local_rank={job.local_ranks[index]}"]
+    return list(job.command)

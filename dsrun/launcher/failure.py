@@ -1,0 +1,130 @@
+"""Failure records: what an agent tells the head about a rank that died.
+
+An agent writes each record as one line on its stderr, prefixed with
+`FAILURE_PREFIX`, so the record travels over whatever carries the agent's
+output (a local pipe, an SSH channel, srun) without a second channel. The
+head strips these lines from the output it shows and prints the summary.
+"""
+from __future__ import annotations
+
+import collections
+import signal
+
+from pydantic import BaseModel, Field
+
+FAILURE_PREFIX = "@@dsrun-failure@@ "
+
+# Enough for the last frames of a typical traceback plus a few lines of context.
+TAIL_LINES = 40
+# A traceback block longer than this keeps its first and last halves.
+TRACEBACK_MAX_LINES = 400
+
+_TRACEBACK_START = "Traceback (most recent call last):"
+# Lines Python prints between the tracebacks of chained exceptions.
+_CHAIN_LINES = (
+    "During handling of the above exception, another exception occurred:",
+    "The above exception was the direct cause of the following exception:",
+)
+
+
+class RankFailure(BaseModel):
+    """One rank that exited non-zero on its own (not because dsrun stopped it)."""
+
+    host: str = Field(description="Node name the rank ran on.")
+    node_rank: int
+    rank: int = Field(description="Global rank.")
+    local_rank: int
+    pid: int | None = Field(description="Process id on its node; None if it never started.")
+    exit_code: int = Field(description="Shell-style status: the exit code, or 128+signum for a signal.")
+    signal: str | None = Field(None, description="Signal name (e.g. 'SIGKILL') if a signal ended the rank.")
+    stderr_tail: list[str] = Field(default_factory=list, description=f"Last {TAIL_LINES} lines of the rank's stderr.")
+    traceback: str | None = Field(None, description="Last Python traceback the rank printed, whole, if any.")
+    time: float = Field(description="Wall-clock time (time.time(), seconds) the agent saw the exit; orders failures.")
+
+    def to_line(self) -> str:
+        """The record as one prefixed line (no newline)."""
+        return FAILURE_PREFIX + self.model_dump_json()
+
+    @classmethod
+    def from_line(cls, line: str) -> "RankFailure | None":
+        """Parse a line written by `to_line`; None if the line is not a failure record."""
+        if not line.startswith(FAILURE_PREFIX):
+            return None
+        return cls.model_validate_json(line[len(FAILURE_PREFIX):])
+
+
+def exit_status(returncode: int) -> int:
+    """Shell-style exit status of a Popen returncode: a signal N (returncode -N) becomes 128+N.
+
+    This keeps a rank killed by a signal from ever reading as success.
+    """
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def signal_name(returncode: int) -> str | None:
+    """Name of the signal that ended a process (Popen returncode -N), else None."""
+    if returncode >= 0:
+        return None
+    try:
+        return signal.Signals(-returncode).name
+    except ValueError:
+        return f"signal {-returncode}"
+
+
+class StderrTail:
+    """Keeps the end of a rank's stderr, and its last Python traceback whole.
+
+    A fixed tail of `TAIL_LINES` lines can cut a deep traceback, so lines from
+    a "Traceback (most recent call last):" header on are kept separately,
+    including chained exceptions, up to `TRACEBACK_MAX_LINES`. Lines are str
+    without their newline. Not thread-safe: feed it from one thread.
+    """
+
+    def __init__(self) -> None:
+        self._tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        self._block: list[str] | None = None
+        self._block_dropped = 0
+
+    def add(self, line: str) -> None:
+        """Record one line of stderr (without the newline)."""
+        stripped = line.strip()
+        if stripped == _TRACEBACK_START:
+            previous = next((ln.strip() for ln in reversed(self._tail) if ln.strip()), "")
+            if self._block is None or previous not in _CHAIN_LINES:
+                self._block, self._block_dropped = [], 0
+        self._tail.append(line)
+        if self._block is not None:
+            if len(self._block) < TRACEBACK_MAX_LINES:
+                self._block.append(line)
+            else:
+                # Keep the head (where the chain started) and the tail (the
+                # final exception) of a runaway block; drop from the middle.
+                del self._block[TRACEBACK_MAX_LINES // 2]
+                self._block.append(line)
+                self._block_dropped += 1
+
+    def lines(self) -> list[str]:
+        """The last `TAIL_LINES` lines."""
+        return list(self._tail)
+
+    def traceback(self) -> str | None:
+        """The last traceback block (and what followed it), or None if no traceback was seen."""
+        if self._block is None:
+            return None
+        block = list(self._block)
+        if self._block_dropped:
+            block.insert(TRACEBACK_MAX_LINES // 2, f"... ({self._block_dropped} lines omitted) ...")
+        return "\n".join(block)
+
+
+class AgentFailure(BaseModel):
+    """A node whose agent exited non-zero without reporting a rank failure.
+
+    This is what the head sees when an agent could not start (bad job, no
+    Python on the node), crashed, or lost its connection.
+    """
+
+    host: str
+    node_rank: int
+    exit_code: int = Field(description="Shell-style exit status of the agent (or of its transport, e.g. ssh).")
+    output_tail: list[str] = Field(default_factory=list, description="Last lines the agent wrote on stderr.")
