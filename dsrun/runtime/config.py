@@ -80,6 +80,9 @@ class ConfigError(ValueError):
         head = f"invalid dsrun config ({source}): {count} problem{'s' if count != 1 else ''}"
         super().__init__("\n".join([head, *(f"  - {p}" for p in self.problems)]))
 
+    def __reduce__(self):  # keep it picklable, e.g. to report a rank's failure to another process
+        return type(self), (self.source, self.problems)
+
 
 class _Problem(ValueError):
     """Raised by validators below with a message already written for the user.
@@ -450,7 +453,7 @@ class _BatchTriple(_Section):
 # Top-level DeepSpeed sections that dsrun does not implement at all: a key
 # from this list gets this explanation instead of "unknown key".
 _DEEPSPEED_ONLY_KEYS = {
-    "amp": "NVIDIA Apex AMP (use bf16 or fp16 instead)",
+    "amp": "NVIDIA Apex AMP",
     "pipeline": "pipeline parallelism",
     "elasticity": "elastic training",
     "autotuning": "the autotuner",
@@ -515,9 +518,7 @@ class DsConfig(_BatchTriple):
     comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig,
                                             description="Collective-communication logger.")
 
-    # Set by load_config: the user's own input (for re-resolving on another
-    # world size) and the world size the batch triple was resolved for.
-    _given: Optional[dict] = PrivateAttr(default=None)
+    # The world size load_config resolved the batch triple for.
     _world_size: Optional[int] = PrivateAttr(default=None)
 
     @model_validator(mode="after")
@@ -566,6 +567,25 @@ def _leaves(model: BaseModel, prefix: str) -> typing.Iterator[tuple[str, Any, bo
             yield path, value, name in model.model_fields_set
 
 
+def _set_values(model: BaseModel) -> dict[str, Any]:
+    """The keys set in a config, given or assigned later, as a nested dict.
+
+    Unlike model_dump(exclude_unset=True) this keeps a value assigned inside
+    a section that was not given. Values inferred by load_config are not
+    marked as set (see _fill), so loading the result infers them again.
+    """
+    out: dict[str, Any] = {}
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        if isinstance(value, BaseModel):
+            inner = _set_values(value)
+            if inner or name in model.model_fields_set:
+                out[name] = inner
+        elif name in model.model_fields_set:
+            out[name] = value
+    return out
+
+
 def _show(value: Any) -> str:
     if isinstance(value, Path):
         return str(value)
@@ -601,12 +621,8 @@ def _on(value: Any) -> bool:
 
 
 NOT_YET_SUPPORTED: tuple[Unsupported, ...] = (
-    Unsupported("zero_optimization.stage", lambda v: v > 0, "ZeRO stages 1-3", "set it to 0"),
-    Unsupported("fp16.enabled", _on, "fp16 mixed precision"),
+    Unsupported("zero_optimization.stage", lambda v: v > 2, "ZeRO stage 3", "set it to 0, 1 or 2"),
     Unsupported("fp16.auto_cast", _on, "fp16 auto-casting of inputs"),
-    Unsupported("bf16.enabled", _on, "bf16 mixed precision"),
-    Unsupported("data_types.grad_accum_dtype", lambda v: v is not None, "a separate gradient "
-                "accumulation dtype", "set it to null"),
     Unsupported("communication_data_type", lambda v: v is not None, "a separate communication dtype",
                 "set it to null"),
     Unsupported("zero_optimization.offload_optimizer.device", lambda v: v != "none",
@@ -618,6 +634,10 @@ NOT_YET_SUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("activation_checkpointing.contiguous_memory_optimization", _on,
                 "contiguous activation checkpoints"),
     Unsupported("sparse_gradients", _on, "sparse gradients"),
+    Unsupported("prescale_gradients", _on, "gradient prescaling"),
+    Unsupported("gradient_predivide_factor", lambda v: v != 1.0, "a gradient predivide factor",
+                "set it to 1.0"),
+    Unsupported("dump_state", _on, "dumping the engine state"),
     Unsupported("memory_breakdown", _on, "the memory breakdown"),
     Unsupported("tensorboard.enabled", _on, "TensorBoard output"),
     Unsupported("csv_monitor.enabled", _on, "CSV monitor output"),
@@ -924,7 +944,8 @@ def load_config(source: Mapping | str | os.PathLike | DsConfig, world_size: int 
     Args:
         source: a dict (as for DeepSpeed's `config=`), a path to a .json,
             .yaml or .yml file (other suffixes are read as JSON), or a
-            DsConfig (re-resolved for `world_size` from what it was given).
+            DsConfig (validated again from the keys set in it, so the
+            batch triple is inferred again for `world_size`).
         world_size: data-parallel world size for the batch triple; None
             reads the WORLD_SIZE environment variable, or 1 when it is unset.
 
@@ -948,7 +969,7 @@ def load_config(source: Mapping | str | os.PathLike | DsConfig, world_size: int 
 
     if isinstance(source, DsConfig):
         name = "DsConfig"
-        raw = source._given if source._given is not None else source.model_dump(exclude_unset=True)
+        raw = _set_values(source)
     elif isinstance(source, Mapping):
         name, raw = "dict", source
     elif isinstance(source, (str, os.PathLike)):
@@ -961,8 +982,7 @@ def load_config(source: Mapping | str | os.PathLike | DsConfig, world_size: int 
         raise ConfigError(name, [f"the config must be a JSON object / YAML mapping at the top level, got "
                                  f"{type(raw).__name__}"])
 
-    given = json.loads(json.dumps(raw, default=str))  # a private deep copy, as plain JSON data
-    data = json.loads(json.dumps(given))
+    data = json.loads(json.dumps(raw, default=str))  # a private deep copy, as plain JSON data
     autos = _pop_auto(data, "")
     problems = [_auto_problem(p) for p in autos]
     cfg = None
@@ -981,7 +1001,7 @@ def load_config(source: Mapping | str | os.PathLike | DsConfig, world_size: int 
         raise ConfigError(name, problems)
     for key, value in zip(BATCH_KEYS, triple):
         _fill(cfg, key, value)
-    cfg._given, cfg._world_size = given, world_size
+    cfg._world_size = world_size
     return cfg
 
 

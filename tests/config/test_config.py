@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 from dsrun.runtime import config as config_module
-from dsrun.runtime.config import ConfigError, DsConfig, load_config
+from dsrun.runtime.config import ConfigError, DsConfig, Unsupported, load_config
 
 MICRO = {"train_micro_batch_size_per_gpu": 4}
 
@@ -123,7 +123,14 @@ def test_fp16_and_bf16_together():
     assert got.startswith("bf16: fp16 and bf16 are both enabled; enable at most one of them")
 
 
-def test_unsupported_features_are_each_named():
+def test_unsupported_features_are_each_named(monkeypatch):
+    # A registry of our own: the real one shrinks as features land.
+    monkeypatch.setattr(config_module, "NOT_YET_SUPPORTED", (
+        Unsupported("zero_optimization.stage", lambda v: v > 0, "ZeRO stages 1-3", "set it to 0"),
+        Unsupported("bf16.enabled", bool, "bf16 mixed precision"),
+        Unsupported("optimizer.type", lambda v: v == "Lamb", "the Lamb optimizer", "use Adam or AdamW"),
+        Unsupported("scheduler.type", lambda v: True, "schedules"),  # scheduler absent: not applied
+    ))
     got = problems({**MICRO, "zero_optimization": {"stage": 2}, "bf16": {"enabled": True},
                     "optimizer": {"type": "lamb"}})
     assert got == [
@@ -132,6 +139,16 @@ def test_unsupported_features_are_each_named():
         "optimizer.type=\"Lamb\": dsrun 0.1 does not support the Lamb optimizer yet; remove it or use Adam "
         "or AdamW",
     ]
+
+
+def test_real_registry_entries_name_real_keys():
+    for entry in config_module.NOT_YET_SUPPORTED:
+        model = DsConfig
+        for part in entry.path.split("."):
+            assert model is not None and part in model.model_fields, f"{entry.path} is not a config key"
+            model = config_module._model_of(model.model_fields[part])
+    # Lamb is not in torch.optim, so it stays rejected until dsrun has its own
+    assert any(e.applies("Lamb") for e in config_module.NOT_YET_SUPPORTED if e.path == "optimizer.type")
 
 
 def test_nvme_without_path(all_features):
@@ -300,12 +317,6 @@ def test_aliases(all_features):
     assert zero.stage3_gather_16bit_weights_on_model_save and zero.stage3_prefetch_bucket_size == 1_000_000
 
 
-def test_old_cpu_offload_key_is_mapped_then_rejected_as_not_built():
-    (got,) = problems({**MICRO, "zero_optimization": {"cpu_offload": True}})
-    assert got.startswith('zero_optimization.offload_optimizer.device="cpu": dsrun 0.1 does not support '
-                          "optimizer offload yet")
-
-
 def test_defaults_are_deepspeeds(all_features):
     cfg = load_config(MICRO)
     assert cfg.gradient_clipping == 1.0 and cfg.steps_per_print == 10 and not cfg.wall_clock_breakdown
@@ -349,3 +360,17 @@ def test_registry_is_one_line_per_feature(monkeypatch):
     kept = tuple(e for e in config_module.NOT_YET_SUPPORTED if e.path != "zero_optimization.stage")
     monkeypatch.setattr(config_module, "NOT_YET_SUPPORTED", kept)
     assert load_config({**MICRO, "zero_optimization": {"stage": 2}}).zero_optimization.stage == 2
+
+
+def test_reloading_keeps_changes_made_after_loading():
+    cfg = load_config(MICRO)
+    cfg.gradient_clipping = 0.0
+    assert load_config(cfg).gradient_clipping == 0.0
+    cfg.zero_optimization.stage = "x"  # assignment is not validated; loading again is
+    assert problems(cfg) == ["zero_optimization.stage: expected an integer 0-3, got 'x'"]
+
+
+def test_config_error_survives_pickling():
+    import pickle
+    err = pickle.loads(pickle.dumps(ConfigError("ds.json", ["a: bad", "b: worse"])))
+    assert err.problems == ["a: bad", "b: worse"] and "ds.json" in str(err)
