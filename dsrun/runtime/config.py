@@ -27,6 +27,7 @@ consequence of another one.
 from __future__ import annotations
 
 import difflib
+import functools
 import json
 import os
 import re
@@ -67,21 +68,29 @@ _RELEASE = "dsrun 0.1"
 class ConfigError(ValueError):
     """A ds_config that cannot be used, with every problem found in it.
 
+    `ConfigError("optimizer.params.lr: must be > 0, got -1")` is one problem
+    and reads as just that line; with several problems or a `source`, the
+    message is a header naming the source, then one problem per line.
+
     Attributes:
-        source: where the config came from (a file path, or "dict").
         problems: one line per problem, each starting with the dotted key
             path it is about, saying what was wrong and how to fix it.
+        source: where the config came from (a file path, "dict"), or None.
     """
 
-    def __init__(self, source: str, problems: list[str]):
-        self.source = source
+    def __init__(self, *problems: str, source: str | None = None):
         self.problems = list(problems)
+        self.source = source
+        if source is None and len(self.problems) == 1:
+            super().__init__(self.problems[0])
+            return
         count = len(self.problems)
-        head = f"invalid dsrun config ({source}): {count} problem{'s' if count != 1 else ''}"
+        where = f" ({source})" if source else ""
+        head = f"invalid dsrun config{where}: {count} problem{'s' if count != 1 else ''}"
         super().__init__("\n".join([head, *(f"  - {p}" for p in self.problems)]))
 
     def __reduce__(self):  # keep it picklable, e.g. to report a rank's failure to another process
-        return type(self), (self.source, self.problems)
+        return functools.partial(type(self), source=self.source), tuple(self.problems)
 
 
 class _Problem(ValueError):
@@ -215,6 +224,8 @@ class Fp16Config(_Section):
     consecutive_hysteresis: bool = Field(False, description="Refill the hysteresis after every step "
                                                             "without overflow, not only after a window.")
     min_loss_scale: PosReal = Field(1.0, description="The dynamic scale never drops below this value.")
+    fp16_master_weights_and_grads: bool = Field(False, description="Keep master weights and gradients "
+                                                "in fp16 too (no fp32 copy).")
 
 
 class Bf16Config(_Section):
@@ -330,6 +341,17 @@ class ZeroConfig(_Section):
                                                              "an error.")
     round_robin_gradients: bool = Field(False, description="Stage 1/2 with CPU offload: spread gradient "
                                                            "copies over ranks round-robin.")
+    elastic_checkpoint: bool = Field(False, description="Stage 1/2 checkpoints loadable on another world "
+                                     "size; dsrun checkpoints always are, so this has no effect.")
+    load_from_fp32_weights: bool = Field(True, description="Restore master weights from the fp32 copy in "
+                                         "the checkpoint, not from the 16-bit model weights.")
+    memory_efficient_linear: bool = Field(True, description="Stage 3: use a linear layer that frees its "
+                                          "gathered weight before backward.")
+    zero_hpz_partition_size: PosInt = Field(1, description="ZeRO++ hierarchical partitioning: ranks in a "
+                                            "secondary partition group; 1 = off.")
+    zero_quantized_weights: bool = Field(False, description="ZeRO++: all-gather weights quantized to int8.")
+    zero_quantized_gradients: bool = Field(False, description="ZeRO++: reduce gradients quantized to int4.")
+    mics_shard_size: Int = Field(-1, description="MiCS: ranks a model state is sharded over; -1 = off.")
     offload_optimizer: OffloadOptimizerConfig = Field(default_factory=OffloadOptimizerConfig,
                                                       description="Offload of optimizer states.")
     offload_param: OffloadParamConfig = Field(default_factory=OffloadParamConfig,
@@ -623,6 +645,12 @@ def _on(value: Any) -> bool:
 NOT_YET_SUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("zero_optimization.stage", lambda v: v > 2, "ZeRO stage 3", "set it to 0, 1 or 2"),
     Unsupported("fp16.auto_cast", _on, "fp16 auto-casting of inputs"),
+    Unsupported("fp16.fp16_master_weights_and_grads", _on, "fp16 master weights"),
+    Unsupported("zero_optimization.zero_hpz_partition_size", lambda v: v > 1, "ZeRO++ hierarchical "
+                "partitioning", "set it to 1"),
+    Unsupported("zero_optimization.zero_quantized_weights", _on, "ZeRO++ quantized weights"),
+    Unsupported("zero_optimization.zero_quantized_gradients", _on, "ZeRO++ quantized gradients"),
+    Unsupported("zero_optimization.mics_shard_size", lambda v: v > 0, "MiCS sharding", "set it to -1"),
     Unsupported("communication_data_type", lambda v: v is not None, "a separate communication dtype",
                 "set it to null"),
     Unsupported("zero_optimization.offload_optimizer.device", lambda v: v != "none",
@@ -687,7 +715,7 @@ def resolve_batch_triple(train_batch_size: int | None, micro_batch: int | None, 
     tbs, micro, gas, ws = train_batch_size, micro_batch, grad_accum, world_size
 
     def fail(text: str) -> typing.NoReturn:
-        raise ConfigError("batch triple", [text])
+        raise ConfigError(text)
 
     if tbs is None and micro is None:
         fail("train_batch_size: neither train_batch_size nor train_micro_batch_size_per_gpu is set; "
@@ -761,7 +789,7 @@ def _read_file(path: Path) -> Any:
     """Parse a JSON or YAML (.yaml/.yml) file; raise ConfigError naming the file and position."""
     if not path.is_file():
         what = "is a directory, not a file" if path.is_dir() else "does not exist"
-        raise ConfigError(str(path), [f"config file {what} (looked for {path.resolve()})"])
+        raise ConfigError(f"config file {what} (looked for {path.resolve()})", source=str(path))
     text = path.read_text(encoding="utf-8")
     if path.suffix.lower() in (".yaml", ".yml"):
         try:
@@ -770,14 +798,14 @@ def _read_file(path: Path) -> Any:
             mark = getattr(exc, "problem_mark", None)
             where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
             problem = getattr(exc, "problem", None) or str(exc)
-            raise ConfigError(str(path), [f"not valid YAML{where}: {problem}"]) from None
+            raise ConfigError(f"not valid YAML{where}: {problem}", source=str(path)) from None
     try:
         return json.loads(text, object_pairs_hook=_no_duplicates)
     except json.JSONDecodeError as exc:
-        raise ConfigError(str(path), [f"not valid JSON at line {exc.lineno}, column {exc.colno}: "
-                                      f"{exc.msg}"]) from None
+        raise ConfigError(f"not valid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}",
+                          source=str(path)) from None
     except ValueError as exc:
-        raise ConfigError(str(path), [f"not valid JSON: {exc}"]) from None
+        raise ConfigError(f"not valid JSON: {exc}", source=str(path)) from None
 
 
 # ---------------------------------------------------------------------------
@@ -976,11 +1004,10 @@ def load_config(source: Mapping | str | os.PathLike | DsConfig, world_size: int 
         name = str(source)
         raw = _read_file(Path(source))
     else:
-        raise ConfigError(repr(type(source)), [f"a config must be a dict, a file path or a DsConfig, got "
-                                               f"{type(source).__name__}"])
+        raise ConfigError(f"a config must be a dict, a file path or a DsConfig, got {type(source).__name__}")
     if not isinstance(raw, Mapping):
-        raise ConfigError(name, [f"the config must be a JSON object / YAML mapping at the top level, got "
-                                 f"{type(raw).__name__}"])
+        raise ConfigError(f"the config must be a JSON object / YAML mapping at the top level, got "
+                          f"{type(raw).__name__}", source=name)
 
     data = json.loads(json.dumps(raw, default=str))  # a private deep copy, as plain JSON data
     autos = _pop_auto(data, "")
@@ -994,11 +1021,11 @@ def load_config(source: Mapping | str | os.PathLike | DsConfig, world_size: int 
     if isinstance(triple, list):
         problems.extend(triple)
     if problems or cfg is None or not isinstance(triple, tuple):
-        raise ConfigError(name, problems)
+        raise ConfigError(*problems, source=name)
 
     problems = _unsupported(cfg)
     if problems:
-        raise ConfigError(name, problems)
+        raise ConfigError(*problems, source=name)
     for key, value in zip(BATCH_KEYS, triple):
         _fill(cfg, key, value)
     cfg._world_size = world_size

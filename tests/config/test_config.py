@@ -372,5 +372,32 @@ def test_reloading_keeps_changes_made_after_loading():
 
 def test_config_error_survives_pickling():
     import pickle
-    err = pickle.loads(pickle.dumps(ConfigError("ds.json", ["a: bad", "b: worse"])))
-    assert err.problems == ["a: bad", "b: worse"] and "ds.json" in str(err)
+    err = pickle.loads(pickle.dumps(ConfigError("a: bad", "b: worse", source="ds.json")))
+    assert err.problems == ["a: bad", "b: worse"] and err.source == "ds.json"
+    assert str(err) == "invalid dsrun config (ds.json): 2 problems\n  - a: bad\n  - b: worse"
+
+
+def test_config_error_with_one_message_reads_as_that_message():
+    err = ConfigError("optimizer.params.lr: must be > 0, got -1")
+    assert str(err) == "optimizer.params.lr: must be > 0, got -1" and err.problems == [str(err)]
+    with pytest.raises(ConfigError, match="a config must be a dict, a file path or a DsConfig, got int"):
+        load_config(3)
+
+
+def test_a_deepspeed_examples_config_loads():
+    # DeepSpeedExamples' CIFAR config, as users copy it (stage lowered to 0)
+    cfg = load_config({
+        "train_batch_size": 16, "steps_per_print": 2000,
+        "optimizer": {"type": "Adam", "params": {"lr": 0.001, "betas": [0.8, 0.999], "eps": 1e-8,
+                                                 "weight_decay": 3e-7}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 0.001,
+                                                     "warmup_num_steps": 1000}},
+        "gradient_clipping": 1.0, "prescale_gradients": False, "wall_clock_breakdown": False,
+        "fp16": {"enabled": False, "fp16_master_weights_and_grads": False, "loss_scale": 0,
+                 "loss_scale_window": 500, "hysteresis": 2, "min_loss_scale": 1, "initial_scale_power": 15},
+        "zero_optimization": {"stage": 0, "allgather_partitions": True, "reduce_scatter": True,
+                              "allgather_bucket_size": 50000000, "reduce_bucket_size": 50000000,
+                              "overlap_comm": True, "contiguous_gradients": True, "cpu_offload": False},
+    }, world_size=2)
+    assert cfg.train_micro_batch_size_per_gpu == 8 and cfg.zero_optimization.overlap_comm is True
+    assert cfg.scheduler.type == "WarmupLR" and cfg.fp16.loss_scale_window == 500
