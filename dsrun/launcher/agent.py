@@ -17,6 +17,11 @@ the ranks, so nothing is orphaned even then. PDEATHSIG fires when the
 thread, which lives as long as the agent; and they are all spawned before
 any helper thread starts, because preexec_fn is not safe to run while other
 threads may hold locks.
+PDEATHSIG covers only the ranks themselves, not what they spawned; so the
+agent also forks a tiny watchdog before anything else (see `_Watchdog`). The
+agent tells it each rank's process group over a pipe; if the agent dies
+without saying "done", the pipe reaches EOF and the watchdog SIGKILLs those
+groups, grandchildren included.
 Processes are only ever signalled by process group id, never by name. When
 a rank's leader has exited, its group is killed once more to reap anything
 it left behind; Linux does not reuse a pid while a group of that id still
@@ -101,6 +106,59 @@ class _LineReader:
         return line + b"\n"
 
 
+class _Watchdog:
+    """A forked process that SIGKILLs the ranks' process groups if the agent dies abruptly.
+
+    See [Note: agent process tree]. Fork it before any thread starts.
+    """
+
+    def __init__(self) -> None:
+        read_fd, write_fd = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(write_fd)
+            _watchdog_main(read_fd)  # never returns
+        os.close(read_fd)
+        self.pid = pid
+        self._fd = write_fd
+
+    def guard(self, pgid: int) -> None:
+        """Have the watchdog kill group `pgid` should the agent die."""
+        os.write(self._fd, f"{pgid}\n".encode())
+
+    def release(self) -> None:
+        """The agent is finishing normally: let the watchdog exit without killing anything."""
+        os.write(self._fd, b"done\n")
+        os.close(self._fd)
+        os.waitpid(self.pid, 0)
+
+
+def _watchdog_main(fd: int) -> None:
+    # Detach from the agent's stdio, so the head's readers see EOF when the agent ends;
+    # leave the agent's process group (a hard kill of it must not take the watchdog along)
+    # and ignore the signals aimed at the agent: the watchdog must outlive it.
+    os.setsid()
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for target in (0, 1, 2):
+        os.dup2(devnull, target)
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_IGN)
+    pgids, pending = [], b""
+    while chunk := os.read(fd, 4096):
+        pending += chunk
+        *lines, pending = pending.split(b"\n")
+        for line in lines:
+            if line == b"done":
+                os._exit(0)
+            pgids.append(int(line))
+    for pgid in pgids:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except OSError:
+            pass
+    os._exit(0)
+
+
 class _Rank:
     """One started rank process and what is captured from it."""
 
@@ -143,19 +201,25 @@ class Agent:
 
     def run(self) -> int:
         """Start the ranks, watch them, tear down; returns the agent's exit status."""
-        self._spawn_all()
+        watchdog = _Watchdog()
+        try:
+            self._spawn_all(watchdog)
+        except BaseException:
+            watchdog.release()
+            raise
         for rank in self._ranks:
             self._start_pumps(rank)
         threading.Thread(target=self._read_control, daemon=True, name="agent-stdin").start()
         for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(signum, lambda s, _f: self._events.put(("signal", s)))
         self._watch()
+        watchdog.release()
         for rank in self._ranks:
             if rank.log is not None:
                 rank.log.close()
         return self._exit_status()
 
-    def _spawn_all(self) -> None:
+    def _spawn_all(self, watchdog: _Watchdog) -> None:
         # Open every log before starting any rank, so a bad log_dir stops the job early.
         logs: list[BinaryIO | None] = [None] * len(self.job.ranks)
         if self.job.log_dir:
@@ -182,6 +246,7 @@ class Agent:
                         unused.close()
                 self._begin_stop(signal.SIGTERM)
                 return
+            watchdog.guard(rank.popen.pid)
             self._ranks.append(rank)
 
     def _start_pumps(self, rank: _Rank) -> None:

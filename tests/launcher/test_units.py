@@ -1,0 +1,106 @@
+"""Unit tests of the launcher's pure parts: job validation, rank environment, stderr capture, ports."""
+from __future__ import annotations
+
+import socket
+
+import pytest
+from pydantic import ValidationError
+
+from dsrun.launcher.env import rank_argv, rank_process_env
+from dsrun.launcher.failure import TAIL_LINES, TRACEBACK_MAX_LINES, RankFailure, StderrTail, exit_status, signal_name
+from dsrun.launcher.job import NodeJob
+from dsrun.launcher.ports import PortError, choose_master_port, is_local_address
+
+
+def _job(**changes) -> NodeJob:
+    fields = dict(job_id="j", node_rank=1, nnodes=2, world_size=4, ranks=[2, 3], local_ranks=[0, 1],
+                  master_addr="10.0.0.1", master_port=1234, command=["python", "t.py"], cwd="/")
+    return NodeJob(**{**fields, **changes})
+
+
+def test_node_job_round_trips_through_one_json_line():
+    job = _job(env={"A": "1"}, log_dir="/tmp/x")
+    line = job.to_json_line()
+    assert line.endswith("\n") and line.count("\n") == 1
+    assert NodeJob.from_json_line(line) == job
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        (dict(local_ranks=[0]), "must have the same length"),
+        (dict(ranks=[2, 4]), "outside the world of size 4"),
+        (dict(ranks=[2, 2]), "duplicates"),
+        (dict(node_rank=2), "node_rank 2 must be below nnodes 2"),
+        (dict(master_port=0), "master_port"),
+    ],
+)
+def test_node_job_rejects_contradictions(changes, message):
+    with pytest.raises(ValidationError, match=message):
+        _job(**changes)
+
+
+def test_rank_environment_on_a_second_node_and_precedence():
+    job = _job(env={"FROM_JOB": "yes", "RANK": "99"}, pass_local_rank=True)
+    env = rank_process_env(job, 1, {"RANK": "7", "INHERITED": "x"})
+    assert env["INHERITED"] == "x" and env["FROM_JOB"] == "yes"
+    assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"]) == ("3", "1", "4", "2")
+    assert (env["NODE_RANK"], env["GROUP_RANK"], env["CROSS_RANK"], env["CROSS_SIZE"]) == ("1", "1", "1", "2")
+    assert rank_argv(job, 1) == ["python", "t.py", "--local_rank=1"]
+
+
+def test_exit_status_never_reads_a_signal_as_success():
+    assert exit_status(0) == 0 and exit_status(3) == 3
+    assert exit_status(-9) == 137 and signal_name(-9) == "SIGKILL"
+    assert signal_name(1) is None
+
+
+def test_stderr_tail_keeps_a_chained_traceback_whole():
+    tail = StderrTail()
+    tail.add("noise before")
+    first = ["Traceback (most recent call last):", '  File "a.py", line 1, in <module>', "KeyError: 'k'"]
+    chain = ["", "The above exception was the direct cause of the following exception:", ""]
+    frames = [f'  File "a.py", line {i}, in f' for i in range(2 * TAIL_LINES)]
+    second = ["Traceback (most recent call last):", *frames, "ValueError: v"]
+    for line in first + chain + second:
+        tail.add(line)
+    assert tail.traceback() == "\n".join(first + chain + second)
+    assert len(tail.lines()) == TAIL_LINES and tail.lines()[-1] == "ValueError: v"
+
+
+def test_stderr_tail_a_new_unchained_traceback_replaces_the_old_one():
+    tail = StderrTail()
+    for line in ["Traceback (most recent call last):", "OSError: first", "retrying",
+                 "Traceback (most recent call last):", "OSError: second"]:
+        tail.add(line)
+    assert tail.traceback() == "Traceback (most recent call last):\nOSError: second"
+    assert StderrTail().traceback() is None
+
+
+def test_stderr_tail_caps_a_runaway_traceback_keeping_both_ends():
+    tail = StderrTail()
+    tail.add("Traceback (most recent call last):")
+    for i in range(TRACEBACK_MAX_LINES * 2):
+        tail.add(f"line {i}")
+    text = tail.traceback().splitlines()
+    assert text[0] == "Traceback (most recent call last):" and text[-1] == f"line {TRACEBACK_MAX_LINES * 2 - 1}"
+    assert any("lines omitted" in line for line in text) and len(text) == TRACEBACK_MAX_LINES + 1
+
+
+def test_failure_record_line_round_trip():
+    failure = RankFailure(host="h", node_rank=0, rank=3, local_rank=1, pid=5, exit_code=137, signal="SIGKILL",
+                          stderr_tail=["a"], traceback=None, time=1.5)
+    assert RankFailure.from_line(failure.to_line()) == failure
+    assert RankFailure.from_line("[rank 0] ordinary output") is None
+
+
+def test_choose_master_port():
+    with socket.socket() as holder:
+        holder.bind(("", 0))
+        holder.listen()
+        busy = holder.getsockname()[1]
+        with pytest.raises(PortError, match=f"--master_port {busy} is already in use"):
+            choose_master_port("127.0.0.1", busy)
+        # A remote master cannot be checked from here: the port is used as given.
+        assert choose_master_port("203.0.113.7", busy) == (busy, None)
+    assert is_local_address("localhost") and not is_local_address("203.0.113.7")
