@@ -85,7 +85,7 @@ def estimate_zero_memory(model_or_num_params, world_size: int, stage: int, dtype
     model_or_num_params: an nn.Module (its trainable parameters) or Ψ.
     world_size: N, data-parallel ranks. stage: 0..3. dtype: compute dtype
     ("fp32", "bf16", "fp16"). grad_accum_dtype: gradient dtype; None means
-    fp32 for stages 1-3 (dsrun's default) and the compute dtype for stage 0.
+    fp32 (dsrun's default).
     optimizer_states: fp32 tensors of state per parameter (Adam 2, SGD with
     momentum 1). bucket_numel: dsrun's bucket size (reduce_bucket_size),
     which sets the padding; padded_numel: give the padded size directly
@@ -105,13 +105,14 @@ def estimate_zero_memory(model_or_num_params, world_size: int, stage: int, dtype
     if padded_numel is not None:
         padded = padded_numel
     shard = padded // world_size
-    grad_name = grad_accum_dtype or (dtype if stage == 0 else "fp32")
+    grad_name = grad_accum_dtype or "fp32"
     mixed = dtype != "fp32"
     if stage == 0:
         params, grads, master, states = psi, psi, psi, psi
     else:
         params = padded if stage < 3 else shard
-        grads = padded if stage == 1 else shard
+        # Stage 1 keeps the full accumulation buffer plus the reduced shard.
+        grads = padded + shard if stage == 1 else shard
         master, states = shard, shard
     cats = {
         "params": {dtype: params * _BYTES[dtype]},

@@ -1,0 +1,33 @@
+"""ZeRO (Rajbhandari et al., SC20): partitioned optimizer states (stage 1),
+gradients (stage 2) and parameters (stage 3), with bf16/fp16 mixed precision.
+
+`build_zero_strategy` is what the engine calls for any stage > 0 or any
+16-bit precision; the stages are GradientStrategy implementations
+(see dsrun/runtime/data_parallel.py).
+"""
+from __future__ import annotations
+
+import torch
+
+from dsrun.runtime.dist import Topology
+from dsrun.runtime.precision import PrecisionPolicy
+from dsrun.runtime.zero.stage12 import PartitionedOptimizerStrategy
+from dsrun.runtime.zero.strategy import ZeroStrategy
+
+
+def build_zero_strategy(cfg, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                        topology: Topology) -> ZeroStrategy:
+    """The strategy for `cfg.zero_optimization.stage` and `cfg`'s precision.
+
+    Stage 0 with bf16/fp16 uses the stage-1/2 machinery with one partition
+    holding everything (`PartitionedOptimizerStrategy.replicated`). Raises
+    ValueError for an unknown stage.
+    """
+    zero = cfg.zero_optimization
+    precision = PrecisionPolicy.from_config(cfg)
+    if zero.stage in (0, 1, 2):
+        return PartitionedOptimizerStrategy(
+            module, optimizer, topology, precision, zero.stage,
+            reduce_bucket_size=int(zero.reduce_bucket_size),
+            allgather_bucket_size=int(zero.allgather_bucket_size))
+    raise ValueError(f"zero_optimization.stage={zero.stage} is not available")

@@ -88,11 +88,14 @@ class FlatLayout:
         named_shapes: Iterable[tuple[str, Sequence[int]]],
         world_size: int,
         bucket_numel: int | None = None,
+        keys: Sequence[object] | None = None,
     ) -> "FlatLayout":
         """Lay out parameters in the given order.
 
         named_shapes: (name, shape) per parameter. bucket_numel: most real
         elements per bucket; None puts the whole group in one bucket.
+        keys: optional key per parameter (e.g. its optimizer group); a new
+        bucket starts whenever the key changes, so a bucket never mixes keys.
         """
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -102,13 +105,17 @@ class FlatLayout:
         if not entries:
             raise ValueError("cannot lay out an empty parameter group")
         # Group parameters into buckets of whole parameters.
+        keys = list(keys) if keys is not None else [None] * len(entries)
+        if len(keys) != len(entries):
+            raise ValueError(f"{len(keys)} keys for {len(entries)} parameters")
         groups: list[list[tuple[str, tuple[int, ...], int]]] = [[]]
         filled = 0
-        for name, shape in entries:
+        for i, (name, shape) in enumerate(entries):
             numel = 1
             for d in shape:
                 numel *= d
-            if groups[-1] and bucket_numel is not None and filled + numel > bucket_numel:
+            full = bucket_numel is not None and filled + numel > bucket_numel
+            if groups[-1] and (full or keys[i] != keys[i - 1]):
                 groups.append([])
                 filled = 0
             groups[-1].append((name, shape, numel))
