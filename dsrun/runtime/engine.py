@@ -18,6 +18,7 @@ from dsrun.runtime.config import ConfigError, DsConfig
 from dsrun.runtime.data_parallel import AllReduceStrategy, GradientStrategy
 from dsrun.runtime.dist import Topology
 from dsrun.runtime.logging import ProgressLog
+from dsrun.runtime.zero import build_zero_strategy
 
 
 def build_strategy(cfg: DsConfig, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -28,6 +29,8 @@ def build_strategy(cfg: DsConfig, module: torch.nn.Module, optimizer: torch.opti
         ConfigError: a stage this build does not provide.
     """
     stage = cfg.zero_optimization.stage
+    if stage > 0 or cfg.fp16.enabled or cfg.bf16.enabled:
+        return build_zero_strategy(cfg, module, optimizer, topology)
     if stage == 0:
         return AllReduceStrategy(module, optimizer, topology,
                                  bucket_size=int(cfg.zero_optimization.reduce_bucket_size))
