@@ -200,3 +200,17 @@ def test_cli_errors_are_clear(launcher, args, message):
     result = launcher.run(*args)
     assert result.returncode == 2
     assert message in " ".join(result.stderr.split()), result.stderr
+
+
+def test_ranks_rendezvous_with_gloo_from_the_environment(launcher):
+    result = launcher.run("--num_procs", "2", str(SCRIPTS / "gloo_allreduce.py"), timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert sorted(line for line in result.stdout.splitlines() if "sum=" in line) == [
+        "[rank 0] sum=3 world=2", "[rank 1] sum=3 world=2"]
+
+
+def test_default_process_count_without_gpus_is_one_and_said(launcher):
+    result = launcher.run(str(SCRIPTS / "print_env.py"), timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert list(_rank_records(result.stdout)) == [0]
+    assert "no CUDA GPU visible; starting 1 process (pass --num_procs N to start N)" in result.stderr
