@@ -19,10 +19,10 @@ The checks run in three phases, each collecting every problem it finds:
 validation of all sections, which reports unknown keys, wrong types, bad
 values and the checks inside one section (e.g. NVMe offload without a
 path), together with the batch-triple arithmetic, which only needs the three
-batch keys, and (3) the checks that need a whole valid config: the ones
-across sections (fp16 with bf16) and `NOT_YET_SUPPORTED`. A later phase runs
-only when the earlier ones found nothing, so that no message is a
-consequence of another one.
+batch keys; the checks across sections (fp16 with bf16) run in this phase
+once every section is valid; (3) `NOT_YET_SUPPORTED`, on the valid config.
+A later phase runs only when the earlier ones found nothing, so that no
+message is a consequence of another one.
 """
 from __future__ import annotations
 

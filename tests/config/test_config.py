@@ -5,7 +5,6 @@ the suggestion, the numbers. Good configs check file formats, aliases,
 batch-triple inference and defaults.
 """
 import json
-import textwrap
 
 import pytest
 
