@@ -7,11 +7,14 @@ the i-th selected slot; with GPUs the slot index is the device index
 """
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from rich.console import Console
 from rich.table import Table
+
+from dsrun.launcher.job import NodeJob
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,41 @@ def build_placement(selection: dict[str, list[int]]) -> Placement:
         nodes.append(NodePlacement(node_rank, host, tuple(slots), first))
         first += len(slots)
     return Placement(tuple(nodes))
+
+
+def node_jobs(placement: Placement, *, job_id: str, master_addr: str, master_port: int, command: list[str],
+              cwd: str, env: dict[str, str], grace_period: float, pass_local_rank: bool, log_dir: str | None,
+              visible_devices: bool) -> list[NodeJob]:
+    """One `NodeJob` per node of `placement`, all sharing the rendezvous and the command.
+
+    Args:
+        env: variables every rank gets (see `dsrun.launcher.propagate`).
+        visible_devices: set CUDA_VISIBLE_DEVICES to each node's selected
+            slots, so local rank i uses slot `slots[i]` (hostfile launches;
+            under Slurm the scheduler sets it).
+    """
+    jobs = []
+    for node in placement.nodes:
+        node_env = dict(env)
+        if visible_devices:
+            node_env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, node.slots))
+        jobs.append(NodeJob(
+            job_id=job_id, host=node.host, node_rank=node.node_rank, nnodes=len(placement.nodes),
+            world_size=placement.world_size, ranks=node.global_ranks, local_ranks=list(range(node.local_world_size)),
+            master_addr=master_addr, master_port=master_port, command=command, cwd=cwd, env=node_env,
+            grace_period=grace_period, pass_local_rank=pass_local_rank, log_dir=log_dir,
+        ))
+    return jobs
+
+
+def derived_port(key: str, index: int = 0) -> int:
+    """A rendezvous port in 20000-59999 derived from `key` (a job id); `index` gives further candidates.
+
+    Every process that knows the job id computes the same port without
+    talking to the others, and two jobs rarely collide.
+    """
+    digest = hashlib.sha256(f"{key}/{index}".encode()).digest()
+    return 20000 + int.from_bytes(digest[:8], "big") % 40000
 
 
 def compact_ranges(values: Iterable[int]) -> str:

@@ -29,17 +29,26 @@ from __future__ import annotations
 import enum
 import os
 import shlex
+import signal
 import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 import paramiko
 from rich.table import Table
 
+from dsrun.launcher.head import AgentHandle, Runner
+from dsrun.launcher.job import NodeJob
+from dsrun.launcher.placement import derived_port
+from dsrun.launcher.ports import DEFAULT_MASTER_PORT
+
 AGENT_MODULE = "dsrun.launcher.agent"
 DEFAULT_CONNECT_TIMEOUT = 10.0
+# Exit status of an agent whose SSH connection dropped (what the ssh client reports for a lost link).
+CONNECTION_LOST = 255
 
 
 class HostKeyPolicy(str, enum.Enum):
@@ -375,3 +384,117 @@ def check_master_reachable(conns: dict[str, Connection], python: str, addr: str,
                 for h, (status, out) in results.items() if status != 0}
     if failures:
         raise SshConnectError(failures, {h: c.target for h, c in conns.items()}, "checking the master address")
+
+
+class SshAgentHandle(AgentHandle):
+    """An agent running on a node through one SSH session channel."""
+
+    def __init__(self, job: NodeJob, chan: paramiko.Channel) -> None:
+        super().__init__(job)
+        self._chan = chan
+        self._stdout = chan.makefile("rb")
+        self._stderr = chan.makefile_stderr("rb")
+        self._killed = False
+
+    @property
+    def stdout(self) -> BinaryIO:
+        return self._stdout
+
+    @property
+    def stderr(self) -> BinaryIO:
+        return self._stderr
+
+    def poll(self) -> int | None:
+        if self._chan.exit_status_ready():
+            return self._chan.recv_exit_status()
+        if self._killed:
+            return 128 + signal.SIGKILL
+        transport = self._chan.get_transport()
+        if transport is None or not transport.is_active():
+            return CONNECTION_LOST  # the link dropped: sshd closed the agent's stdin, it kills its ranks
+        return None
+
+    def send(self, data: bytes) -> None:
+        try:
+            self._chan.sendall(data)
+        except (OSError, EOFError, paramiko.SSHException):
+            pass  # the channel is gone; the agent saw EOF and is tearing down
+
+    def kill(self) -> None:
+        # Closing the channel closes the agent's stdin on the node: it kills its ranks on EOF.
+        self._killed = True
+        self._chan.close()
+
+
+class SshRunner(Runner):
+    """Starts each node's agent over an already open `Connection` (see `connect_all`)."""
+
+    def __init__(self, conns: dict[str, Connection], python: str) -> None:
+        self.conns = conns
+        self.python = python
+
+    def start(self, job: NodeJob) -> SshAgentHandle:
+        conn = self.conns[job.host]
+        chan = conn.client.get_transport().open_session(timeout=conn.target.timeout)
+        chan.exec_command(agent_command(self.python, job.cwd))
+        # The job, environment included, goes on stdin, never on the command line.
+        chan.sendall(job.to_json_line().encode())
+        return SshAgentHandle(job, chan)
+
+    def close(self) -> None:
+        for conn in self.conns.values():
+            conn.close()
+
+
+def job_port_candidates(job_id: str, preferred: int | None, count: int = 8) -> list[int]:
+    """Ports to try for the rendezvous: `preferred` (or 29500) first, then ports derived from the job id.
+
+    Derived ports (see `placement.derived_port`) differ between jobs, so two
+    jobs starting at once on one master rarely pick the same one.
+    """
+    return [preferred or DEFAULT_MASTER_PORT, *(derived_port(job_id, i) for i in range(count))]
+
+
+@dataclass
+class SshLaunch:
+    """A checked SSH launch: open connections, the rendezvous address and port."""
+
+    runner: SshRunner
+    master_addr: str
+    master_port: int
+    notes: list[str]
+
+
+def prepare_ssh_launch(hosts: list[str], *, ssh_config: str | Path | None, policy: HostKeyPolicy, python: str,
+                       cwd: str, job_id: str, master_addr: str | None, master_port: int | None) -> SshLaunch:
+    """Connect to every host, check it can run the agent, and settle the rendezvous.
+
+    master_addr: as given, or the first host's address as the head reaches it
+    (HostName from the ssh config); either way every node must be able to
+    open a TCP connection to it (checked against the master's sshd port).
+    master_port: checked free on the master node; if taken, the first free
+    port derived from the job id is used and a note says so.
+
+    Raises:
+        SshConnectError: per-host reasons; no connection is left open.
+        FileNotFoundError: `ssh_config` given but missing.
+    """
+    config = load_ssh_config(ssh_config)
+    conns = connect_all(hosts, config, policy, preflight=preflight_command(python, cwd),
+                        preflight_hint=f"cannot run {python} -m {AGENT_MODULE} in {cwd} "
+                                       "(working directory, Python or dsrun missing on that node?)")
+    try:
+        master = conns[hosts[0]]
+        addr = master_addr or master.target.hostname
+        check_master_reachable(conns, python, addr, master.target.port)
+        candidates = job_port_candidates(job_id, master_port)
+        port = free_port_on(master, python, candidates)
+        if port is None:
+            raise SshConnectError({hosts[0]: f"none of the ports {candidates} is free"}, {hosts[0]: master.target},
+                                  "choosing the master port")
+    except BaseException:
+        for conn in conns.values():
+            conn.close()
+        raise
+    notes = [] if port == candidates[0] else [f"port {candidates[0]} is busy on {hosts[0]}; using {port}"]
+    return SshLaunch(SshRunner(conns, python), addr, port, notes)

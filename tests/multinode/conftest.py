@@ -72,6 +72,7 @@ class SshCluster:
     client_key: Path
     user: str
     log: Path
+    proc: subprocess.Popen
 
     def write_config(self, name: str, hosts: dict[str, str] | None = None, *, port: int | None = None,
                      identity: Path | None = None, known_hosts: Path | None = None, extra: str = "") -> Path:
@@ -132,7 +133,7 @@ LogLevel VERBOSE
     try:
         wait_for_port("127.0.0.1", port, proc, log)
         wait_for_port("127.0.0.2", port, proc, log)
-        cluster = SshCluster(d, port, d / "ssh_config", known_hosts, client_key, user, log)
+        cluster = SshCluster(d, port, d / "ssh_config", known_hosts, client_key, user, log, proc)
         cluster.write_config("ssh_config")
         yield cluster
     finally:

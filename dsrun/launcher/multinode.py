@@ -1,0 +1,235 @@
+"""The multi-node side of the `dsrun` command: options, placement and the launcher that reaches the nodes.
+
+`cli.py` hands a launch here whenever a hostfile, a non-local launcher or
+one of these options is given; a plain `dsrun --num_procs N script.py`
+stays on the local path. Launchers:
+
+    ssh      (default with --hostfile) one agent per node over paramiko, see ssh.py
+    slurm    inside salloc/sbatch: one agent per node as an srun step, see slurm.py
+    openmpi  mpirun starts the ranks itself, see mpi.py
+    mpich    mpiexec (Hydra) starts the ranks itself, see mpi.py
+    local    this machine only (the default without --hostfile)
+
+Everything that can be checked is checked before any rank starts: the
+hostfile and the filters (with file:line:col), the env files, and for SSH
+every connection, host key, login, working directory, Python and the
+master address from every node.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import click
+from rich.console import Console
+
+from dsrun.launcher.env import rank_environment
+from dsrun.launcher.failure import exit_status
+from dsrun.launcher.head import Head
+from dsrun.launcher.hostfile import Host, HostfileError, parse_hostfile, select_slots
+from dsrun.launcher.job import NodeJob, new_job_id
+from dsrun.launcher.ports import DEFAULT_MASTER_PORT
+from dsrun.launcher.placement import build_placement, derived_port, node_jobs, print_placement
+from dsrun.launcher.propagate import EnvFileError, masked, propagated_env
+
+LAUNCHERS = ("ssh", "slurm", "openmpi", "mpich", "local")
+
+
+@dataclass(frozen=True)
+class MultinodeOptions:
+    """The multi-node options of `dsrun` (see `multinode_options` for their help)."""
+
+    hostfile: Path | None
+    include: str
+    exclude: str
+    num_nodes: int | None
+    launcher: str | None
+    ssh_config: Path | None
+    ssh_host_key_policy: str
+    remote_python: str | None
+    remote_cwd: str | None
+    env: tuple[str, ...]
+    print_env: bool
+    dry_run: bool
+
+    @property
+    def active(self) -> bool:
+        """True when the launch is not a plain local one."""
+        return bool(self.hostfile or self.launcher not in (None, "local") or self.include or self.exclude
+                    or self.num_nodes is not None or self.env or self.print_env or self.dry_run)
+
+
+_OPTIONS = [
+    click.option("--hostfile", type=click.Path(path_type=Path), default=None,
+                 help="Hosts and their slots, one 'HOST slots=N' per line (see hostfile.example)."),
+    click.option("--include", "-i", default="", help="Use only these hosts/slots: NAME[:SLOT[,SLOT|A-B]][@NAME...]."),
+    click.option("--exclude", "-e", default="", help="Leave out these hosts/slots (same grammar as --include)."),
+    click.option("--num_nodes", type=click.IntRange(min=1), default=None, help="Use only the first N hosts."),
+    click.option("--launcher", type=click.Choice(LAUNCHERS), default=None,
+                 help="How to reach the nodes [default: ssh with --hostfile, else local]."),
+    click.option("--ssh_config", type=click.Path(path_type=Path), default=None,
+                 help="ssh config file [default: ~/.ssh/config]."),
+    click.option("--ssh_host_key_policy", type=click.Choice(["strict", "accept-new"]), default="accept-new",
+                 show_default=True, help="Unknown host keys: refuse (strict) or add to known_hosts (accept-new)."),
+    click.option("--remote_python", default=None, help="Python on the other nodes [default: this Python's path]."),
+    click.option("--remote_cwd", default=None, help="Working directory on the other nodes [default: this one]."),
+    click.option("--env", multiple=True, metavar="K=V", help="Set K=V for every rank on every node (repeatable)."),
+    click.option("--print_env", is_flag=True, help="Show the variables each rank gets (propagated values masked)."),
+    click.option("--dry_run", is_flag=True, help="Print the placement (and the environment with --print_env) and exit."),
+]
+_FIELDS = [f.name for f in fields(MultinodeOptions)]
+
+
+def multinode_options(command):
+    """Decorator adding the multi-node options; the command receives them as one `multinode` argument."""
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        options = MultinodeOptions(**{name: kwargs.pop(name) for name in _FIELDS})
+        return command(*args, multinode=options, **kwargs)
+
+    for option in reversed(_OPTIONS):
+        wrapper = option(wrapper)
+    return wrapper
+
+
+@dataclass(frozen=True)
+class RankCommand:
+    """What the local CLI already settled: the rank argv and the per-job knobs."""
+
+    command: list[str]
+    num_procs: int | None
+    master_addr: str | None
+    master_port: int | None
+    grace_period: float
+    pass_local_rank: bool
+    log_dir: str | None
+
+
+def run_multinode(opts: MultinodeOptions, rc: RankCommand, console: Console) -> int:
+    """Place the ranks, check everything, launch with the chosen launcher; returns dsrun's exit status.
+
+    Raises:
+        click.UsageError: bad hostfile, filter, env file or option mix (nothing started).
+        click.ClickException: the nodes cannot be reached (nothing started).
+    """
+    launcher = opts.launcher or ("ssh" if opts.hostfile else "local")
+    try:
+        return _run(opts, rc, launcher, console)
+    except (HostfileError, EnvFileError, FileNotFoundError, ValueError) as exc:
+        raise click.UsageError(str(exc)) from exc
+
+
+def _hosts(opts: MultinodeOptions, launcher: str, num_procs: int | None) -> tuple[list[Host], int | None]:
+    """The candidate hosts, and the --num_procs still to apply per host."""
+    if launcher == "slurm":
+        from dsrun.launcher.slurm import SlurmError, allocation_from_env
+        if opts.hostfile:
+            raise ValueError("--launcher slurm takes the nodes from the allocation; drop --hostfile")
+        try:
+            alloc = allocation_from_env(os.environ)
+        except SlurmError as exc:
+            raise ValueError(str(exc)) from exc
+        return [Host(n, c) for n, c in zip(alloc.nodes, alloc.ranks_per_node(num_procs))], None
+    if opts.hostfile:
+        if launcher == "local":
+            raise ValueError("--launcher local runs on this machine only; drop --hostfile or use --launcher ssh")
+        return parse_hostfile(opts.hostfile), num_procs
+    if opts.include or opts.exclude or opts.num_nodes is not None or launcher == "ssh":
+        raise ValueError("--include/--exclude/--num_nodes and --launcher ssh need --hostfile")
+    if num_procs is None:
+        from dsrun.launcher.cli import default_num_procs
+        num_procs = default_num_procs()
+    return [Host("localhost", num_procs)], None
+
+
+def _run(opts: MultinodeOptions, rc: RankCommand, launcher: str, console: Console) -> int:
+    hosts, per_host = _hosts(opts, launcher, rc.num_procs)
+    selection = select_slots(hosts, opts.include, opts.exclude, opts.num_nodes, per_host)
+    placement = build_placement(selection)
+    cwd = opts.remote_cwd or os.getcwd()
+    python = opts.remote_python or sys.executable
+    command = [python, *rc.command[1:]] if rc.command[0] == sys.executable else rc.command
+    env = propagated_env(os.environ, Path(cwd), opts.env)
+    job_id = new_job_id()
+    master_addr = rc.master_addr or placement.hosts[0]
+    if launcher == "local":
+        master_addr = rc.master_addr or "127.0.0.1"
+
+    def jobs_for(addr: str, port: int) -> list[NodeJob]:
+        return node_jobs(placement, job_id=job_id, master_addr=addr, master_port=port, command=command, cwd=cwd,
+                         env=env, grace_period=rc.grace_period, pass_local_rank=rc.pass_local_rank,
+                         log_dir=rc.log_dir, visible_devices=launcher in ("ssh", "local"))
+
+    if opts.dry_run:
+        print_placement(placement, console, master_addr)
+        if opts.print_env:
+            print_environment(jobs_for(master_addr, rc.master_port or DEFAULT_MASTER_PORT), console)
+        return 0
+    if launcher in ("openmpi", "mpich"):
+        return _run_mpi(launcher, placement, command, env, master_addr, rc.master_port or derived_port(job_id), opts, console)
+    if launcher == "slurm":
+        from dsrun.launcher.slurm import SlurmRunner, allocation_from_env
+        alloc = allocation_from_env(os.environ)
+        jobs = jobs_for(master_addr, rc.master_port or alloc.default_port())
+        runner = SlurmRunner(alloc, python)
+        return _run_head(jobs, runner, opts, console)
+    if launcher == "local":
+        from dsrun.launcher.local import LocalRunner
+        from dsrun.launcher.ports import choose_master_port
+        port, notice = choose_master_port(master_addr, rc.master_port)
+        if notice:
+            console.print(f"dsrun: {notice}")
+        return _run_head(jobs_for(master_addr, port), LocalRunner(), opts, console)
+    from dsrun.launcher.ssh import HostKeyPolicy, SshConnectError, prepare_ssh_launch
+    try:
+        launch = prepare_ssh_launch(placement.hosts, ssh_config=opts.ssh_config,
+                                    policy=HostKeyPolicy(opts.ssh_host_key_policy), python=python, cwd=cwd,
+                                    job_id=job_id, master_addr=rc.master_addr, master_port=rc.master_port)
+    except SshConnectError as exc:
+        console.print(exc.table())
+        raise click.ClickException(f"{exc.stage} failed on {', '.join(exc.failures)}; nothing was started") from exc
+    for note in launch.notes:
+        console.print(f"dsrun: {note}")
+    try:
+        return _run_head(jobs_for(launch.master_addr, launch.master_port), launch.runner, opts, console)
+    finally:
+        launch.runner.close()
+
+
+def _run_head(jobs: list[NodeJob], runner, opts: MultinodeOptions, console: Console) -> int:
+    if opts.print_env:
+        print_environment(jobs, console)
+    console.print(f"dsrun: job {jobs[0].job_id}: {jobs[0].world_size} rank(s) on {len(jobs)} node(s), "
+                  f"master {jobs[0].master_addr}:{jobs[0].master_port}")
+    return Head(jobs, runner, console).run()
+
+
+def _run_mpi(flavor: str, placement, command: list[str], env: dict[str, str], master_addr: str, port: int,
+             opts: MultinodeOptions, console: Console) -> int:
+    from dsrun.launcher.mpi import mpirun_command, mpirun_env
+    argv = mpirun_command(flavor, placement, command, list(env))
+    if opts.print_env:
+        console.print("dsrun: forwarded by name to every rank: " + ", ".join(masked(env)))
+    console.print("dsrun: " + " ".join(argv))  # names only: no value is on this line
+    try:
+        proc = subprocess.run(argv, env=mpirun_env(os.environ, env, master_addr, port))
+    except FileNotFoundError as exc:
+        raise click.ClickException(f"{argv[0]} is not on PATH; install {flavor} or pick another --launcher") from exc
+    return exit_status(proc.returncode)
+
+
+def print_environment(jobs: list[NodeJob], console: Console) -> None:
+    """Show what each rank gets: dsrun's rank variables in clear, propagated values masked."""
+    console.print("dsrun: environment of each rank (propagated values masked):")
+    for job in jobs:
+        own = {k: v for k, v in job.env.items() if k == "CUDA_VISIBLE_DEVICES"}
+        shared = {k: v for k, v in job.env.items() if k not in own}
+        console.print(f"  node {job.node_rank} ({job.host}): " + " ".join(masked(shared)), soft_wrap=True)
+        for index, rank in enumerate(job.ranks):
+            contract = {**own, **rank_environment(job, index)}
+            console.print(f"    rank {rank}: " + " ".join(f"{k}={v}" for k, v in contract.items()), soft_wrap=True)

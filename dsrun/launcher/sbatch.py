@@ -1,0 +1,110 @@
+"""`dsrun-sbatch`: write (and optionally submit) a Slurm batch script that runs a dsrun job.
+
+    dsrun-sbatch --nodes 2 --gpus-per-node 8 --time 04:00:00 --partition gpu \\
+        --job-name gpt --submit train.py --config cfg.json
+
+The script asks Slurm for the nodes and one task slot per rank, then runs
+`dsrun --launcher slurm` inside the allocation with the same Python and
+working directory as this command, so the cluster job needs no hostfile
+and no SSH. Without --submit the script is only written (default
+`<job-name>.sbatch`) for users who keep job scripts in their repository.
+"""
+from __future__ import annotations
+
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import click
+
+_TIME = re.compile(r"^(\d+-)?\d+(:\d{2}){0,2}$")
+
+
+def batch_script(*, nodes: int, ranks_per_node: int, gpus_per_node: int, time: str | None, partition: str | None,
+                 job_name: str, output: str | None, cwd: str, python: str, dsrun_args: list[str],
+                 command: list[str]) -> str:
+    """The text of the batch script.
+
+    Args:
+        ranks_per_node: tasks per node (dsrun starts one rank per task).
+        dsrun_args: extra dsrun options placed before the script (e.g. --grace_period 5).
+        command: the training script and its arguments.
+    """
+    directives = [f"--job-name={job_name}", f"--nodes={nodes}", f"--ntasks-per-node={ranks_per_node}"]
+    if gpus_per_node:
+        directives.append(f"--gpus-per-node={gpus_per_node}")
+    if time:
+        directives.append(f"--time={time}")
+    if partition:
+        directives.append(f"--partition={partition}")
+    if output:
+        directives.append(f"--output={output}")
+    run = [python, "-m", "dsrun.launcher.cli", "--launcher", "slurm", *dsrun_args, *command]
+    return "\n".join([
+        "#!/bin/bash",
+        *(f"#SBATCH {d}" for d in directives),
+        "# Written by dsrun-sbatch: dsrun reads the allocation (SLURM_JOB_NODELIST, tasks per node)",
+        "# and starts one agent per node with srun; no hostfile, no SSH.",
+        "set -euo pipefail",
+        f"cd {shlex.quote(cwd)}",
+        "exec " + shlex.join(run),
+        "",
+    ])
+
+
+@click.command(context_settings=dict(ignore_unknown_options=True, allow_interspersed_args=False,
+                                     help_option_names=["-h", "--help"]))
+@click.option("--nodes", type=click.IntRange(min=1), required=True, help="Number of nodes.")
+@click.option("--gpus-per-node", type=click.IntRange(min=0), default=0, show_default=True, help="GPUs per node.")
+@click.option("--ranks-per-node", type=click.IntRange(min=1), default=None,
+              help="Ranks per node [default: --gpus-per-node, or 1 without GPUs].")
+@click.option("--time", "time_limit", default=None, help="Time limit, Slurm format (e.g. 04:00:00 or 1-12:00:00).")
+@click.option("--partition", default=None, help="Slurm partition.")
+@click.option("--job-name", default="dsrun", show_default=True, help="Slurm job name.")
+@click.option("--output", default=None, help="Slurm output file pattern (e.g. logs/%j.out).")
+@click.option("--script", "script_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Where to write the batch script [default: <job-name>.sbatch].")
+@click.option("--dsrun-arg", "dsrun_args", multiple=True, help="An option for dsrun itself (repeatable), e.g. --dsrun-arg=--grace_period=5.")
+@click.option("--submit", is_flag=True, help="Submit the script with sbatch after writing it.")
+@click.option("--wait", is_flag=True, help="With --submit: wait for the job to end and exit with its status (sbatch --wait).")
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+def cli(nodes, gpus_per_node, ranks_per_node, time_limit, partition, job_name, output, script_path, dsrun_args,
+        submit, wait, command) -> None:
+    """Write a Slurm batch script running COMMAND (a training script and its arguments) with dsrun."""
+    if time_limit and not _TIME.match(time_limit):
+        raise click.BadParameter(f"{time_limit!r} is not a Slurm time; use MM, HH:MM:SS or D-HH:MM:SS", param_hint="--time")
+    if not re.fullmatch(r"[\w.\-]+", job_name):
+        raise click.BadParameter(f"{job_name!r}: use letters, digits, '.', '_' and '-'", param_hint="--job-name")
+    if not Path(command[0]).is_file():
+        raise click.BadParameter(f"training script {command[0]!r} does not exist (relative to {Path.cwd()})",
+                                 param_hint="COMMAND")
+    if wait and not submit:
+        raise click.BadParameter("--wait only makes sense with --submit", param_hint="--wait")
+    text = batch_script(nodes=nodes, ranks_per_node=ranks_per_node or gpus_per_node or 1, gpus_per_node=gpus_per_node,
+                        time=time_limit, partition=partition, job_name=job_name, output=output, cwd=str(Path.cwd()),
+                        python=sys.executable, dsrun_args=list(dsrun_args), command=list(command))
+    path = script_path or Path(f"{job_name}.sbatch")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.chmod(0o755)
+    tmp.replace(path)  # never leave a half-written script
+    click.echo(f"dsrun-sbatch: wrote {path}", err=True)
+    if not submit:
+        return
+    sbatch = shutil.which("sbatch")
+    if sbatch is None:
+        raise click.ClickException(f"sbatch is not on PATH; submit {path} on a Slurm login node")
+    proc = subprocess.run([sbatch, *(["--wait"] if wait else []), str(path)])
+    sys.exit(proc.returncode)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console-script entry point (`dsrun-sbatch`)."""
+    cli.main(args=argv, prog_name="dsrun-sbatch")
+
+
+if __name__ == "__main__":
+    main()

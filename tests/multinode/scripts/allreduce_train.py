@@ -1,0 +1,73 @@
+"""A small data-parallel training run with gloo, for launcher tests.
+
+Each rank trains the same linear model on its shard of a fixed global batch,
+averages gradients with all_reduce and steps SGD; rank 0 prints the global
+loss per step as `LOSS <step> <value>`. Every rank prints one `WHERE` line
+(rank, the sshd address it was started through, whether the secret variable
+arrived, whether any process command line on this machine shows it).
+
+    --mode train        train and exit 0
+    --mode sleep        write PIDDIR/rank_N.pid and sleep (the test kills one rank)
+    --mode fail         rank --fail_rank raises after --steps steps; the others wait in all_reduce
+"""
+import argparse
+import hashlib
+import os
+import sys
+import time
+
+import psutil
+import torch
+import torch.distributed as dist
+
+p = argparse.ArgumentParser()
+p.add_argument("--mode", default="train", choices=["train", "sleep", "fail"])
+p.add_argument("--steps", type=int, default=5)
+p.add_argument("--fail_rank", type=int, default=-1)
+p.add_argument("--piddir", default="")
+p.add_argument("--secret_var", default="HF_TOKEN")
+args = p.parse_args()
+
+torch.set_num_threads(1)
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+secret = os.environ.get(args.secret_var, "")
+shown = any(secret and secret in " ".join(proc.info["cmdline"] or [])
+            for proc in psutil.process_iter(["cmdline"]))
+print(f"WHERE rank={rank} local_rank={os.environ['LOCAL_RANK']} node_rank={os.environ['NODE_RANK']} "
+      f"via={(os.environ.get('SSH_CONNECTION') or '- - local').split()[2]} "
+      f"secret_sha={hashlib.sha256(secret.encode()).hexdigest()[:12]} secret_in_cmdline={shown}", flush=True)
+
+if args.mode == "sleep":
+    with open(os.path.join(args.piddir, f"rank_{rank}.pid"), "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(300)
+    sys.exit(0)
+
+dist.init_process_group("gloo")
+g = torch.Generator().manual_seed(0)
+global_x = torch.randn(8 * args.steps, 16, generator=g)
+global_y = global_x @ torch.randn(16, 1, generator=g) + 0.1 * torch.randn(8 * args.steps, 1, generator=g)
+model = torch.nn.Linear(16, 1)
+torch.nn.init.zeros_(model.weight)
+torch.nn.init.zeros_(model.bias)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+per_rank = 8 // world
+for step in range(args.steps):
+    if args.mode == "fail" and rank == args.fail_rank and step == args.steps - 1:
+        raise RuntimeError(f"injected failure on rank {rank}")
+    lo = step * 8 + rank * per_rank
+    x, y = global_x[lo:lo + per_rank], global_y[lo:lo + per_rank]
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    opt.zero_grad()
+    loss.backward()
+    for param in model.parameters():
+        dist.all_reduce(param.grad)
+        param.grad /= world
+    opt.step()
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    if rank == 0:
+        print(f"LOSS {step} {total.item() / world:.8f}", flush=True)
+if args.mode == "fail":
+    time.sleep(120)  # never reached by the healthy ranks: they block in all_reduce above
+dist.destroy_process_group()
