@@ -16,6 +16,7 @@ from rich.console import Console
 from dsrun.launcher.head import Head
 from dsrun.launcher.job import local_node_job
 from dsrun.launcher.local import LocalRunner
+from dsrun.launcher.multinode import MultinodeOptions, RankCommand, multinode_options, run_multinode
 from dsrun.launcher.ports import PortError, choose_master_port
 
 # dsrun's own messages go to stderr; rank output is passed through untouched.
@@ -53,13 +54,15 @@ def rank_command(script: str, script_args: tuple[str, ...], module: bool) -> lis
         ignore_unknown_options=True, allow_interspersed_args=False, help_option_names=["-h", "--help"]
     )
 )
+@multinode_options
 @click.option(
     "--num_procs", "--num_gpus", "--num_accelerators", "num_procs", type=int, default=None,
     callback=_positive_count, help="Ranks to start on this machine [default: one per visible GPU, else 1].",
 )
 @click.option("--master_port", type=click.IntRange(1, 65535), default=None,
               help="Rendezvous port [default: 29500, or a free port if 29500 is busy].")
-@click.option("--master_addr", default="127.0.0.1", show_default=True, help="Rendezvous address (rank 0's host).")
+@click.option("--master_addr", default=None,
+              help="Rendezvous address (rank 0's host) [default: 127.0.0.1; with several nodes the first host].")
 @click.option("--log_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Also write each rank's output to DIR/rank_N.log.")
 @click.option("--module", is_flag=True, help="Run SCRIPT as a module (python -m SCRIPT).")
@@ -73,13 +76,14 @@ def cli(
     ctx: click.Context,
     num_procs: int | None,
     master_port: int | None,
-    master_addr: str,
+    master_addr: str | None,
     log_dir: Path | None,
     module: bool,
     pass_local_rank: bool,
     grace_period: float,
     script: str,
     script_args: tuple[str, ...],
+    multinode: MultinodeOptions,
 ) -> None:
     """Launch SCRIPT as a distributed job: one process per rank, torch.distributed environment set."""
     if not module and not Path(script).is_file():
@@ -94,6 +98,11 @@ def cli(
             log_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise click.BadParameter(f"cannot create '{log_dir}': {exc.strerror}", param_hint="--log_dir") from exc
+    if multinode.active:  # hostfile, Slurm, MPI, --dry_run ...: see multinode.py
+        ctx.exit(run_multinode(multinode, RankCommand(
+            rank_command(script, script_args, module), num_procs, master_addr, master_port, grace_period,
+            pass_local_rank, str(log_dir) if log_dir else None), console))
+    master_addr = master_addr or "127.0.0.1"
     try:
         port, notice = choose_master_port(master_addr, master_port)
     except PortError as exc:
