@@ -216,7 +216,8 @@ class Agent:
         watchdog.release()
         for rank in self._ranks:
             if rank.log is not None:
-                rank.log.close()
+                with rank.log_lock:
+                    rank.log.close()
         return self._exit_status()
 
     def _spawn_all(self, watchdog: _Watchdog) -> None:
@@ -268,8 +269,9 @@ class Agent:
             self._write(sink, prefix + raw)
             if rank.log is not None:
                 with rank.log_lock:
-                    rank.log.write(raw)
-                    rank.log.flush()
+                    if not rank.log.closed:  # closed once the agent is done waiting for this pipe
+                        rank.log.write(raw)
+                        rank.log.flush()
             if keep_tail:
                 rank.tail.add(raw.decode(errors="replace").rstrip("\r\n"))
         pipe.close()
@@ -290,12 +292,12 @@ class Agent:
         for line in iter(self._stdin.readline, b""):
             try:
                 message = json.loads(line)
-            except ValueError:
-                continue
-            if message.get("kill"):
-                self._events.put(("kill", None))
-            elif "signal" in message:
-                self._events.put(("signal", signal.Signals[message["signal"]]))
+                if message.get("kill"):
+                    self._events.put(("kill", None))
+                elif "signal" in message:
+                    self._events.put(("signal", signal.Signals[message["signal"]]))
+            except (ValueError, AttributeError, KeyError):
+                continue  # not a control line we know; keep listening for the ones we do
         self._events.put(("eof", None))
 
     def _watch(self) -> None:
