@@ -1,0 +1,278 @@
+"""Build and load dsrun's native ops (C++ in csrc/), or say why not.
+
+Each op is a plain shared library with a C interface, built by
+torch.utils.cpp_extension (ninja) just in time on first use, or ahead of time
+by `DSRUN_BUILD_OPS=1 pip install .`, and called from Python through ctypes.
+
+[Note: build time] A C++ file that includes torch/extension.h costs 25-30 s
+of CPU to compile on the reference machine; DeepSpeed's async_io took 202 s
+cold. dsrun's kernels include no torch (or Python) header at all: the Python
+side checks dtypes, devices and sizes and passes raw pointers, and ctypes
+releases the GIL for the duration of every call. A cold build of an op takes
+a few seconds.
+
+[Note: build cache] Builds live in `$DSRUN_OPS_CACHE` (default
+`$XDG_CACHE_HOME/dsrun/ops`, i.e. ~/.cache/dsrun/ops) in a directory named
+`<op>-<key>`, where the key hashes the op's sources, flags, the torch version,
+the compiler's identity and the CPU architecture. A change to any of these
+builds afresh; nothing is ever reused across them. A file lock per key makes
+concurrent ranks build once: the first builds, the others wait and load.
+A marker file written after a successful build guards against a half-written
+library left by a killed build.
+
+An op that cannot be built (no compiler, missing library headers, a compile
+error, `DSRUN_OPS_DISABLE`) is reported once with one line saying why, and
+the caller uses its pure-PyTorch fallback.
+"""
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("dsrun.ops")
+
+_PKG_DIR = Path(__file__).resolve().parent
+# Sources: the repository's csrc/ (editable installs, a clone) or the copy
+# that setup.py puts inside the installed package.
+_CSRC_CANDIDATES = (_PKG_DIR.parent.parent / "csrc", _PKG_DIR / "csrc")
+PREBUILT_DIR = _PKG_DIR / "_prebuilt"
+
+
+class OpBuildError(RuntimeError):
+    """An op cannot be built or loaded; the message is the one-line reason."""
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """How to build one op.
+
+    Attributes:
+        name: op name (also the library name, prefixed with `dsrun_`).
+        sources: C++ files relative to csrc/.
+        cflags / ldflags: extra compiler and linker flags.
+        headers: system headers the op needs; probed before building so a
+            missing -dev package gives a precise reason.
+        description: one line for `dsrun-report`.
+    """
+
+    name: str
+    sources: tuple[str, ...]
+    cflags: tuple[str, ...] = ("-O3",)
+    ldflags: tuple[str, ...] = ()
+    headers: tuple[str, ...] = ()
+    description: str = ""
+    # Directories under csrc/ whose files (headers included) enter the cache key.
+    hashed_dirs: tuple[str, ...] = field(default=())
+
+
+OPS: dict[str, OpSpec] = {
+    "cpu_adam": OpSpec(
+        name="cpu_adam",
+        sources=("cpu_adam/cpu_adam.cpp", "cpu_adam/adam_scalar.cpp",
+                 "cpu_adam/adam_avx2.cpp", "cpu_adam/adam_avx512.cpp"),
+        cflags=("-O3", "-fopenmp"),
+        ldflags=("-fopenmp",),
+        description="CPU Adam/AdamW, scalar/AVX2/AVX-512 chosen at run time, OpenMP",
+        hashed_dirs=("cpu_adam",),
+    ),
+}
+
+
+def csrc_dir() -> Path:
+    """The directory holding the C++ sources. Raises OpBuildError if none exists."""
+    for cand in _CSRC_CANDIDATES:
+        if cand.is_dir():
+            return cand
+    raise OpBuildError(f"C++ sources not found (looked in {', '.join(map(str, _CSRC_CANDIDATES))})")
+
+
+def cache_root() -> Path:
+    """Per-user build cache root (see [Note: build cache])."""
+    env = os.environ.get("DSRUN_OPS_CACHE")
+    if env:
+        return Path(env)
+    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(xdg) / "dsrun" / "ops"
+
+
+def compiler() -> str:
+    """The C++ compiler torch.utils.cpp_extension will run ($CXX or c++)."""
+    return os.environ.get("CXX", "c++")
+
+
+@lru_cache(maxsize=None)
+def _compiler_identity(cxx: str) -> str:
+    path = shutil.which(cxx)
+    if path is None:
+        raise OpBuildError(f"C++ compiler {cxx!r} not found (install g++ or set CXX to a C++ compiler)")
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30)
+    except OSError as e:
+        raise OpBuildError(f"C++ compiler {path!r} cannot run: {e}") from None
+    if out.returncode != 0:
+        raise OpBuildError(f"C++ compiler {path!r} --version failed: {out.stderr.strip()[:200]}")
+    return f"{os.path.realpath(path)}: {out.stdout.splitlines()[0] if out.stdout else ''}"
+
+
+def compiler_version() -> str:
+    """First line of `$CXX --version`, or why it is unavailable (for reports)."""
+    try:
+        return _compiler_identity(compiler()).split(": ", 1)[1]
+    except OpBuildError as e:
+        return f"unavailable ({e})"
+
+
+def _probe_headers(spec: OpSpec, cxx: str) -> None:
+    for header in spec.headers:
+        proc = subprocess.run([cxx, "-x", "c++", "-E", "-o", os.devnull, "-"],
+                              input=f"#include <{header}>\n", capture_output=True, text=True, timeout=60)
+        if proc.returncode != 0:
+            pkg = {"liburing.h": "liburing-dev", "libaio.h": "libaio-dev"}.get(header, "its -dev package")
+            raise OpBuildError(f"header <{header}> not found (install {pkg})")
+
+
+def cache_key(spec: OpSpec) -> str:
+    """Hash of everything the built library depends on (see [Note: build cache])."""
+    root = csrc_dir()
+    h = hashlib.sha256()
+    files = {root / s for s in spec.sources}
+    for d in spec.hashed_dirs:
+        files.update(p for p in (root / d).rglob("*") if p.is_file())
+    for p in sorted(files):
+        h.update(str(p.relative_to(root)).encode())
+        h.update(p.read_bytes())
+    h.update(repr((spec.cflags, spec.ldflags, torch.__version__, _compiler_identity(compiler()),
+                   platform.machine())).encode())
+    return h.hexdigest()[:16]
+
+
+def _disabled(name: str) -> bool:
+    value = os.environ.get("DSRUN_OPS_DISABLE", "")
+    names = {v.strip() for v in value.split(",") if v.strip()}
+    return "all" in names or name in names
+
+
+def _lib_name(spec: OpSpec) -> str:
+    return f"dsrun_{spec.name}"
+
+
+def build(spec: OpSpec, build_dir: Path | None = None, verbose: bool = False) -> Path:
+    """Build `spec` (or reuse a complete earlier build) and return the library path.
+
+    build_dir defaults to the per-user cache directory for the op's key.
+    Concurrent callers (ranks) serialise on a file lock; all but the first
+    find the finished library. Raises OpBuildError with a one-line reason.
+    """
+    cxx = compiler()
+    _compiler_identity(cxx)  # a missing compiler fails here, with its reason
+    _probe_headers(spec, cxx)
+    key = cache_key(spec)
+    out_dir = build_dir or cache_root() / f"{spec.name}-{key}"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    done = out_dir / "BUILD_OK"  # holds the library's file name once a build completed
+    with open(out_dir / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # other ranks wait here while one builds
+        if done.exists() and (out_dir / done.read_text().strip()).exists():
+            return out_dir / done.read_text().strip()
+        # Leftovers of a killed build: a possibly half-written library, and
+        # torch's own lock file, which would make load() wait forever. Nobody
+        # else is building here: we hold the lock.
+        for stale in out_dir.glob("*.so"):
+            stale.unlink()
+        (out_dir / "lock").unlink(missing_ok=True)
+        from torch.utils.cpp_extension import load  # imported late: it is slow to import
+
+        src = csrc_dir()
+        try:
+            # Returns the library's path; torch appends _v<N> to the name when
+            # one process builds the same name twice with other inputs.
+            path = load(name=_lib_name(spec), sources=[str(src / s) for s in spec.sources],
+                        extra_cflags=list(spec.cflags), extra_ldflags=list(spec.ldflags),
+                        extra_include_paths=[str(src)], build_directory=str(out_dir),
+                        verbose=verbose, is_python_module=False)
+        except Exception as e:  # cpp_extension raises RuntimeError/OSError/CalledProcessError
+            (out_dir / "build.log").write_text(str(e))
+            lines = str(e).splitlines() or [type(e).__name__]
+            first = next((ln.strip() for ln in lines if "error:" in ln), lines[0])  # the compiler's diagnostic
+            raise OpBuildError(f"build failed: {first[:300]} (log: {out_dir / 'build.log'})") from None
+        done.write_text(Path(path).name)
+        return Path(path)
+
+
+@dataclass
+class OpStatus:
+    """What `dsrun-report` prints for one op."""
+
+    name: str
+    compatible: bool
+    built: bool
+    loaded: bool
+    reason: str | None
+    path: str | None
+
+
+class NativeOp:
+    """Loads one op's library once per process and remembers why it could not."""
+
+    def __init__(self, spec: OpSpec):
+        self.spec = spec
+        self._lib: ctypes.CDLL | None = None
+        self._reason: str | None = None
+        self._path: Path | None = None
+        self._tried = False
+
+    def _find_prebuilt(self) -> Path | None:
+        done = PREBUILT_DIR / f"{self.spec.name}-{cache_key(self.spec)}" / "BUILD_OK"
+        return done.parent / done.read_text().strip() if done.exists() else None
+
+    def load(self) -> ctypes.CDLL | None:
+        """The loaded library, or None (reason in `.reason`, logged once)."""
+        if self._tried:
+            return self._lib
+        self._tried = True
+        try:
+            if _disabled(self.spec.name):
+                raise OpBuildError("disabled by DSRUN_OPS_DISABLE")
+            self._path = self._find_prebuilt() or build(self.spec)
+            self._lib = ctypes.CDLL(str(self._path))
+        except (OpBuildError, OSError) as e:
+            self._reason = str(e)
+            log.warning("dsrun.ops: %s: using the PyTorch fallback: %s", self.spec.name, self._reason)
+        return self._lib
+
+    @property
+    def reason(self) -> str | None:
+        return self._reason
+
+    @property
+    def path(self) -> Path | None:
+        return self._path
+
+    def status(self) -> OpStatus:
+        """Try to load, and say how it went."""
+        lib = self.load()
+        reason = self._reason
+        compatible = reason is None or reason.startswith("build failed")
+        return OpStatus(self.spec.name, compatible, self._path is not None, lib is not None,
+                        reason, str(self._path) if self._path else None)
+
+
+_LOADED: dict[str, NativeOp] = {}
+
+
+def get_op(name: str) -> NativeOp:
+    """The process-wide NativeOp for `name` (one of OPS). Raises KeyError otherwise."""
+    if name not in _LOADED:
+        _LOADED[name] = NativeOp(OPS[name])
+    return _LOADED[name]
