@@ -11,8 +11,16 @@ import torch
 
 from dsrun.runtime.dist import Topology
 from dsrun.runtime.precision import PrecisionPolicy
+from dsrun.runtime.zero.api import (GatheredParameters, safe_get_full_fp32_param, safe_get_full_grad,
+                                    safe_get_full_optimizer_state)
+from dsrun.runtime.zero.init import Init
 from dsrun.runtime.zero.stage12 import PartitionedOptimizerStrategy
+from dsrun.runtime.zero.stage3 import PartitionedParamStrategy
 from dsrun.runtime.zero.strategy import ZeroStrategy
+
+__all__ = ["Init", "GatheredParameters", "safe_get_full_fp32_param", "safe_get_full_grad",
+           "safe_get_full_optimizer_state", "build_zero_strategy", "ZeroStrategy",
+           "PartitionedOptimizerStrategy", "PartitionedParamStrategy"]
 
 
 def build_zero_strategy(cfg, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -30,4 +38,9 @@ def build_zero_strategy(cfg, module: torch.nn.Module, optimizer: torch.optim.Opt
             module, optimizer, topology, precision, zero.stage,
             reduce_bucket_size=int(zero.reduce_bucket_size),
             allgather_bucket_size=int(zero.allgather_bucket_size))
+    if zero.stage == 3:
+        return PartitionedParamStrategy(
+            module, optimizer, topology, precision,
+            persistence_threshold=int(zero.stage3_param_persistence_threshold),
+            prefetch_numel=int(zero.stage3_prefetch_bucket_size))
     raise ValueError(f"zero_optimization.stage={zero.stage} is not available")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+import weakref
 
 import torch
 
@@ -28,6 +29,17 @@ from dsrun.runtime.precision import PrecisionPolicy
 from dsrun.runtime.zero.flat_params import FlatParamSet
 
 log = logging.getLogger("dsrun.zero")
+
+# id(param) -> (weak param, weak strategy): who manages a parameter (api.py).
+_OWNERS: dict[int, tuple] = {}
+
+
+def owner_of(param: torch.Tensor) -> "ZeroStrategy | None":
+    """The ZeRO strategy managing `param`, or None."""
+    entry = _OWNERS.get(id(param))
+    if entry is None or entry[0]() is not param:
+        return None
+    return entry[1]()
 
 
 class ZeroStrategy(GradientStrategy):
@@ -64,7 +76,9 @@ class ZeroStrategy(GradientStrategy):
             for b, view in zip(fset.layout.buckets, fset.master_views):
                 per_group[fset.group_of_bucket[b.index]].append(view)
             for slot in fset.layout.slots:
-                self._owner[id(fset.params[slot.index])] = (fset, slot.index)
+                p = fset.params[slot.index]
+                self._owner[id(p)] = (fset, slot.index)
+                _OWNERS[id(p)] = (weakref.ref(p), weakref.ref(self))
         for group, views in zip(self.optimizer.param_groups, per_group):
             group["params"] = views
 
@@ -186,6 +200,23 @@ class ZeroStrategy(GradientStrategy):
         if not self.replicated:
             comm.all_reduce(piece, group=self.group)
         return piece
+
+    def sync_master_from_params(self, params) -> None:
+        """After `params` (full values, e.g. inside GatheredParameters) were
+        modified identically on every rank, copy this rank's pieces of them
+        into the master weights and, for stage 3, the compute partition."""
+        for p in params:
+            if id(p) not in self._owner:
+                continue
+            fset, idx = self._owner[id(p)]
+            flat = p.detach().reshape(-1)
+            for piece in fset.layout.local_pieces(fset.rank):
+                if piece.slot.index != idx:
+                    continue
+                n = piece.hi - piece.lo
+                for target in (fset.master, fset.partition):
+                    if target is not None:
+                        target[piece.shard_offset:piece.shard_offset + n].copy_(flat[piece.lo:piece.hi])
 
     def full_fp32_param(self, param):
         """Full fp32 master value of `param` (collective)."""

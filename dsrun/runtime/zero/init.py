@@ -1,0 +1,144 @@
+"""`zero.Init`: build a model with its parameters already partitioned.
+
+Inside `with dsrun.zero.Init():` every parameter a module creates is, as
+soon as the module's constructor returns, replaced by this rank's shard of
+it (rank 0's value, padded to a multiple of N, shard r = elements
+[r*w, (r+1)*w)); the parameter itself keeps an empty tensor. The full model
+therefore never exists on one rank: peak memory is the largest single
+module's parameters plus the shards. The stage-3 strategy rebuilds full
+values one unit at a time (`restore_full`) when it lays the unit out.
+
+Limits (as in DeepSpeed): code that initialises weights of a sub-module
+AFTER that sub-module was constructed (e.g. `self.apply(self._init_weights)`
+at the end of the outer constructor) sees empty tensors; wrap it in
+`GatheredParameters(..., modifier_rank=0)` or initialise inside the
+sub-module's constructor.
+"""
+from __future__ import annotations
+
+import functools
+import weakref
+
+import torch
+
+from dsrun.runtime import comm
+from dsrun.runtime.dist import init_distributed
+
+# id(param) -> (weak param, shard (w,), full shape, numel)
+_SHARDS: dict[int, tuple] = {}
+
+
+def _all_subclasses(cls):
+    out, todo = [], [cls]
+    while todo:
+        c = todo.pop()
+        for sub in c.__subclasses__():
+            out.append(sub)
+            todo.append(sub)
+    return out
+
+
+def is_partitioned(param: torch.Tensor) -> bool:
+    """True while `param` holds only its zero.Init shard."""
+    entry = _SHARDS.get(id(param))
+    return entry is not None and entry[0]() is param
+
+
+def partition_param(param: torch.nn.Parameter, group=None) -> None:
+    """Replace `param`'s data by this rank's shard of rank 0's value (collective)."""
+    if is_partitioned(param):
+        return
+    with torch.no_grad():
+        comm.broadcast(param.data, src=0, group=group)  # every rank starts from rank 0's init
+        n, world, rank = param.numel(), comm.get_world_size(group), comm.get_rank(group)
+        w = -(-n // world)
+        flat = torch.zeros(w * world, dtype=param.dtype, device=param.device)
+        flat[:n].copy_(param.data.reshape(-1))
+        shard = flat[rank * w:(rank + 1) * w].clone()
+    _SHARDS[id(param)] = (weakref.ref(param), shard, tuple(param.shape), n)
+    param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+
+
+def gather_full(param: torch.nn.Parameter, group=None) -> torch.Tensor:
+    """The full value of a zero.Init-partitioned parameter (collective)."""
+    _, shard, shape, n = _SHARDS[id(param)]
+    world, rank = comm.get_world_size(group), comm.get_rank(group)
+    w = shard.numel()
+    flat = torch.zeros(w * world, dtype=shard.dtype, device=shard.device)
+    flat[rank * w:(rank + 1) * w].copy_(shard)
+    comm.all_reduce(flat, group=group)
+    return flat[:n].view(shape)
+
+
+def restore_full(param: torch.nn.Parameter, group=None) -> None:
+    """Give a zero.Init parameter its full value back and forget its shard
+    (collective; no-op for a parameter that is not partitioned)."""
+    if is_partitioned(param):
+        param.data = gather_full(param, group)
+        del _SHARDS[id(param)]
+
+
+def write_shard(param: torch.nn.Parameter, full: torch.Tensor, group=None) -> None:
+    """Store this rank's shard of `full` (param's shape) as param's shard."""
+    _, shard, _, n = _SHARDS[id(param)]
+    rank, w = comm.get_rank(group), shard.numel()
+    flat = full.reshape(-1)
+    lo, hi = min(rank * w, n), min((rank + 1) * w, n)
+    shard.zero_()
+    shard[:hi - lo].copy_(flat[lo:hi])
+
+
+class Init:
+    """Context manager: modules built inside have partitioned parameters.
+
+    Accepts DeepSpeed's arguments; `data_parallel_group` selects the ranks
+    (default all), `enabled=False` makes it a no-op, `dtype` casts the
+    parameters before partitioning. remote_device/pin_memory/config are
+    accepted for compatibility and ignored (no parameter offload yet).
+    Initialises torch.distributed when needed.
+    """
+
+    def __init__(self, module=None, data_parallel_group=None, mem_efficient_linear=True,
+                 remote_device=None, pin_memory=False, config_dict_or_path=None, config=None,
+                 enabled=True, dtype=None, mpu=None, **_compat):
+        self.group = data_parallel_group
+        self.enabled = enabled
+        self.dtype = dtype
+        self._patched: list[tuple[type, object]] = []
+        if module is not None and enabled:
+            init_distributed()
+            for p in module.parameters():
+                self._partition(p)
+
+    def _partition(self, p: torch.nn.Parameter) -> None:
+        if self.dtype is not None and p.is_floating_point():
+            p.data = p.data.to(self.dtype)
+        partition_param(p, self.group)
+
+    def __enter__(self) -> "Init":
+        if not self.enabled:
+            return self
+        init_distributed()
+        for cls in [torch.nn.Module] + _all_subclasses(torch.nn.Module):
+            if "__init__" in cls.__dict__:
+                self._patched.append((cls, cls.__dict__["__init__"]))
+                cls.__init__ = self._wrap(cls.__dict__["__init__"])
+        return self
+
+    def _wrap(self, original):
+        ctx = self
+
+        @functools.wraps(original)
+        def wrapper(module, *args, **kwargs):
+            original(module, *args, **kwargs)
+            # Only the most-derived constructor partitions: a subclass may
+            # still initialise what its parent created.
+            if type(module).__init__ is wrapper:
+                for p in module.parameters(recurse=False):
+                    ctx._partition(p)
+        return wrapper
+
+    def __exit__(self, *exc) -> None:
+        for cls, original in reversed(self._patched):
+            cls.__init__ = original
+        self._patched.clear()
