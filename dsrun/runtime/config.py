@@ -643,7 +643,6 @@ def _on(value: Any) -> bool:
 
 
 NOT_YET_SUPPORTED: tuple[Unsupported, ...] = (
-    Unsupported("zero_optimization.stage", lambda v: v > 2, "ZeRO stage 3", "set it to 0, 1 or 2"),
     Unsupported("fp16.auto_cast", _on, "fp16 auto-casting of inputs"),
     Unsupported("fp16.fp16_master_weights_and_grads", _on, "fp16 master weights"),
     Unsupported("zero_optimization.zero_hpz_partition_size", lambda v: v > 1, "ZeRO++ hierarchical "
