@@ -1,0 +1,169 @@
+"""`initialize()` and `add_config_arguments()`: DeepSpeed's entry points.
+
+`initialize` assembles the pieces in a fixed order -- process group, config,
+model placement and weight broadcast, optimizer, gradient strategy, LR
+scheduler, data loader -- and hands them to an Engine. Each piece is built
+by its own module; this file only decides where each comes from (an object,
+a factory, or the config).
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import torch
+
+from dsrun.runtime import comm
+from dsrun.runtime.config import ConfigError, DsConfig, load_config
+from dsrun.runtime.dataloader import DistributedDataLoader
+from dsrun.runtime.dist import Topology, init_distributed
+from dsrun.runtime.engine import Engine, build_strategy
+from dsrun.runtime.lr_schedules import build_lr_scheduler
+from dsrun.runtime.optimizers import build_optimizer
+
+ConfigSource = dict | str | Path | DsConfig
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add DeepSpeed's arguments to `parser` and return it.
+
+    Adds a "DeepSpeed" argument group with `--deepspeed` (flag) and
+    `--config` (alias `--deepspeed_config`, stored as `args.deepspeed_config`).
+    """
+    group = parser.add_argument_group("DeepSpeed", "DeepSpeed-compatible configuration")
+    group.add_argument("--deepspeed", default=False, action="store_true",
+                       help="enable the dsrun/DeepSpeed runtime (accepted for compatibility)")
+    group.add_argument("--config", "--deepspeed_config", dest="deepspeed_config", default=None,
+                       type=str, help="ds_config file (.json, .yaml or .yml)")
+    return parser
+
+
+def _config_source(args: Any, config: ConfigSource | None,
+                   config_params: ConfigSource | None) -> ConfigSource:
+    """Exactly one config source, or a ConfigError saying which were given."""
+    if config is not None and config_params is not None:
+        raise ConfigError("initialize(): both config= and config_params= were given; "
+                          "pass the config once (config_params is an old alias of config)")
+    given = config if config is not None else config_params
+    from_args = {name: getattr(args, name, None) for name in ("deepspeed_config", "config")}
+    from_args = {k: v for k, v in from_args.items() if v is not None}
+    if len(set(map(str, from_args.values()))) > 1:
+        raise ConfigError(f"args.deepspeed_config={from_args['deepspeed_config']!r} and "
+                          f"args.config={from_args['config']!r} disagree; pass one")
+    if from_args and given is not None:
+        name = next(iter(from_args))
+        raise ConfigError(f"a config was passed to initialize() and also as args.{name}="
+                          f"{from_args[name]!r}; remove one of them")
+    if given is not None:
+        return given
+    if from_args:
+        return next(iter(from_args.values()))
+    raise ConfigError("no config: pass initialize(config=...) (dict or path) or "
+                      "--deepspeed_config PATH (see add_config_arguments)")
+
+
+def _broadcast_module(module: torch.nn.Module) -> None:
+    """Give every rank rank 0's parameters and buffers (different seeds must not diverge)."""
+    with torch.no_grad():
+        for tensor in list(module.parameters()) + list(module.buffers()):
+            comm.broadcast(tensor.data, src=0)
+
+
+def _build_optimizer(optimizer, params: list, cfg: DsConfig) -> torch.optim.Optimizer:
+    if optimizer is not None and cfg.optimizer is not None:
+        raise ConfigError("an optimizer was passed to initialize() and the config also has an "
+                          "'optimizer' section; remove one of them")
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer
+    if callable(optimizer):
+        built = optimizer(params)
+        if not isinstance(built, torch.optim.Optimizer):
+            raise TypeError(f"the optimizer factory returned {type(built).__name__}, "
+                            "not a torch.optim.Optimizer")
+        return built
+    if optimizer is not None:
+        raise TypeError(f"optimizer= must be a torch.optim.Optimizer or a callable taking the "
+                        f"parameters, got {type(optimizer).__name__}")
+    if cfg.optimizer is None:
+        raise ConfigError("no optimizer: pass optimizer= to initialize() or add an "
+                          "'optimizer' section to the config, e.g. "
+                          '{"type": "AdamW", "params": {"lr": 1e-4}}')
+    return build_optimizer(cfg.optimizer.type, dict(cfg.optimizer.params), params)
+
+
+def _build_scheduler(lr_scheduler, optimizer: torch.optim.Optimizer, cfg: DsConfig):
+    if lr_scheduler is not None and cfg.scheduler is not None:
+        raise ConfigError("an lr_scheduler was passed to initialize() and the config also has "
+                          "a 'scheduler' section; remove one of them")
+    if lr_scheduler is None:
+        if cfg.scheduler is None:
+            return None
+        return build_lr_scheduler(cfg.scheduler.type, dict(cfg.scheduler.params), optimizer)
+    # As in DeepSpeed: a callable is a factory (scheduler objects are not callable).
+    if callable(lr_scheduler):
+        return lr_scheduler(optimizer)
+    return lr_scheduler
+
+
+def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
+               model_parameters: Iterable | None = None, training_data=None,
+               lr_scheduler=None, distributed_port: int = 29500, mpu=None,
+               dist_init_required: bool | None = None,
+               collate_fn: Callable | None = None, config: ConfigSource | None = None,
+               config_params: ConfigSource | None = None):
+    """Build the training engine (DeepSpeed's `deepspeed.initialize`, same signature).
+
+    Args:
+        args: namespace whose `deepspeed_config` (or `config`) names the config.
+        model: the torch.nn.Module to train; moved to this rank's device and
+            given rank 0's weights.
+        optimizer: a torch.optim.Optimizer, a callable taking the parameters
+            and returning one, or None to build it from the config.
+        model_parameters: parameters or parameter-group dicts for the
+            optimizer (default: the model's parameters that require grad).
+        training_data: a map-style Dataset; when given, a per-rank data
+            loader of micro-batches is returned.
+        lr_scheduler: a scheduler object, a callable taking the optimizer,
+            or None to build it from the config.
+        distributed_port: MASTER_PORT when the environment sets none.
+        mpu: model-parallel unit; not supported (must be None).
+        dist_init_required: False asserts the process group already exists.
+        collate_fn: batch collation for the data loader.
+        config, config_params: dict, path (.json/.yaml/.yml) or DsConfig.
+
+    Returns:
+        (engine, optimizer, dataloader or None, lr_scheduler or None)
+
+    Raises:
+        ConfigError: no config, two configs, optimizer/scheduler given twice,
+            or an invalid config.
+        ValueError: model missing, or mpu given.
+    """
+    if model is None:
+        raise ValueError("initialize() needs model= (the torch.nn.Module to train)")
+    if mpu is not None:
+        raise ValueError("initialize(mpu=...): model parallelism is not supported by dsrun; "
+                         "pass mpu=None")
+    if dist_init_required is False and not comm.is_initialized():
+        raise RuntimeError("dist_init_required=False but torch.distributed is not initialised; "
+                           "call dsrun.init_distributed() first or drop the argument")
+    source = _config_source(args, config, config_params)
+    topology: Topology = init_distributed(distributed_port=distributed_port)
+    cfg = load_config(source, world_size=topology.world_size)
+    comm.comms_logger.configure(cfg.comms_logger.enabled, cfg.comms_logger.verbose,
+                                cfg.comms_logger.prof_all, cfg.comms_logger.prof_ops)
+
+    model.to(topology.device)
+    _broadcast_module(model)
+    params = (list(model_parameters) if model_parameters is not None
+              else [p for p in model.parameters() if p.requires_grad])
+    basic_optimizer = _build_optimizer(optimizer, params, cfg)
+    strategy = build_strategy(cfg, model, basic_optimizer, topology)
+    scheduler = _build_scheduler(lr_scheduler, strategy.optimizer, cfg)
+    loader = None
+    if training_data is not None:
+        loader = DistributedDataLoader(training_data, cfg.train_micro_batch_size_per_gpu,
+                                       topology, collate_fn=collate_fn)
+    engine = Engine(model, strategy, scheduler, cfg, topology)
+    return engine, engine.optimizer, loader, engine.lr_scheduler
