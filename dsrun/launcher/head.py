@@ -122,6 +122,7 @@ class Head:
 
     @property
     def grace_period(self) -> float:
+        """Longest SIGTERM-to-SIGKILL grace period among the nodes, seconds."""
         return max(job.grace_period for job in self.jobs)
 
     def run(self) -> int:
