@@ -670,9 +670,7 @@ NOT_YET_SUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("csv_monitor.enabled", _on, "CSV monitor output"),
     Unsupported("wandb.enabled", _on, "Weights & Biases logging"),
     Unsupported("flops_profiler.enabled", _on, "the FLOPs profiler"),
-    Unsupported("comms_logger.enabled", _on, "the communication logger"),
     Unsupported("optimizer.type", lambda v: v == "Lamb", "the Lamb optimizer", "use Adam or AdamW"),
-    Unsupported("optimizer.type", lambda v: v == "Lion", "the Lion optimizer", "use Adam or AdamW"),
 )
 
 

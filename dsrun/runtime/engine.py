@@ -14,7 +14,7 @@ from typing import Any, Iterator
 import torch
 
 from dsrun.runtime.comm import OpStats, comms_logger
-from dsrun.runtime.config import ConfigError, DsConfig
+from dsrun.runtime.config import DsConfig
 from dsrun.runtime.data_parallel import AllReduceStrategy, GradientStrategy
 from dsrun.runtime.dist import Topology
 from dsrun.runtime.logging import ProgressLog
@@ -23,19 +23,15 @@ from dsrun.runtime.zero import build_zero_strategy
 
 def build_strategy(cfg: DsConfig, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
                    topology: Topology) -> GradientStrategy:
-    """The GradientStrategy for `cfg.zero_optimization.stage` (the only stage switch).
+    """The GradientStrategy for the config: the only switch on ZeRO stage and precision.
 
-    Raises:
-        ConfigError: a stage this build does not provide.
+    Stage 0 in fp32 is AllReduceStrategy; everything else is built by
+    `dsrun.runtime.zero.build_zero_strategy`.
     """
-    stage = cfg.zero_optimization.stage
-    if stage > 0 or cfg.fp16.enabled or cfg.bf16.enabled:
+    if cfg.zero_optimization.stage > 0 or cfg.fp16.enabled or cfg.bf16.enabled:
         return build_zero_strategy(cfg, module, optimizer, topology)
-    if stage == 0:
-        return AllReduceStrategy(module, optimizer, topology,
-                                 bucket_size=int(cfg.zero_optimization.reduce_bucket_size))
-    raise ConfigError(f"zero_optimization.stage: stage {stage} is not available in this build; "
-                      "use stage 0")
+    return AllReduceStrategy(module, optimizer, topology,
+                             bucket_size=int(cfg.zero_optimization.reduce_bucket_size))
 
 
 class Engine(torch.nn.Module):
