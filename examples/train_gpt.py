@@ -114,7 +114,7 @@ def train(args: argparse.Namespace) -> None:
     model = GPT(GPTConfig(seq_len=args.seq_len, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd))
     engine, _, _, _ = dsrun.initialize(args=args, model=model, model_parameters=model.param_groups())
     rank, world = engine.global_rank, engine.world_size
-    console = Console()
+    console = Console(soft_wrap=True)  # log lines stay whole when output is piped
     log = console.print if rank == 0 else (lambda *a, **k: None)
 
     corpus = load_corpus(args.data, args.seq_len)
@@ -124,7 +124,7 @@ def train(args: argparse.Namespace) -> None:
     val_x, val_y = eval_windows(corpus.val, args.eval_batches * micro, args.seq_len, EVAL_SEED)
     n_params = sum(p.numel() for p in model.parameters())
     log(f"data: {corpus.describe()}")
-    log(f"model: {n_params / 1e6:.2f}M parameters; {world} ranks x {torch.get_num_threads()} threads; "
+    log(f"model: {n_params / 1e6:.2f}M parameters; world size {world}, {torch.get_num_threads()} threads per rank; "
         f"global batch {engine.train_batch_size()} windows of {args.seq_len} bytes "
         f"(micro-batch {micro} x accumulation {accum} x {world} ranks)")
 
