@@ -44,10 +44,12 @@ class TinyGPT(nn.Module):
         return nn.functional.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
 
 
-def param_groups(model: nn.Module, lr=1e-2):
-    """Two groups: weight decay on matrices, none on norms/biases."""
-    decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() < 2]
+def param_groups(model: nn.Module, lr=1e-2, shapes: dict | None = None):
+    """Two groups: weight decay on matrices, none on norms/biases. `shapes`
+    (name -> shape) stands in for parameters partitioned by zero.Init."""
+    dim = lambda n, p: len(shapes[n]) if shapes else p.dim()
+    decay = [p for n, p in model.named_parameters() if p.requires_grad and dim(n, p) >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.requires_grad and dim(n, p) < 2]
     return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
 
 

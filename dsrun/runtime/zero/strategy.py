@@ -141,7 +141,7 @@ class ZeroStrategy(GradientStrategy):
     def _report_overflow(self, scale: float) -> None:
         local = None
         for fset in self.sets:
-            for piece in fset.layout.local_pieces(self.rank):
+            for piece in fset.layout.local_pieces(fset.rank):
                 g = fset.grad_partition[piece.shard_offset:piece.shard_offset + piece.hi - piece.lo]
                 if not bool(torch.isfinite(g).all()):
                     local = (piece.slot.index, piece.slot.name)
