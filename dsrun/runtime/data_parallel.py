@@ -21,6 +21,7 @@ import torch
 
 from dsrun.runtime import comm
 from dsrun.runtime.dist import Topology
+from dsrun.runtime.memory import tensor_breakdown
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +87,16 @@ class GradientStrategy(abc.ABC):
     @abc.abstractmethod
     def zero_grad(self) -> None:
         """Drop the accumulated gradients (set to None where possible)."""
+
+    def memory_breakdown(self) -> dict[str, dict[str, int]]:
+        """Bytes this rank holds per category ("params", "grads", "master",
+        "optimizer_states") and dtype name (default: the optimizer's
+        parameters, their .grad and its state tensors; ZeRO overrides it)."""
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        states = [t for st in self.optimizer.state.values() for t in st.values()
+                  if isinstance(t, torch.Tensor) and t.dim() > 0]
+        return tensor_breakdown({"params": params, "grads": [p.grad for p in params],
+                                 "master": [], "optimizer_states": states})
 
     def state_dict(self) -> dict:
         """Strategy state to checkpoint (default: the optimizer's state_dict)."""

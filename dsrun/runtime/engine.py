@@ -204,6 +204,11 @@ class Engine(torch.nn.Module):
         """Whether the last `step()` call updated the parameters."""
         return self._step_applied
 
+    def memory_breakdown(self) -> dict[str, dict[str, int]]:
+        """Bytes this rank holds for parameters, gradients, master weights and
+        optimizer states, per dtype (see dsrun.estimate_zero_memory)."""
+        return self.strategy.memory_breakdown()
+
     def comm_stats(self) -> dict[str, OpStats]:
         """Collective counters of this process (calls/elements/bytes per op name)."""
         return comms_logger.snapshot()
