@@ -86,6 +86,15 @@ OPS: dict[str, OpSpec] = {
         description="CPU Adam/AdamW, scalar/AVX2/AVX-512 chosen at run time, OpenMP",
         hashed_dirs=("cpu_adam",),
     ),
+    "aio": OpSpec(
+        name="aio",
+        sources=("aio/aio_handle.cpp", "aio/aio_uring.cpp", "aio/aio_libaio.cpp"),
+        cflags=("-O2",),
+        ldflags=("-luring", "-laio", "-pthread"),
+        headers=("liburing.h", "libaio.h"),
+        description="asynchronous file I/O, io_uring or libaio, O_DIRECT, any size",
+        hashed_dirs=("aio",),
+    ),
 }
 
 
