@@ -95,6 +95,14 @@ OPS: dict[str, OpSpec] = {
         description="asynchronous file I/O, io_uring or libaio, O_DIRECT, any size",
         hashed_dirs=("aio",),
     ),
+    "shm_comm": OpSpec(
+        name="shm_comm",
+        sources=("shm_comm/shm_comm.cpp",),
+        cflags=("-O3",),
+        ldflags=("-lrt",),
+        description="shared-memory all_reduce/reduce_scatter/all_gather/broadcast for one node",
+        hashed_dirs=("shm_comm",),
+    ),
 }
 
 

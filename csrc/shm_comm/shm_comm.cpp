@@ -1,0 +1,401 @@
+// Shared-memory collectives for the ranks of one node (CPU tensors): one POSIX
+// shared-memory segment per group, a slot per rank, and spinning barriers on
+// per-rank counters. C interface for ctypes in dsrun/ops/shm_comm.py; no torch
+// header (see [Note: build time] in dsrun/ops/builder.py).
+//
+// Segment layout: [Header, 4 KiB][RankCtl x world][2 buffers x world x slot_bytes]
+//
+// [Note: shm collective protocol] A collective is cut into steps that fit a
+// slot. In each step every rank copies its part into its own slot, then all
+// meet at a barrier, then each reads what it needs from the others' slots
+// (all_reduce adds a second barrier: each rank reduces 1/world of the step
+// into its own slot, the others then copy those reduced pieces). Steps
+// alternate between two buffers, so a rank may start writing step s+1 while
+// slower ranks still read step s; it cannot get to step s+2 before every rank
+// has passed the barrier of step s+1, that is, finished reading step s.
+// Each element is reduced by exactly one rank, in rank order, so every rank
+// receives bit-identical results.
+//
+// [Note: shm crash safety] The segment's name is removed as soon as every rank
+// has mapped it (dsrun/ops/shm_comm.py), so the kernel frees it when the last
+// process exits, however it exits. A waiting rank checks that the ranks it
+// waits for are alive (pid not gone or a zombie) and that no rank has flagged
+// an error, so a crash turns into an error on the others instead of a hang.
+#include <errno.h>
+#include <fcntl.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <string>
+
+namespace {
+
+constexpr uint64_t kMagic = 0x647372756e73686dULL;  // "dsrunshm"
+constexpr int64_t kHeaderBytes = 4096;
+
+struct Header {
+  std::atomic<uint64_t> magic;
+  int32_t world;
+  int32_t pad;
+  int64_t slot_bytes;
+  std::atomic<int32_t> abort_rank;  // -1, or the first rank that failed
+};
+
+struct alignas(64) RankCtl {
+  std::atomic<uint64_t> seq;  // barriers this rank has reached
+  std::atomic<int32_t> pid;
+};
+
+struct Group {
+  char* base = nullptr;
+  size_t bytes = 0;
+  int rank = 0, world = 0;
+  int64_t slot_bytes = 0;
+  uint64_t epoch = 0;  // barriers passed by this rank
+  uint64_t step = 0;   // steps done, selects the buffer
+  double timeout_s = 300;
+  Header* hdr() { return reinterpret_cast<Header*>(base); }
+  RankCtl* ctl(int r) { return reinterpret_cast<RankCtl*>(base + kHeaderBytes) + r; }
+  char* slot(int buffer, int r) {
+    const int64_t ctl_bytes = ((static_cast<int64_t>(sizeof(RankCtl)) * world + 4095) / 4096) * 4096;
+    return base + kHeaderBytes + ctl_bytes + (static_cast<int64_t>(buffer) * world + r) * slot_bytes;
+  }
+};
+
+size_t segment_bytes(int world, int64_t slot_bytes) {
+  const int64_t ctl_bytes = ((static_cast<int64_t>(sizeof(RankCtl)) * world + 4095) / 4096) * 4096;
+  return static_cast<size_t>(kHeaderBytes + ctl_bytes + 2 * world * slot_bytes);
+}
+
+void set_err(char* err, int errlen, const char* fmt, ...) __attribute__((format(printf, 3, 4)));
+void set_err(char* err, int errlen, const char* fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  if (err && errlen > 0) vsnprintf(err, errlen, fmt, ap);
+  va_end(ap);
+}
+
+double now_s() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+// True unless the process is gone or a zombie (dead, not yet reaped).
+bool alive(int pid) {
+  if (pid <= 0) return true;  // not attached yet: cannot tell
+  if (kill(pid, 0) != 0 && errno == ESRCH) return false;
+  char path[64], buf[256];
+  snprintf(path, sizeof path, "/proc/%d/stat", pid);
+  FILE* f = fopen(path, "r");
+  if (!f) return errno != ENOENT;
+  const size_t n = fread(buf, 1, sizeof buf - 1, f);
+  fclose(f);
+  buf[n] = 0;
+  const char* close_paren = strrchr(buf, ')');  // the name may contain spaces
+  return !(close_paren && close_paren[1] == ' ' && (close_paren[2] == 'Z' || close_paren[2] == 'X'));
+}
+
+// Returns 0, or -1 with a message when a rank died, failed, or time ran out.
+int barrier(Group& g, char* err, int errlen) {
+  const uint64_t target = ++g.epoch;
+  g.ctl(g.rank)->seq.store(target, std::memory_order_release);
+  const double start = now_s();
+  for (int r = 0; r < g.world; ++r) {
+    uint64_t spins = 0;
+    while (g.ctl(r)->seq.load(std::memory_order_acquire) < target) {
+      ++spins;
+      if (spins < 2000) {
+#if defined(__x86_64__)
+        __builtin_ia32_pause();
+#endif
+        continue;
+      }
+      // Fewer cores than ranks is common (2 cores here): let the others run.
+      if (spins < 20000) {
+        sched_yield();
+        continue;
+      }
+      const timespec nap{0, 50000};
+      nanosleep(&nap, nullptr);
+      if (spins % 64 != 0) continue;
+      const int bad = g.hdr()->abort_rank.load();
+      if (bad >= 0 && bad != g.rank) {
+        set_err(err, errlen, "shm collective aborted: rank %d failed", bad);
+        return -1;
+      }
+      if (!alive(g.ctl(r)->pid.load())) {
+        int expected = -1;
+        g.hdr()->abort_rank.compare_exchange_strong(expected, r);
+        set_err(err, errlen, "shm collective: rank %d (pid %d) exited while rank %d waited for it", r,
+                g.ctl(r)->pid.load(), g.rank);
+        return -1;
+      }
+      if (now_s() - start > g.timeout_s) {
+        int expected = -1;
+        g.hdr()->abort_rank.compare_exchange_strong(expected, g.rank);
+        set_err(err, errlen, "shm collective: rank %d timed out after %.0f s waiting for rank %d", g.rank,
+                g.timeout_s, r);
+        return -1;
+      }
+    }
+  }
+  return 0;
+}
+
+// ---- element types and reductions --------------------------------------
+enum Dtype { F32 = 0, BF16 = 1, F16 = 2 };
+enum Op { SUM = 0, MAX = 1, MIN = 2 };
+
+inline float bf16_load(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+inline uint16_t bf16_store(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
+  return static_cast<uint16_t>(u >> 16);
+}
+
+template <typename T> inline float load(T x);
+template <> inline float load<float>(float x) { return x; }
+template <> inline float load<uint16_t>(uint16_t x) { return bf16_load(x); }
+template <> inline float load<_Float16>(_Float16 x) { return static_cast<float>(x); }
+template <typename T> inline T store(float x);
+template <> inline float store<float>(float x) { return x; }
+template <> inline uint16_t store<uint16_t>(float x) { return bf16_store(x); }
+template <> inline _Float16 store<_Float16>(float x) { return static_cast<_Float16>(x); }
+
+template <int O> inline float combine(float a, float b) {
+  if (O == SUM) return a + b;
+  if (O == MAX) return a > b || a != a ? a : b;  // nan propagates, as torch
+  return a < b || a != a ? a : b;
+}
+
+// out[i] = op over r of src[r][i], accumulated in fp32 in rank order. The
+// clones give an AVX2/F16C build picked at load time (ifunc) and a baseline one.
+template <typename T, int O>
+__attribute__((target_clones("arch=haswell", "default")))
+void reduce(T* out, T* const* src, int nsrc, int64_t n) {
+  constexpr int64_t kTile = 1024;  // keeps the fp32 accumulator in L1
+  float acc[kTile];
+  for (int64_t b = 0; b < n; b += kTile) {
+    const int64_t m = n - b < kTile ? n - b : kTile;
+    const T* s0 = src[0] + b;
+    for (int64_t i = 0; i < m; ++i) acc[i] = load<T>(s0[i]);
+    for (int r = 1; r < nsrc; ++r) {
+      const T* s = src[r] + b;
+      for (int64_t i = 0; i < m; ++i) acc[i] = combine<O>(acc[i], load<T>(s[i]));
+    }
+    T* o = out + b;
+    for (int64_t i = 0; i < m; ++i) o[i] = store<T>(acc[i]);
+  }
+}
+
+template <typename T>
+int reduce_op(int op, T* out, T* const* src, int nsrc, int64_t n) {
+  switch (op) {
+    case SUM: reduce<T, SUM>(out, src, nsrc, n); return 0;
+    case MAX: reduce<T, MAX>(out, src, nsrc, n); return 0;
+    case MIN: reduce<T, MIN>(out, src, nsrc, n); return 0;
+    default: return -1;
+  }
+}
+
+int reduce_any(int dtype, int op, void* out, void* const* src, int nsrc, int64_t n) {
+  switch (dtype) {
+    case F32: return reduce_op<float>(op, static_cast<float*>(out), reinterpret_cast<float* const*>(src), nsrc, n);
+    case BF16:
+      return reduce_op<uint16_t>(op, static_cast<uint16_t*>(out), reinterpret_cast<uint16_t* const*>(src), nsrc, n);
+    case F16:
+      return reduce_op<_Float16>(op, static_cast<_Float16*>(out), reinterpret_cast<_Float16* const*>(src), nsrc, n);
+    default: return -1;
+  }
+}
+
+int elem_size(int dtype) { return dtype == F32 ? 4 : 2; }
+
+}  // namespace
+
+extern "C" {
+
+// Creates (create=1, one rank) or attaches to the segment `name`. Returns
+// nullptr with a message in err on failure.
+void* dsrun_shm_open(const char* name, int rank, int world, int64_t slot_bytes, int create, double timeout_s,
+                     char* err, int errlen) {
+  if (world < 1 || rank < 0 || rank >= world || slot_bytes <= 0 || slot_bytes % 64) {
+    set_err(err, errlen, "bad arguments: rank %d, world %d, slot_bytes %lld (a positive multiple of 64)", rank,
+            world, static_cast<long long>(slot_bytes));
+    return nullptr;
+  }
+  const size_t bytes = segment_bytes(world, slot_bytes);
+  int fd;
+  if (create) {
+    shm_unlink(name);  // a segment left by a crash before its name was removed
+    fd = shm_open(name, O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
+    if (fd >= 0 && ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
+      const int e = errno;
+      close(fd);
+      shm_unlink(name);
+      set_err(err, errlen, "ftruncate shm %s to %zu bytes: %s", name, bytes, strerror(e));
+      return nullptr;
+    }
+  } else {
+    fd = shm_open(name, O_RDWR | O_CLOEXEC, 0600);
+  }
+  if (fd < 0) {
+    set_err(err, errlen, "shm_open %s: %s", name, strerror(errno));
+    return nullptr;
+  }
+  struct stat st;
+  if (fstat(fd, &st) != 0 || static_cast<size_t>(st.st_size) != bytes) {
+    close(fd);
+    set_err(err, errlen, "shm %s has %lld bytes, expected %zu (world size or slot size differ between ranks?)",
+            name, static_cast<long long>(st.st_size), bytes);
+    return nullptr;
+  }
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  if (p == MAP_FAILED) {
+    set_err(err, errlen, "mmap shm %s (%zu bytes): %s", name, bytes, strerror(errno));
+    return nullptr;
+  }
+  auto* g = new Group;
+  g->base = static_cast<char*>(p);
+  g->bytes = bytes;
+  g->rank = rank;
+  g->world = world;
+  g->slot_bytes = slot_bytes;
+  g->timeout_s = timeout_s;
+  if (create) {
+    g->hdr()->world = world;
+    g->hdr()->slot_bytes = slot_bytes;
+    g->hdr()->abort_rank.store(-1);
+    for (int r = 0; r < world; ++r) {
+      g->ctl(r)->seq.store(0);
+      g->ctl(r)->pid.store(0);
+    }
+    g->hdr()->magic.store(kMagic, std::memory_order_release);
+  } else if (g->hdr()->magic.load(std::memory_order_acquire) != kMagic || g->hdr()->world != world) {
+    munmap(p, bytes);
+    delete g;
+    set_err(err, errlen, "shm %s is not initialised for world size %d", name, world);
+    return nullptr;
+  }
+  g->ctl(rank)->pid.store(getpid());
+  return g;
+}
+
+void dsrun_shm_close(void* h) {
+  auto* g = static_cast<Group*>(h);
+  munmap(g->base, g->bytes);
+  delete g;
+}
+
+int dsrun_shm_unlink(const char* name) { return shm_unlink(name) == 0 ? 0 : -errno; }
+
+int dsrun_shm_barrier(void* h, char* err, int errlen) { return barrier(*static_cast<Group*>(h), err, errlen); }
+
+// data [n] in place. Returns 0 or -1 with a message.
+int dsrun_shm_all_reduce(void* h, void* data, int64_t n, int dtype, int op, char* err, int errlen) {
+  Group& g = *static_cast<Group*>(h);
+  const int es = elem_size(dtype);
+  const int64_t chunk = g.slot_bytes / es;
+  char* d = static_cast<char*>(data);
+  void* src[1024];
+  if (g.world > 1024) {
+    set_err(err, errlen, "world size %d above 1024", g.world);
+    return -1;
+  }
+  for (int64_t off = 0; off < n; off += chunk) {
+    const int64_t c = n - off < chunk ? n - off : chunk;
+    const int b = static_cast<int>(g.step++ % 2);
+    memcpy(g.slot(b, g.rank), d + off * es, c * es);
+    if (barrier(g, err, errlen)) return -1;
+    // This rank reduces elements [lo, hi) of the step into its own slot.
+    const int64_t lo = c * g.rank / g.world, hi = c * (g.rank + 1) / g.world;
+    for (int r = 0; r < g.world; ++r) src[r] = g.slot(b, r) + lo * es;
+    if (reduce_any(dtype, op, g.slot(b, g.rank) + lo * es, src, g.world, hi - lo)) {
+      set_err(err, errlen, "bad dtype %d or op %d", dtype, op);
+      return -1;
+    }
+    if (barrier(g, err, errlen)) return -1;
+    for (int r = 0; r < g.world; ++r) {
+      const int64_t rlo = c * r / g.world, rhi = c * (r + 1) / g.world;
+      memcpy(d + (off + rlo) * es, g.slot(b, r) + rlo * es, (rhi - rlo) * es);
+    }
+  }
+  return 0;
+}
+
+// in [world * n], out [n]: out = op over ranks of in[rank*n : (rank+1)*n].
+int dsrun_shm_reduce_scatter(void* h, void* out, const void* in, int64_t n, int dtype, int op, char* err,
+                             int errlen) {
+  Group& g = *static_cast<Group*>(h);
+  const int es = elem_size(dtype);
+  const int64_t chunk = g.slot_bytes / es / g.world;  // a slot holds one chunk of every rank's part
+  const char* s = static_cast<const char*>(in);
+  void* src[1024];
+  if (chunk < 1 || g.world > 1024) {
+    set_err(err, errlen, "slot too small for world size %d", g.world);
+    return -1;
+  }
+  for (int64_t off = 0; off < n; off += chunk) {
+    const int64_t c = n - off < chunk ? n - off : chunk;
+    const int b = static_cast<int>(g.step++ % 2);
+    char* mine = g.slot(b, g.rank);
+    for (int j = 0; j < g.world; ++j) memcpy(mine + j * c * es, s + (j * n + off) * es, c * es);
+    if (barrier(g, err, errlen)) return -1;
+    for (int r = 0; r < g.world; ++r) src[r] = g.slot(b, r) + g.rank * c * es;
+    if (reduce_any(dtype, op, static_cast<char*>(out) + off * es, src, g.world, c)) {
+      set_err(err, errlen, "bad dtype %d or op %d", dtype, op);
+      return -1;
+    }
+  }
+  return 0;  // no closing barrier needed: see [Note: shm collective protocol]
+}
+
+// in [nbytes], out [world * nbytes]: out[r] = rank r's in.
+int dsrun_shm_all_gather(void* h, void* out, const void* in, int64_t nbytes, char* err, int errlen) {
+  Group& g = *static_cast<Group*>(h);
+  const int64_t chunk = g.slot_bytes;
+  char* o = static_cast<char*>(out);
+  for (int64_t off = 0; off < nbytes; off += chunk) {
+    const int64_t c = nbytes - off < chunk ? nbytes - off : chunk;
+    const int b = static_cast<int>(g.step++ % 2);
+    memcpy(g.slot(b, g.rank), static_cast<const char*>(in) + off, c);
+    if (barrier(g, err, errlen)) return -1;
+    for (int r = 0; r < g.world; ++r) memcpy(o + r * nbytes + off, g.slot(b, r), c);
+  }
+  return 0;
+}
+
+// data [nbytes] from rank src to all.
+int dsrun_shm_broadcast(void* h, void* data, int64_t nbytes, int src, char* err, int errlen) {
+  Group& g = *static_cast<Group*>(h);
+  const int64_t chunk = g.slot_bytes;
+  char* d = static_cast<char*>(data);
+  for (int64_t off = 0; off < nbytes; off += chunk) {
+    const int64_t c = nbytes - off < chunk ? nbytes - off : chunk;
+    const int b = static_cast<int>(g.step++ % 2);
+    if (g.rank == src) memcpy(g.slot(b, src), d + off, c);
+    if (barrier(g, err, errlen)) return -1;
+    if (g.rank != src) memcpy(d + off, g.slot(b, src), c);
+  }
+  return 0;
+}
+
+}  // extern "C"

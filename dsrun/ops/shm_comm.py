@@ -1,0 +1,183 @@
+"""Shared-memory collectives for the ranks of one node (csrc/shm_comm/).
+
+For the communication layer (dsrun/runtime/comm/): when every rank of a group
+runs on this node and the tensors are contiguous CPU tensors, these replace
+gloo's collectives, which on one machine are slower than a memory copy
+(REFERENCE.md §6). Where the op is unavailable (`available()` is False) the
+caller keeps using torch.distributed; that is the fallback, with the same
+semantics.
+
+    group = ShmGroup(name, rank, world_size, barrier=lambda: dist.barrier(pg))
+    group.all_reduce(t)                    # in place, sum (or "max", "min")
+    group.reduce_scatter(out, inp)         # inp [world * n] -> out [n]
+    group.all_gather(out, inp)             # inp [n] -> out [world * n]
+    group.broadcast(t, src=0)
+
+Every rank of the group must make the same calls in the same order with the
+same sizes, as with any collective. See [Note: shm collective protocol] and
+[Note: shm crash safety] in csrc/shm_comm/shm_comm.cpp.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import Callable
+
+import torch
+
+from dsrun.ops.builder import get_op
+
+REDUCE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+OPS = {"sum": 0, "max": 1, "min": 2}
+DEFAULT_SLOT_BYTES = 32 << 20
+_ERRLEN = 512
+
+
+class ShmCollectiveError(RuntimeError):
+    """A shared-memory collective failed: a rank died, flagged an error, or timed out."""
+
+
+def _native():
+    lib = get_op("shm_comm").load()
+    if lib is not None and not hasattr(lib, "_dsrun_typed"):
+        lib.dsrun_shm_open.restype = ctypes.c_void_p
+        lib.dsrun_shm_open.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int,
+                                       ctypes.c_double, ctypes.c_char_p, ctypes.c_int]
+        lib.dsrun_shm_close.argtypes = [ctypes.c_void_p]
+        lib.dsrun_shm_unlink.argtypes = [ctypes.c_char_p]
+        err = [ctypes.c_char_p, ctypes.c_int]
+        lib.dsrun_shm_barrier.argtypes = [ctypes.c_void_p, *err]
+        lib.dsrun_shm_all_reduce.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
+                                             ctypes.c_int, *err]
+        lib.dsrun_shm_reduce_scatter.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                                 ctypes.c_int, ctypes.c_int, *err]
+        lib.dsrun_shm_all_gather.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, *err]
+        lib.dsrun_shm_broadcast.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, *err]
+        lib._dsrun_typed = True
+    return lib
+
+
+def available() -> bool:
+    """True if the native op is built and loaded (else use torch.distributed)."""
+    return _native() is not None
+
+
+def segment_name(job_id: str, group: str) -> str:
+    """A POSIX shm name unique to the job and group: "/dsrun-<job>-<group>" with
+    characters outside [A-Za-z0-9_.-] replaced."""
+    safe = "".join(c if c.isalnum() or c in "_.-" else "_" for c in f"{job_id}-{group}")
+    return f"/dsrun-{safe}"[:250]
+
+
+def supports(*tensors: torch.Tensor, reduce: bool = True) -> bool:
+    """True if these tensors can use the shared-memory path: contiguous CPU
+    tensors, and for reductions fp32, bf16 or fp16."""
+    return all(t.device.type == "cpu" and t.is_contiguous() and (not reduce or t.dtype in REDUCE_DTYPES)
+               for t in tensors)
+
+
+class ShmGroup:
+    """A group of ranks on this node sharing one segment.
+
+    Args:
+        name: segment name, the same on every rank and unique to the job and
+            group (see `segment_name`).
+        rank, world_size: this rank's index in the group and the group size.
+        barrier: a collective barrier over the same ranks (e.g.
+            `lambda: dist.barrier(group)`), used only while setting up.
+        slot_bytes: bytes each rank stages per step (2 x world_size slots
+            are allocated); larger tensors go in several steps.
+        timeout_s: how long a rank waits for the others inside a collective
+            before raising (default $DSRUN_SHM_TIMEOUT or 300 s).
+
+    Raises:
+        RuntimeError: the native op is unavailable (check `available()` first).
+        ShmCollectiveError: the segment cannot be created or attached.
+    """
+
+    def __init__(self, name: str, rank: int, world_size: int, barrier: Callable[[], None],
+                 slot_bytes: int = DEFAULT_SLOT_BYTES, timeout_s: float | None = None):
+        lib = _native()
+        if lib is None:
+            raise RuntimeError(f"shared-memory collectives unavailable: {get_op('shm_comm').reason}")
+        self._lib, self.rank, self.world_size, self.name = lib, rank, world_size, name
+        timeout_s = float(os.environ.get("DSRUN_SHM_TIMEOUT", 300)) if timeout_s is None else timeout_s
+        slot_bytes = max(64, slot_bytes // 64 * 64)
+        err = ctypes.create_string_buffer(_ERRLEN)
+        self._h = None
+        try:
+            if rank == 0:
+                self._h = lib.dsrun_shm_open(name.encode(), rank, world_size, slot_bytes, 1, timeout_s, err, _ERRLEN)
+            barrier()  # segment exists (or rank 0 failed and the others fail to attach)
+            if rank != 0:
+                self._h = lib.dsrun_shm_open(name.encode(), rank, world_size, slot_bytes, 0, timeout_s, err, _ERRLEN)
+            barrier()  # every rank has mapped it
+        finally:
+            if rank == 0:
+                lib.dsrun_shm_unlink(name.encode())  # see [Note: shm crash safety]
+        if not self._h:
+            raise ShmCollectiveError(f"rank {rank}: {err.value.decode()}")
+
+    def close(self) -> None:
+        """Unmap the segment (the kernel frees it when the last rank closes or exits)."""
+        if self._h:
+            self._lib.dsrun_shm_close(self._h)
+            self._h = None
+
+    def __del__(self):
+        self.close()
+
+    def _call(self, fn, *args) -> None:
+        if not self._h:
+            raise ShmCollectiveError("the group is closed")
+        err = ctypes.create_string_buffer(_ERRLEN)
+        if fn(self._h, *args, err, _ERRLEN) != 0:
+            raise ShmCollectiveError(f"rank {self.rank}: {err.value.decode()}")
+
+    @staticmethod
+    def _check(name: str, t: torch.Tensor, reduce: bool) -> None:
+        if not supports(t, reduce=reduce):
+            raise ValueError(f"{name}: need a contiguous CPU tensor{' of fp32, bf16 or fp16' if reduce else ''}, "
+                             f"got {t.dtype} on {t.device}{'' if t.is_contiguous() else ' (not contiguous)'}")
+
+    def barrier(self) -> None:
+        """Wait for every rank of the group."""
+        self._call(self._lib.dsrun_shm_barrier)
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Reduce `tensor` (any shape, fp32/bf16/fp16) over the ranks, in place;
+        16-bit values are accumulated in fp32 and rounded once. Returns tensor."""
+        self._check("all_reduce", tensor, True)
+        self._call(self._lib.dsrun_shm_all_reduce, tensor.data_ptr(), tensor.numel(), REDUCE_DTYPES[tensor.dtype],
+                   OPS[op])
+        return tensor
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """output [n] = reduction over ranks of input[rank*n:(rank+1)*n], input [world*n]."""
+        self._check("reduce_scatter output", output, True)
+        self._check("reduce_scatter input", input, True)
+        if input.dtype != output.dtype or input.numel() != output.numel() * self.world_size:
+            raise ValueError(f"reduce_scatter: input must have world_size ({self.world_size}) x output's "
+                             f"{output.numel()} elements of {output.dtype}, got {input.numel()} of {input.dtype}")
+        self._call(self._lib.dsrun_shm_reduce_scatter, output.data_ptr(), input.data_ptr(), output.numel(),
+                   REDUCE_DTYPES[output.dtype], OPS[op])
+        return output
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
+        """output [world*n] = concatenation of every rank's input [n] (any dtype)."""
+        self._check("all_gather output", output, False)
+        self._check("all_gather input", input, False)
+        if input.dtype != output.dtype or output.numel() != input.numel() * self.world_size:
+            raise ValueError(f"all_gather: output must have world_size ({self.world_size}) x input's "
+                             f"{input.numel()} elements of {input.dtype}, got {output.numel()} of {output.dtype}")
+        self._call(self._lib.dsrun_shm_all_gather, output.data_ptr(), input.data_ptr(),
+                   input.numel() * input.element_size())
+        return output
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        """Copy rank `src`'s tensor (any dtype) to every rank, in place."""
+        self._check("broadcast", tensor, False)
+        if not 0 <= src < self.world_size:
+            raise ValueError(f"broadcast: src {src} outside the group of {self.world_size} ranks")
+        self._call(self._lib.dsrun_shm_broadcast, tensor.data_ptr(), tensor.numel() * tensor.element_size(), src)
+        return tensor

@@ -1,0 +1,133 @@
+"""Shared-memory collectives (dsrun.ops.shm_comm) on real processes, 2 and 3 ranks."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+import uuid
+
+import pytest
+import torch
+
+from dsrun.ops import shm_comm
+from dsrun.ops.builder import get_op
+from tests.dist_helpers import free_port, run_ranks
+
+SIZES = [0, 1, 3001]  # with 4 KiB slots 3001 elements take several steps
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def native_shm():
+    assert get_op("shm_comm").load() is not None, f"shm_comm did not build: {get_op('shm_comm').reason}"
+
+
+def _data(rank: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.randn(n, generator=torch.Generator().manual_seed(1000 * rank + n)).mul_(3).to(dtype)
+
+
+def _expected_reduce(world: int, n: int, dtype: torch.dtype, op: str) -> torch.Tensor:
+    # fp32 accumulation in rank order, rounded once: what every rank must get, bit for bit.
+    acc = _data(0, n, dtype).float()
+    for r in range(1, world):
+        x = _data(r, n, dtype).float()
+        acc = acc + x if op == "sum" else torch.maximum(acc, x) if op == "max" else torch.minimum(acc, x)
+    return acc.to(dtype)
+
+
+def _group(name: str, slot_bytes: int) -> shm_comm.ShmGroup:
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    return shm_comm.ShmGroup(name, dist.get_rank(), dist.get_world_size(), barrier=dist.barrier,
+                             slot_bytes=slot_bytes)
+
+
+def _all_collectives(name: str) -> str:
+    import torch.distributed as dist
+    g = _group(name, slot_bytes=4096)
+    rank, world = g.rank, g.world_size
+    for dtype in DTYPES:
+        for n in SIZES:
+            for op in ("sum", "max", "min"):
+                t = _data(rank, n, dtype)
+                g.all_reduce(t, op)
+                assert torch.equal(t, _expected_reduce(world, n, dtype, op)), (dtype, n, op)
+            # reduce_scatter: rank r's input is the concatenation over j of _data(r, n, dtype) shifted by j
+            inp = torch.cat([_data(rank, n, dtype) * (j + 1) for j in range(world)])
+            out = torch.empty(n, dtype=dtype)
+            g.reduce_scatter(out, inp)
+            acc = (_data(0, n, dtype) * (rank + 1)).float()
+            for r in range(1, world):
+                acc = acc + (_data(r, n, dtype) * (rank + 1)).float()
+            assert torch.equal(out, acc.to(dtype)), ("reduce_scatter", dtype, n)
+            gathered = torch.empty(world * n, dtype=dtype)
+            g.all_gather(gathered, _data(rank, n, dtype))
+            assert torch.equal(gathered, torch.cat([_data(r, n, dtype) for r in range(world)])), ("all_gather", n)
+            for src in range(world):
+                b = _data(rank, n, dtype)
+                g.broadcast(b, src)
+                assert torch.equal(b, _data(src, n, dtype)), ("broadcast", src)
+    # Any dtype moves through all_gather and broadcast; a 2-D tensor reduces in place.
+    ints = torch.arange(10, dtype=torch.int64) + rank
+    out = torch.empty(10 * world, dtype=torch.int64)
+    assert torch.equal(g.all_gather(out, ints), torch.cat([torch.arange(10) + r for r in range(world)]))
+    m = torch.full((3, 5), float(rank))
+    g.all_reduce(m)
+    assert torch.equal(m, torch.full((3, 5), float(sum(range(world)))))
+    # The name is gone as soon as everyone attached: nothing to leak.
+    assert not os.path.exists("/dev/shm" + name)
+    with pytest.raises(ValueError, match="input must have world_size"):
+        g.reduce_scatter(torch.empty(3), torch.empty(3 * world + 1))
+    g.close()
+    dist.barrier()
+    return "ok"
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_collectives_match_reference(world):
+    name = shm_comm.segment_name(uuid.uuid4().hex[:8], f"test{world}")
+    assert run_ranks(_all_collectives, world, name, timeout=180) == ["ok"] * world
+    assert not os.path.exists("/dev/shm" + name)
+
+
+def _crash_rank(rank: int, world: int, port: int, name: str, results) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    g = _group(name, slot_bytes=1 << 16)
+    g.all_reduce(torch.ones(100))  # one good collective first
+    if rank == world - 1:
+        os._exit(3)  # dies without a word, like a SIGKILLed rank
+    start = time.monotonic()
+    try:
+        g.all_reduce(torch.ones(1 << 20))
+        results.put((rank, "no error", 0.0))
+    except shm_comm.ShmCollectiveError as e:
+        results.put((rank, str(e), time.monotonic() - start))
+
+
+def test_crash_of_one_rank_is_an_error_not_a_hang():
+    world = 3
+    name = shm_comm.segment_name(uuid.uuid4().hex[:8], "crash")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_crash_rank, args=(r, world, port, name, results)) for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        got = sorted(results.get(timeout=120) for _ in range(world - 1))
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    assert procs[-1].exitcode == 3
+    for rank, message, waited in got:
+        # Every survivor names the dead rank (seen directly or through the abort flag).
+        assert f"rank {world - 1}" in message and ("exited" in message or "failed" in message), message
+        assert waited < 30
+    assert not os.path.exists("/dev/shm" + name)  # removed although a rank crashed
+
+
+def test_segment_names_are_safe():
+    assert shm_comm.segment_name("job/1 2", "dp:0") == "/dsrun-job_1_2-dp_0"
