@@ -84,7 +84,8 @@ class PartitionedOptimizerStrategy(ZeroStrategy):
         self.reducer.begin(launch=reduce_now)
         self._scale(loss).backward(retain_graph=retain_graph)
         if reduce_now:
-            self.reducer.flush()
+            with self.watchdog.waiting("reduce-scatter of gradients (end of backward)"):
+                self.reducer.flush()
 
     def _after_step(self) -> None:
         if self.replicated:
@@ -99,8 +100,9 @@ class PartitionedOptimizerStrategy(ZeroStrategy):
                 end = buckets[-1].offset + buckets[-1].padded_numel
                 handles.append(all_gather_region(fset.layout, buckets, fset.full[start:end],
                                                  self.rank, self.group, async_op=True))
-        for h in handles:
-            h.wait()  # parameters are complete on every rank after this
+        with self.watchdog.waiting("all-gather of updated parameters (after the step)"):
+            for h in handles:
+                h.wait()  # parameters are complete on every rank after this
 
     def _compute_storage(self, fset: FlatParamSet) -> list[torch.Tensor]:
         return [fset.full]

@@ -44,7 +44,6 @@ from dsrun.runtime.zero.init import restore_full
 from dsrun.runtime.zero.partition import param_views
 from dsrun.runtime.zero.reducer import OrderedReducer, Region
 from dsrun.runtime.zero.strategy import ZeroStrategy
-from dsrun.runtime.zero.watchdog import Watchdog
 
 
 class UnitState(enum.Enum):
@@ -147,10 +146,9 @@ class PartitionedParamStrategy(ZeroStrategy):
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  topology: Topology, precision: PrecisionPolicy, persistence_threshold: int,
                  prefetch_numel: int, watchdog_timeout: float | None = None, group=None):
-        super().__init__(optimizer, topology, precision, group)
+        super().__init__(optimizer, topology, precision, group, watchdog_timeout)
         self.module = module
         self.prefetch_numel = int(prefetch_numel)
-        self.watchdog = Watchdog(self.rank, watchdog_timeout)
         unit_mods = find_units(module)
         unit_names = [n for n, _ in unit_mods]
         users: dict[int, list[str]] = {}

@@ -27,6 +27,7 @@ from dsrun.runtime.dist import Topology
 from dsrun.runtime.memory import tensor_breakdown
 from dsrun.runtime.precision import PrecisionPolicy
 from dsrun.runtime.zero.flat_params import FlatParamSet
+from dsrun.runtime.zero.watchdog import Watchdog
 
 log = logging.getLogger("dsrun.zero")
 
@@ -54,7 +55,7 @@ class ZeroStrategy(GradientStrategy):
     replicated = False  # True: every rank holds all gradients (stage 0 mixed precision)
 
     def __init__(self, optimizer: torch.optim.Optimizer, topology: Topology,
-                 precision: PrecisionPolicy, group=None):
+                 precision: PrecisionPolicy, group=None, watchdog_timeout: float | None = None):
         if any(optimizer.state.values()):
             raise ValueError("the optimizer already holds state; give ZeRO a freshly built optimizer "
                              "(load a checkpoint through the engine instead)")
@@ -64,6 +65,7 @@ class ZeroStrategy(GradientStrategy):
         self.group = group
         self.rank = comm.get_rank(group)
         self.world_size = comm.get_world_size(group)
+        self.watchdog = Watchdog(self.rank, watchdog_timeout)
         self.sets: list[FlatParamSet] = []
         self.last_overflow_param: str | None = None
         self._owner: dict[int, tuple[FlatParamSet, int]] = {}
@@ -117,7 +119,8 @@ class ZeroStrategy(GradientStrategy):
         stats = torch.stack([sq, torch.tensor(0.0)])
         if fp16:
             stats[1] = float(not all(bool(torch.isfinite(g).all()) for g in grads))
-        comm.all_reduce(stats, group=self.group)  # See [Note: one small collective per step].
+        with self.watchdog.waiting("all-reduce of the gradient norm (optimizer step)"):
+            comm.all_reduce(stats, group=self.group)  # See [Note: one small collective per step].
         overflow = fp16 and (stats[1].item() > 0 or not math.isfinite(stats[0].item()))
         self.precision.scaler.update(overflow)  # raises LossScaleUnderflowError at the floor
         if overflow:
