@@ -72,6 +72,7 @@ class OpSpec:
     ldflags: tuple[str, ...] = ()
     headers: tuple[str, ...] = ()
     description: str = ""
+    requires_cuda: bool = False  # a .cu source: needs nvcc and a CUDA build of torch
     # Directories under csrc/ whose files (headers included) enter the cache key.
     hashed_dirs: tuple[str, ...] = field(default=())
 
@@ -102,6 +103,14 @@ OPS: dict[str, OpSpec] = {
         ldflags=("-lrt",),
         description="shared-memory all_reduce/reduce_scatter/all_gather/broadcast for one node",
         hashed_dirs=("shm_comm",),
+    ),
+    "cuda_adam": OpSpec(
+        name="cuda_adam",
+        sources=("cuda_adam/multi_tensor_adam.cu",),
+        cflags=("-O3",),
+        description="fused multi-tensor Adam/AdamW on CUDA (fp32/bf16/fp16 parameters)",
+        requires_cuda=True,
+        hashed_dirs=("cuda_adam",),
     ),
 }
 
@@ -191,6 +200,8 @@ def build(spec: OpSpec, build_dir: Path | None = None, verbose: bool = False) ->
     Concurrent callers (ranks) serialise on a file lock; all but the first
     find the finished library. Raises OpBuildError with a one-line reason.
     """
+    if spec.requires_cuda and torch.version.cuda is None:
+        raise OpBuildError(f"torch {torch.__version__} is a CPU build; this op needs a CUDA build of torch")
     cxx = compiler()
     _compiler_identity(cxx)  # a missing compiler fails here, with its reason
     _probe_headers(spec, cxx)
@@ -216,6 +227,7 @@ def build(spec: OpSpec, build_dir: Path | None = None, verbose: bool = False) ->
             # one process builds the same name twice with other inputs.
             path = load(name=_lib_name(spec), sources=[str(src / s) for s in spec.sources],
                         extra_cflags=list(spec.cflags), extra_ldflags=list(spec.ldflags),
+                        extra_cuda_cflags=["-O3", "-std=c++17"] if spec.requires_cuda else None,
                         extra_include_paths=[str(src)], build_directory=str(out_dir),
                         verbose=verbose, is_python_module=False)
         except Exception as e:  # cpp_extension raises RuntimeError/OSError/CalledProcessError
