@@ -168,8 +168,9 @@ def _probe_headers(spec: OpSpec, cxx: str) -> None:
             raise OpBuildError(f"header <{header}> not found (install {pkg})")
 
 
-def cache_key(spec: OpSpec) -> str:
-    """Hash of everything the built library depends on (see [Note: build cache])."""
+def source_key(spec: OpSpec) -> str:
+    """Hash of the op's sources, flags, the torch version and the CPU architecture.
+    Names prebuilt libraries, which must load on machines without a compiler."""
     root = csrc_dir()
     h = hashlib.sha256()
     files = {root / s for s in spec.sources}
@@ -178,9 +179,15 @@ def cache_key(spec: OpSpec) -> str:
     for p in sorted(files):
         h.update(str(p.relative_to(root)).encode())
         h.update(p.read_bytes())
-    h.update(repr((spec.cflags, spec.ldflags, torch.__version__, _compiler_identity(compiler()),
-                   platform.machine())).encode())
+    h.update(repr((spec.cflags, spec.ldflags, torch.__version__, torch.version.cuda, platform.machine())).encode())
     return h.hexdigest()[:16]
+
+
+def cache_key(spec: OpSpec) -> str:
+    """source_key plus the compiler's identity (see [Note: build cache]).
+    Raises OpBuildError if the compiler is missing."""
+    ident = _compiler_identity(compiler())
+    return hashlib.sha256(f"{source_key(spec)}|{ident}".encode()).hexdigest()[:16]
 
 
 def _disabled(name: str) -> bool:
@@ -193,6 +200,29 @@ def _lib_name(spec: OpSpec) -> str:
     return f"dsrun_{spec.name}"
 
 
+def check_compatible(spec: OpSpec) -> None:
+    """Raise OpBuildError saying why `spec` cannot be built here (CPU-only torch
+    for a CUDA op, no compiler, a missing library header); return if it can."""
+    if spec.requires_cuda and torch.version.cuda is None:
+        raise OpBuildError(f"torch {torch.__version__} is a CPU build; this op needs a CUDA build of torch")
+    cxx = compiler()
+    _compiler_identity(cxx)
+    _probe_headers(spec, cxx)
+
+
+def built_library(spec: OpSpec) -> Path | None:
+    """The complete library for the current key, prebuilt or in the cache, or None."""
+    candidates = [PREBUILT_DIR / f"{spec.name}-{source_key(spec)}" / "BUILD_OK"]
+    try:
+        candidates.append(cache_root() / f"{spec.name}-{cache_key(spec)}" / "BUILD_OK")
+    except OpBuildError:
+        pass  # no compiler: only a prebuilt library can serve
+    for done in candidates:
+        if done.exists() and (done.parent / done.read_text().strip()).exists():
+            return done.parent / done.read_text().strip()
+    return None
+
+
 def build(spec: OpSpec, build_dir: Path | None = None, verbose: bool = False) -> Path:
     """Build `spec` (or reuse a complete earlier build) and return the library path.
 
@@ -200,11 +230,7 @@ def build(spec: OpSpec, build_dir: Path | None = None, verbose: bool = False) ->
     Concurrent callers (ranks) serialise on a file lock; all but the first
     find the finished library. Raises OpBuildError with a one-line reason.
     """
-    if spec.requires_cuda and torch.version.cuda is None:
-        raise OpBuildError(f"torch {torch.__version__} is a CPU build; this op needs a CUDA build of torch")
-    cxx = compiler()
-    _compiler_identity(cxx)  # a missing compiler fails here, with its reason
-    _probe_headers(spec, cxx)
+    check_compatible(spec)
     key = cache_key(spec)
     out_dir = build_dir or cache_root() / f"{spec.name}-{key}"
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -261,10 +287,6 @@ class NativeOp:
         self._path: Path | None = None
         self._tried = False
 
-    def _find_prebuilt(self) -> Path | None:
-        done = PREBUILT_DIR / f"{self.spec.name}-{cache_key(self.spec)}" / "BUILD_OK"
-        return done.parent / done.read_text().strip() if done.exists() else None
-
     def load(self) -> ctypes.CDLL | None:
         """The loaded library, or None (reason in `.reason`, logged once)."""
         if self._tried:
@@ -273,7 +295,7 @@ class NativeOp:
         try:
             if _disabled(self.spec.name):
                 raise OpBuildError("disabled by DSRUN_OPS_DISABLE")
-            self._path = self._find_prebuilt() or build(self.spec)
+            self._path = built_library(self.spec) or build(self.spec)
             self._lib = ctypes.CDLL(str(self._path))
         except (OpBuildError, OSError) as e:
             self._reason = str(e)
@@ -288,13 +310,21 @@ class NativeOp:
     def path(self) -> Path | None:
         return self._path
 
-    def status(self) -> OpStatus:
-        """Try to load, and say how it went."""
-        lib = self.load()
-        reason = self._reason
-        compatible = reason is None or reason.startswith("build failed")
-        return OpStatus(self.spec.name, compatible, self._path is not None, lib is not None,
-                        reason, str(self._path) if self._path else None)
+    def status(self, build_missing: bool = True) -> OpStatus:
+        """Say whether the op can be built here, is built, and is loaded.
+        With build_missing, load it first (building it if needed)."""
+        if build_missing:
+            self.load()
+        try:
+            check_compatible(self.spec)
+            compatible, reason = True, self._reason
+        except OpBuildError as e:
+            compatible, reason = False, str(e)
+        path = self._path or (built_library(self.spec) if compatible else None)
+        if reason is None and self._lib is None:
+            reason = "not built yet (run without --no-build)" if path is None else "built, not loaded"
+        return OpStatus(self.spec.name, compatible, path is not None, self._lib is not None, reason,
+                        str(path) if path else None)
 
 
 _LOADED: dict[str, NativeOp] = {}

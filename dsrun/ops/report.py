@@ -1,0 +1,70 @@
+"""`dsrun-report`: what each native op can do on this machine.
+
+Prints, per op: compatible (can be built here), built, loaded, the reason if
+not, the instruction set in use; and the torch / CUDA / compiler versions.
+"""
+from __future__ import annotations
+
+import platform
+import shutil
+import subprocess
+
+import click
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from dsrun.ops import builder
+
+
+def _nvcc_version() -> str:
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        return "not found"
+    out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=30).stdout.strip()
+    return out.splitlines()[-1] if out else "unknown"
+
+
+def _isa(name: str, loaded: bool) -> str:
+    if not loaded:
+        return "-"
+    if name == "cpu_adam":
+        from dsrun.ops.adam import selected_isa
+        return selected_isa() or "-"
+    if name == "shm_comm":
+        return "avx2/baseline (ifunc)"
+    if name == "cuda_adam":
+        return "cuda"
+    return "n/a"
+
+
+def _yes(flag: bool) -> str:
+    return "[green]yes[/]" if flag else "[red]no[/]"
+
+
+@click.command()
+@click.option("--build/--no-build", default=True, show_default=True,
+              help="Build missing ops (cached per user) before reporting; --no-build only inspects.")
+def main(build: bool) -> None:
+    """Report dsrun's native ops: compatible, built, loaded, why not, instruction set, versions."""
+    console = Console()
+    table = Table(title="dsrun native ops")
+    for col in ("op", "compatible", "built", "loaded", "isa", "reason / library"):
+        table.add_column(col, overflow="fold")
+    for name, spec in builder.OPS.items():
+        st = builder.get_op(name).status(build_missing=build)
+        detail = st.reason if st.reason else st.path or ""
+        table.add_row(name, _yes(st.compatible), _yes(st.built), _yes(st.loaded), _isa(name, st.loaded), detail)
+    console.print(table)
+    cpu_flags = open("/proc/cpuinfo").read() if platform.system() == "Linux" else ""
+    simd = [f for f in ("avx512f", "avx2", "fma", "f16c") if f" {f}" in cpu_flags]
+    console.print(f"torch {torch.__version__} (CUDA {torch.version.cuda or 'none: CPU build'}, "
+                  f"GPU {'available' if torch.cuda.is_available() else 'none'})")
+    console.print(f"C++ compiler ({builder.compiler()}): {builder.compiler_version()}")
+    console.print(f"nvcc: {_nvcc_version()}")
+    console.print(f"CPU: {platform.machine()}, SIMD: {', '.join(simd) or 'none detected'}; "
+                  f"build cache: {builder.cache_root()}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+"""`dsrun-report` output."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _report(*args: str, **env: str) -> str:
+    out = subprocess.run([sys.executable, "-m", "dsrun.ops.report", *args], cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, "COLUMNS": "250", **env}, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def _row(text: str, op: str) -> list[str]:
+    line = next(ln for ln in text.splitlines() if ln.startswith(f"│ {op} "))
+    return [c.strip() for c in line.strip("│").split("│")]
+
+
+def test_report_lists_every_op_with_isa_and_versions():
+    text = _report()
+    adam = _row(text, "cpu_adam")
+    assert adam[1:4] == ["yes", "yes", "yes"] and adam[4] in ("avx2", "avx512", "scalar")
+    for op in ("aio", "shm_comm"):
+        assert _row(text, op)[1:4] == ["yes", "yes", "yes"]
+    cuda = _row(text, "cuda_adam")
+    if "CPU build" in cuda[5]:
+        assert cuda[1:4] == ["no", "no", "no"]
+    assert "torch " in text and "C++ compiler" in text and "nvcc:" in text
+
+
+def test_report_without_compiler_says_why(tmp_path):
+    text = _report("--no-build", CXX="/nonexistent/c++", DSRUN_OPS_CACHE=str(tmp_path))
+    row = _row(text, "cpu_adam")
+    assert row[1:4] == ["no", "no", "no"] and "C++ compiler '/nonexistent/c++' not found" in row[5]
