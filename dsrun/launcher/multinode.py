@@ -173,9 +173,9 @@ def _run(opts: MultinodeOptions, rc: RankCommand, launcher: str, console: Consol
     if launcher in ("openmpi", "mpich"):
         return _run_mpi(launcher, placement, command, env, master_addr, rc.master_port or derived_port(job_id), opts, console)
     if launcher == "slurm":
-        from dsrun.launcher.slurm import SlurmRunner, allocation_from_env
+        from dsrun.launcher.slurm import SlurmRunner, allocation_from_env, node_address
         alloc = allocation_from_env(os.environ)
-        jobs = jobs_for(master_addr, rc.master_port or alloc.default_port())
+        jobs = jobs_for(rc.master_addr or node_address(placement.hosts[0]), rc.master_port or alloc.default_port())
         runner = SlurmRunner(alloc, python)
         return _run_head(jobs, runner, opts, console)
     if launcher == "local":

@@ -79,6 +79,22 @@ def expand_nodelist(nodelist: str, use_scontrol: bool = True) -> list[str]:
     return names
 
 
+def node_address(name: str) -> str:
+    """The address Slurm itself uses for node `name` (its NodeAddr), else `name`.
+
+    NodeAddr defaults to the node name on most clusters, but where it differs
+    (nodes named apart from their hosts) it is the address known to work
+    between nodes, so it is the better rendezvous address.
+    """
+    scontrol = shutil.which("scontrol")
+    if scontrol:
+        proc = subprocess.run([scontrol, "show", "node", "-o", name], capture_output=True, text=True, timeout=30)
+        m = re.search(r"\bNodeAddr=(\S+)", proc.stdout)
+        if proc.returncode == 0 and m:
+            return m.group(1)
+    return name
+
+
 def per_node_counts(value: str, nnodes: int) -> list[int]:
     """Expand Slurm's compressed per-node counts: '4(x2),2' -> [4, 4, 2].
 
@@ -188,7 +204,8 @@ def slurm_task_env(environ: Mapping[str, str]) -> dict[str, str]:
     script's own shell does not have): there SLURM_PROCID is the rank,
     SLURM_LOCALID the local rank, SLURM_STEP_NUM_TASKS the world size and
     the step's first node the master. MASTER_PORT is derived from the job id
-    when unset. Returns {} outside a step.
+    when unset, the address is the first node's NodeAddr (see
+    `node_address`). Returns {} outside a step.
     """
     if "SLURM_STEP_NUM_TASKS" not in environ or "SLURM_PROCID" not in environ:
         return {}
@@ -204,7 +221,7 @@ def slurm_task_env(environ: Mapping[str, str]) -> dict[str, str]:
         counts = per_node_counts(tasks, int(environ.get("SLURM_STEP_NUM_NODES", "1")))
         env["LOCAL_WORLD_SIZE"] = str(counts[node_id])
     if step_nodes and "MASTER_ADDR" not in environ:
-        env["MASTER_ADDR"] = expand_nodelist(step_nodes)[0]
+        env["MASTER_ADDR"] = node_address(expand_nodelist(step_nodes)[0])
     if "MASTER_PORT" not in environ and "SLURM_JOB_ID" in environ:
         env["MASTER_PORT"] = str(derived_port(environ["SLURM_JOB_ID"]))
     return env

@@ -26,6 +26,27 @@ import pytest
 from tests.system_packages import ensure_debian_packages
 
 
+def expected_losses(steps: int) -> list[float]:
+    """What scripts/allreduce_train.py computes with equal shards, in one process (the full-batch steps)."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8 * steps, 16, generator=g)
+    y = x @ torch.randn(16, 1, generator=g) + 0.1 * torch.randn(8 * steps, 1, generator=g)
+    model = torch.nn.Linear(16, 1)
+    torch.nn.init.zeros_(model.weight)
+    torch.nn.init.zeros_(model.bias)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    out = []
+    for step in range(steps):
+        loss = torch.nn.functional.mse_loss(model(x[step * 8:step * 8 + 8]), y[step * 8:step * 8 + 8])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        out.append(loss.item())
+    return out
+
+
 def free_port(addr: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((addr, 0))

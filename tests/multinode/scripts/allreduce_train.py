@@ -3,7 +3,7 @@
 Each rank trains the same linear model on its shard of a fixed global batch,
 averages gradients with all_reduce and steps SGD; rank 0 prints the global
 loss per step as `LOSS <step> <value>`. Every rank prints one `WHERE` line
-(rank, the sshd address it was started through, whether the secret variable
+(rank, the sshd address or Slurm node it was started through, whether the secret variable
 arrived, whether any process command line on this machine shows it).
 
     --mode train        train and exit 0
@@ -26,15 +26,20 @@ p.add_argument("--steps", type=int, default=5)
 p.add_argument("--fail_rank", type=int, default=-1)
 p.add_argument("--piddir", default="")
 p.add_argument("--secret_var", default="HF_TOKEN")
+p.add_argument("--dsrun_init", action="store_true", help="join the group with dsrun.init_distributed()")
 args = p.parse_args()
+if args.dsrun_init:  # e.g. under srun with one task per rank: dsrun finds the rank in SLURM_* variables
+    import dsrun
+    dsrun.init_distributed(dist_backend="gloo")
 
 torch.set_num_threads(1)
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 secret = os.environ.get(args.secret_var, "")
 shown = any(secret and secret in " ".join(proc.info["cmdline"] or [])
             for proc in psutil.process_iter(["cmdline"]))
-print(f"WHERE rank={rank} local_rank={os.environ['LOCAL_RANK']} node_rank={os.environ['NODE_RANK']} "
+print(f"WHERE rank={rank} local_rank={os.environ['LOCAL_RANK']} node_rank={os.environ.get('NODE_RANK', '-')} "
       f"via={(os.environ.get('SSH_CONNECTION') or '- - local').split()[2]} "
+      f"slurm_node={os.environ.get('SLURMD_NODENAME', '-')} "
       f"secret_sha={hashlib.sha256(secret.encode()).hexdigest()[:12]} secret_in_cmdline={shown}", flush=True)
 
 if args.mode == "sleep":
@@ -43,7 +48,8 @@ if args.mode == "sleep":
     time.sleep(300)
     sys.exit(0)
 
-dist.init_process_group("gloo")
+if not dist.is_initialized():
+    dist.init_process_group("gloo")
 g = torch.Generator().manual_seed(0)
 global_x = torch.randn(8 * args.steps, 16, generator=g)
 global_y = global_x @ torch.randn(16, 1, generator=g) + 0.1 * torch.randn(8 * args.steps, 1, generator=g)
