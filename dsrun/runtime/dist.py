@@ -21,6 +21,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from dsrun.launcher.mpi import rank_env_from_scheduler
+
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 
 _RANK_VARS = ("RANK", "WORLD_SIZE")
@@ -134,6 +136,9 @@ def init_distributed(dist_backend: str | None = None,
         DistributedSetupError: inconsistent rank variables, or MASTER_ADDR
             missing for a multi-rank job.
     """
+    # A rank started by mpirun/mpiexec or by srun (one task per rank) finds its
+    # rank in the launcher's variables; dsrun and torchrun set RANK themselves.
+    os.environ.update(rank_env_from_scheduler(os.environ))
     rank, world_size, local_rank, local_world_size = _read_rank_env()
     if dist.is_initialized():
         backend = dist.get_backend()
