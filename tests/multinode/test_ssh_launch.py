@@ -88,20 +88,26 @@ def test_two_nodes_train_and_keep_secrets(sshd_cluster, tmp_path):
     assert not sshd_children_gone(sshd_cluster)
 
 
-def test_killed_rank_on_second_node_ends_job(sshd_cluster, tmp_path):
+def start_sleeping_job(sshd_cluster, tmp_path) -> tuple[subprocess.Popen, Path]:
+    """dsrun with 4 sleeping ranks on 2 SSH nodes; returns once every rank wrote its pid."""
     piddir = tmp_path / "pids"
     piddir.mkdir()
     args = [sys.executable, "-m", "dsrun.launcher.cli", "--hostfile", hostfile(tmp_path), "--ssh_config",
             str(sshd_cluster.ssh_config), "--grace_period", "3", SCRIPT, "--mode", "sleep", "--piddir", str(piddir)]
     proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while len(list(piddir.glob("*.pid"))) < 4:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"ranks did not start: {proc.communicate()}")
+        time.sleep(0.1)
+    return proc, piddir
+
+
+def test_killed_rank_on_second_node_ends_job(sshd_cluster, tmp_path):
+    proc, piddir = start_sleeping_job(sshd_cluster, tmp_path)
     try:
-        deadline = time.monotonic() + 60
-        while len(list(piddir.glob("*.pid"))) < 4:
-            assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, "ranks did not start"
-            time.sleep(0.1)
-        victim = int((piddir / "rank_3.pid").read_text())
-        os.kill(victim, signal.SIGKILL)
+        os.kill(int((piddir / "rank_3.pid").read_text()), signal.SIGKILL)
         killed_at = time.monotonic()
         out, err = proc.communicate(timeout=30)
         elapsed = time.monotonic() - killed_at
@@ -112,6 +118,25 @@ def test_killed_rank_on_second_node_ends_job(sshd_cluster, tmp_path):
     assert proc.returncode == 128 + signal.SIGKILL, err
     assert re.search(r"rank\D+3", err) and "SIGKILL" in err and "node-b" in err, err
     assert not sshd_children_gone(sshd_cluster), "processes of the job remain under sshd"
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL])
+def test_stopping_dsrun_stops_every_node(sshd_cluster, tmp_path, signum):
+    """SIGTERM: dsrun tears the job down. SIGKILL: the connections drop and each agent kills its ranks on EOF."""
+    proc, piddir = start_sleeping_job(sshd_cluster, tmp_path)
+    pids = [int(p.read_text()) for p in piddir.glob("*.pid")]
+    proc.send_signal(signum)
+    sent_at = time.monotonic()
+    try:
+        proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode in (128 + signum, -signum)
+    left = sshd_children_gone(sshd_cluster, timeout=10 - (time.monotonic() - sent_at))
+    assert not left, f"left behind: {[p.cmdline() for p in left]}"
+    assert not [p for p in pids if psutil.pid_exists(p)]
+    assert time.monotonic() - sent_at < 10
 
 
 def test_remote_traceback_is_root_cause(sshd_cluster, tmp_path):
