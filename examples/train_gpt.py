@@ -110,6 +110,10 @@ def make_progress(console: Console) -> Progress:
 
 def train(args: argparse.Namespace) -> None:
     set_threads()
+    try:  # before initialize(): a bad --data stops every rank before any process group exists
+        corpus = load_corpus(args.data, args.seq_len)
+    except (FileNotFoundError, ValueError) as exc:
+        raise SystemExit(f"train_gpt.py: {exc}") from None
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     model = GPT(GPTConfig(seq_len=args.seq_len, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd))
     engine, _, _, _ = dsrun.initialize(args=args, model=model, model_parameters=model.param_groups())
@@ -117,14 +121,13 @@ def train(args: argparse.Namespace) -> None:
     console = Console(soft_wrap=True)  # log lines stay whole when output is piped
     log = console.print if rank == 0 else (lambda *a, **k: None)
 
-    corpus = load_corpus(args.data, args.seq_len)
     micro = engine.train_micro_batch_size_per_gpu()
     accum = engine.gradient_accumulation_steps()
     sampler = WindowSampler(corpus.train, args.seq_len, seed=args.seed * 100_003 + rank)
     val_x, val_y = eval_windows(corpus.val, args.eval_batches * micro, args.seq_len, EVAL_SEED)
     n_params = sum(p.numel() for p in model.parameters())
     log(f"data: {corpus.describe()}")
-    log(f"model: {n_params / 1e6:.2f}M parameters; world size {world}, {torch.get_num_threads()} threads per rank; "
+    log(f"model: {n_params / 1e6:.2f}M parameters; world size {world}, torch threads per rank {torch.get_num_threads()}; "
         f"global batch {engine.train_batch_size()} windows of {args.seq_len} bytes "
         f"(micro-batch {micro} x accumulation {accum} x {world} ranks)")
 
