@@ -67,6 +67,15 @@ def _all_collectives(name: str) -> str:
                 b = _data(rank, n, dtype)
                 g.broadcast(b, src)
                 assert torch.equal(b, _data(src, n, dtype)), ("broadcast", src)
+    # In place, as ZeRO calls them: gather into a buffer holding this rank's
+    # piece, reduce-scatter into this rank's piece of the input.
+    full = torch.zeros(world * 1001)
+    full[rank * 1001:(rank + 1) * 1001] = rank + 1.0
+    g.all_gather(full, full[rank * 1001:(rank + 1) * 1001])
+    assert torch.equal(full, torch.arange(1, world + 1, dtype=torch.float32).repeat_interleave(1001))
+    piece = full[rank * 1001:(rank + 1) * 1001]
+    g.reduce_scatter(piece, full)
+    assert torch.equal(piece, torch.full((1001,), float(world * (rank + 1))))
     # Any dtype moves through all_gather and broadcast; a 2-D tensor reduces in place.
     ints = torch.arange(10, dtype=torch.int64) + rank
     out = torch.empty(10 * world, dtype=torch.int64)
