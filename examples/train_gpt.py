@@ -34,6 +34,7 @@ EVAL_SEED = 0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The script's flags plus dsrun's --config/--deepspeed_config; exits with a usage error on bad values."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=400,
                    help="optimizer steps (keep equal to the scheduler's total_num_steps)")
@@ -97,7 +98,24 @@ def evaluate(engine, x: torch.Tensor, y: torch.Tensor) -> float:
     return (total[0] / total[1]).item()
 
 
+def train_step(engine, sampler: WindowSampler, micro: int, accum: int) -> float:
+    """One optimizer step: `accum` micro-batches of `micro` windows through forward, backward, step.
+
+    Returns:
+        The mean loss of this rank's micro-batches (nats per byte).
+    """
+    loss_sum = 0.0
+    for _ in range(accum):
+        x, y = sampler.sample(micro)
+        loss = engine(x.to(engine.device), y.to(engine.device))
+        engine.backward(loss)
+        engine.step()  # updates the weights only at the accumulation boundary
+        loss_sum += loss.item()
+    return loss_sum / accum
+
+
 def make_progress(console: Console) -> Progress:
+    """Rank 0's progress bar: steps done, last loss, global tokens/s, learning rate, elapsed time."""
     return Progress(
         TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
         TextColumn("loss {task.fields[loss]:.3f}"),
@@ -109,6 +127,12 @@ def make_progress(console: Console) -> Progress:
 
 
 def train(args: argparse.Namespace) -> None:
+    """Build the model and engine, score the validation set, train, score it again, print both.
+
+    Raises:
+        SystemExit: --data names nothing usable (before any process group exists).
+        ConfigError: the config is invalid (from dsrun.initialize).
+    """
     set_threads()
     try:  # before initialize(): a bad --data stops every rank before any process group exists
         corpus = load_corpus(args.data, args.seq_len)
@@ -141,18 +165,12 @@ def train(args: argparse.Namespace) -> None:
         progress.start()
     start = time.perf_counter()
     for step in range(1, args.steps + 1):
-        loss_sum = 0.0
-        for _ in range(accum):
-            x, y = sampler.sample(micro)
-            loss = engine(x.to(engine.device), y.to(engine.device))
-            engine.backward(loss)
-            engine.step()  # updates the weights only at the accumulation boundary
-            loss_sum += loss.item()
+        loss = train_step(engine, sampler, micro, accum)
         tok_s = tokens_per_step * step / (time.perf_counter() - start)
         if rank == 0:
-            progress.update(task, advance=1, loss=loss_sum / accum, tok_s=tok_s, lr=engine.get_lr()[0])
+            progress.update(task, advance=1, loss=loss, tok_s=tok_s, lr=engine.get_lr()[0])
             if step % args.log_every == 0 or step == args.steps:
-                progress.console.print(f"step {step}/{args.steps}  loss {loss_sum / accum:.4f}  "
+                progress.console.print(f"step {step}/{args.steps}  loss {loss:.4f}  "
                                        f"{tok_s:,.0f} tok/s  lr {engine.get_lr()[0]:.3e}")
     elapsed = time.perf_counter() - start
     if rank == 0:
