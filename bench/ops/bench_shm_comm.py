@@ -24,7 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def rank_main(rank: int, world: int, port: int, sizes: list[int], repeats: int, name: str, out) -> None:
+def rank_main(rank: int, world: int, port: int, sizes: list[int], repeats: int, name: str, slot_mib: int,
+              out) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import torch
     import torch.distributed as dist
@@ -32,7 +33,7 @@ def rank_main(rank: int, world: int, port: int, sizes: list[int], repeats: int, 
     from dsrun.ops import shm_comm
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    group = shm_comm.ShmGroup(name, rank, world, barrier=dist.barrier)
+    group = shm_comm.ShmGroup(name, rank, world, barrier=dist.barrier, slot_bytes=slot_mib << 20)
     results = {}
     for mib in sizes:
         n = (mib << 20) // 4 // world * world
@@ -67,16 +68,20 @@ def rank_main(rank: int, world: int, port: int, sizes: list[int], repeats: int, 
 def main() -> None:
     from _table import table
 
+    from dsrun.ops import shm_comm
     from tests.dist_helpers import free_port
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes-mib", type=int, nargs="+", default=[16, 192])
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--slot-mib", type=int, default=shm_comm.DEFAULT_SLOT_BYTES >> 20,
+                    help="bytes each rank stages per step")
     args = ap.parse_args()
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port, name = free_port(), f"/dsrun-bench-{uuid.uuid4().hex[:8]}"
-    procs = [ctx.Process(target=rank_main, args=(r, args.ranks, port, args.sizes_mib, args.repeats, name, out))
+    procs = [ctx.Process(target=rank_main, args=(r, args.ranks, port, args.sizes_mib, args.repeats, name,
+                                                   args.slot_mib, out))
              for r in range(args.ranks)]
     for p in procs:
         p.start()
@@ -84,7 +89,8 @@ def main() -> None:
     for p in procs:
         p.join()
     for mib, samples in results.items():
-        print(table(f"{mib} MiB fp32, {args.ranks} ranks, 1 thread each", list(samples.items()), "gloo all_reduce"))
+        print(table(f"{mib} MiB fp32, {args.ranks} ranks, 1 thread each, {args.slot_mib} MiB slots",
+                    list(samples.items()), "gloo all_reduce"))
         print()
 
 

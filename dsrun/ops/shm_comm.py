@@ -29,7 +29,7 @@ from dsrun.ops.builder import get_op
 
 REDUCE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 OPS = {"sum": 0, "max": 1, "min": 2}
-DEFAULT_SLOT_BYTES = 32 << 20
+DEFAULT_SLOT_BYTES = 4 << 20  # 2 buffers x 2 ranks x 4 MiB stay in a 32 MiB L3 between copy and read
 _ERRLEN = 512
 
 
@@ -181,3 +181,21 @@ class ShmGroup:
             raise ValueError(f"broadcast: src {src} outside the group of {self.world_size} ranks")
         self._call(self._lib.dsrun_shm_broadcast, tensor.data_ptr(), tensor.numel() * tensor.element_size(), src)
         return tensor
+
+
+def world_group_from_env(barrier: Callable[[], None], group: str = "world",
+                         slot_bytes: int = DEFAULT_SLOT_BYTES) -> ShmGroup | None:
+    """A ShmGroup over the default process group when every rank is on this node, else None.
+
+    Reads RANK, WORLD_SIZE and LOCAL_WORLD_SIZE (set by dsrun and torchrun);
+    the segment is named after DSRUN_JOB_ID, or MASTER_ADDR:MASTER_PORT under
+    torchrun, so concurrent jobs never share one. Returns None (the caller
+    keeps gloo) when ranks span nodes, LOCAL_WORLD_SIZE is unset, or the op is
+    unavailable. Every rank must call it (it runs `barrier` twice).
+    """
+    env = os.environ
+    world = int(env.get("WORLD_SIZE", "1"))
+    if not available() or env.get("LOCAL_WORLD_SIZE") != str(world):
+        return None
+    job = env.get("DSRUN_JOB_ID") or f"{env.get('MASTER_ADDR', 'local')}_{env.get('MASTER_PORT', '0')}"
+    return ShmGroup(segment_name(job, group), int(env.get("RANK", "0")), world, barrier, slot_bytes=slot_bytes)

@@ -92,6 +92,27 @@ def _all_collectives(name: str) -> str:
     return "ok"
 
 
+def _from_env(job: str) -> list[float]:
+    import torch.distributed as dist
+    os.environ["DSRUN_JOB_ID"] = job
+    dist.init_process_group("gloo")
+    g = shm_comm.world_group_from_env(dist.barrier)
+    t = torch.full((5,), float(dist.get_rank()))
+    g.all_reduce(t)
+    return t.tolist()
+
+
+def test_world_group_from_env(monkeypatch):
+    # run_ranks sets LOCAL_WORLD_SIZE == WORLD_SIZE: every rank is local.
+    assert run_ranks(_from_env, 2, uuid.uuid4().hex[:8], timeout=120) == [[1.0] * 5] * 2
+    # Ranks on two nodes (or LOCAL_WORLD_SIZE unknown): no shm group, gloo stays.
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert shm_comm.world_group_from_env(lambda: None) is None
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert shm_comm.world_group_from_env(lambda: None) is None
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_collectives_match_reference(world):
     name = shm_comm.segment_name(uuid.uuid4().hex[:8], f"test{world}")
