@@ -26,6 +26,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <deque>
+#include <exception>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -360,13 +361,18 @@ extern "C" void* dsrun_aio_create(int engine, int64_t block_size, int queue_dept
     return nullptr;
   }
   std::string msg;
-  auto* h = new Handle(block_size, threads);
-  if (!h->init(engine, queue_depth, single_submit != 0, overlap_events != 0, &msg)) {
-    delete h;
-    dsrun_aio::copy_err(msg, err, errlen);
+  try {  // no C++ exception may cross into ctypes: it would abort the process
+    auto* h = new Handle(block_size, threads);
+    if (!h->init(engine, queue_depth, single_submit != 0, overlap_events != 0, &msg)) {
+      delete h;
+      dsrun_aio::copy_err(msg, err, errlen);
+      return nullptr;
+    }
+    return h;
+  } catch (const std::exception& e) {
+    dsrun_aio::copy_err(std::string("cannot create the aio handle: ") + e.what(), err, errlen);
     return nullptr;
   }
-  return h;
 }
 
 extern "C" void dsrun_aio_destroy(void* h) { delete static_cast<Handle*>(h); }
@@ -375,7 +381,13 @@ extern "C" void dsrun_aio_destroy(void* h) { delete static_cast<Handle*>(h); }
 extern "C" int dsrun_aio_submit(void* h, int write, void* buf, int64_t nbytes, const char* path, int64_t offset,
                                 char* err, int errlen) {
   std::string msg;
-  const int rc = static_cast<Handle*>(h)->submit(write != 0, static_cast<char*>(buf), nbytes, path, offset, &msg);
+  int rc;
+  try {
+    rc = static_cast<Handle*>(h)->submit(write != 0, static_cast<char*>(buf), nbytes, path, offset, &msg);
+  } catch (const std::exception& e) {
+    msg = std::string(write ? "pwrite " : "pread ") + path + ": " + e.what();
+    rc = -ENOMEM;
+  }
   if (rc != 0) dsrun_aio::copy_err(msg, err, errlen);
   return rc;
 }

@@ -96,7 +96,7 @@ class AioHandle:
             raise ValueError(f"aio: engine must be auto, python, io_uring or libaio, got {engine!r}")
         self.block_size, self.queue_depth, self.threads = block_size, queue_depth, intra_op_parallelism
         self._handle = None
-        self._pending: list[torch.Tensor] = []  # keeps async buffers alive until wait()
+        self._pending: list[tuple[torch.Tensor, str]] = []  # keeps async buffers alive until wait()
         self._fallback_done = 0
         self.engine = "python"
         lib = _native() if engine != "python" else None
@@ -168,7 +168,7 @@ class AioHandle:
                                         err, _ERRLEN)
         if rc != 0:
             raise _os_error(-rc, err.value.decode(), path)
-        self._pending.append(tensor)
+        self._pending.append((tensor, path))
 
     @staticmethod
     def _python_io(write: bool, tensor: torch.Tensor, path: str, offset: int, nbytes: int) -> None:
@@ -213,9 +213,12 @@ class AioHandle:
             return n
         err = ctypes.create_string_buffer(_ERRLEN)
         rc = self._lib.dsrun_aio_wait(self._handle, err, _ERRLEN)
+        paths = [p for _, p in self._pending]
         self._pending.clear()
         if rc < 0:
-            raise _os_error(-rc, err.value.decode(), err.value.decode().split(" ", 2)[1] if err.value else "")
+            msg = err.value.decode()  # "<pread|pwrite> <path>: <reason> (errno N) at offset X"
+            path = next((p for p in paths if msg.startswith((f"pread {p}: ", f"pwrite {p}: "))), "")
+            raise _os_error(-rc, msg, path)
         return rc
 
     def pwrite(self, tensor: torch.Tensor, path, offset: int = 0) -> int:
