@@ -43,7 +43,6 @@ from rich.table import Table
 from dsrun.launcher.head import AgentHandle, Runner
 from dsrun.launcher.job import NodeJob
 from dsrun.launcher.placement import derived_port
-from dsrun.launcher.ports import DEFAULT_MASTER_PORT
 
 AGENT_MODULE = "dsrun.launcher.agent"
 DEFAULT_CONNECT_TIMEOUT = 10.0
@@ -447,12 +446,15 @@ class SshRunner(Runner):
 
 
 def job_port_candidates(job_id: str, preferred: int | None, count: int = 8) -> list[int]:
-    """Ports to try for the rendezvous: `preferred` (or 29500) first, then ports derived from the job id.
+    """Ports to try for the rendezvous, best first: `preferred` (--master_port) if given, then ports derived from the job id.
 
-    Derived ports (see `placement.derived_port`) differ between jobs, so two
-    jobs starting at once on one master rarely pick the same one.
+    Without --master_port the derived ports come first, not 29500: jobs
+    started at the same time on one master then do not race for the same
+    well-known port between the check and rank 0's bind (DeepSpeed #3916,
+    #1656). See `placement.derived_port`.
     """
-    return [preferred or DEFAULT_MASTER_PORT, *(derived_port(job_id, i) for i in range(count))]
+    derived = [derived_port(job_id, i) for i in range(count)]
+    return [preferred, *derived] if preferred else derived
 
 
 @dataclass
@@ -473,7 +475,8 @@ def prepare_ssh_launch(hosts: list[str], *, ssh_config: str | Path | None, polic
     (HostName from the ssh config); either way every node must be able to
     open a TCP connection to it (checked against the master's sshd port).
     master_port: checked free on the master node; if taken, the first free
-    port derived from the job id is used and a note says so.
+    port derived from the job id is used and a note says so. Without it, the
+    first free port derived from the job id (see `job_port_candidates`).
 
     Raises:
         SshConnectError: per-host reasons; no connection is left open.
@@ -496,5 +499,5 @@ def prepare_ssh_launch(hosts: list[str], *, ssh_config: str | Path | None, polic
         for conn in conns.values():
             conn.close()
         raise
-    notes = [] if port == candidates[0] else [f"port {candidates[0]} is busy on {hosts[0]}; using {port}"]
+    notes = [f"port {master_port} is busy on {hosts[0]}; using {port}"] if master_port and port != master_port else []
     return SshLaunch(SshRunner(conns, python), addr, port, notes)
