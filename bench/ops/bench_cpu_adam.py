@@ -11,12 +11,16 @@ Cases (all on the same machine, interleaved round by round so drift hits all):
   dsrun fp32 + fp16 copy    the same with an fp16 copy
   dsrun bf16 grad + bf16 copy    bf16 gradients read, fp32 master/states, bf16 copy
   dsrun fallback fp32       the pure-PyTorch fallback
-DeepSpeed's CPU Adam is not installed here; REFERENCE.md measured it at 63 ms
-(fp32) and 182-184 ms (bf16) on this kind of machine.
+With --deepspeed DIR (a directory holding the deepspeed package, e.g. from
+`pip install --target DIR deepspeed`), DeepSpeedCPUAdam runs in the same
+rounds: fp32 params, and bf16 params with fp32 states (its first use JIT-builds
+its op, about 50 s). Without it, REFERENCE.md's figures for this kind of
+machine are 63 ms (fp32) and 182-184 ms (bf16).
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -30,11 +34,25 @@ from _table import table  # noqa: E402
 from dsrun.ops import adam  # noqa: E402
 
 
+def deepspeed_cases(path: str, n: int) -> dict:
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    sys.path.insert(0, path)
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+    cases = {}
+    for label, dtype in (("deepspeed cpu_adam fp32", torch.float32), ("deepspeed cpu_adam bf16 params", torch.bfloat16)):
+        p = torch.nn.Parameter(torch.randn(n).to(dtype))
+        p.grad = torch.randn(n).to(dtype)
+        opt = DeepSpeedCPUAdam([p], lr=1e-3, adamw_mode=True, fp32_optimizer_states=True)
+        cases[label] = opt.step
+    return cases
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--numel", type=int, default=100_000_000)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--deepspeed", metavar="DIR", help="also time DeepSpeedCPUAdam, imported from DIR")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     assert adam.native_available(), "the native CPU Adam did not build"
@@ -76,6 +94,8 @@ def main() -> None:
         "dsrun bf16 grad + bf16 copy": ours(g_bf16, copy_bf16),
         "dsrun fallback fp32": fallback,
     }
+    if args.deepspeed:
+        cases.update(deepspeed_cases(args.deepspeed, n))
     for fn in cases.values():  # warm up: first touch of states, thread pools
         fn()
     samples: dict[str, list[float]] = {k: [] for k in cases}

@@ -7,8 +7,10 @@ baseline), gloo reduce_scatter_tensor and all_gather_into_tensor, and dsrun's
 shm all_reduce, reduce_scatter, all_gather and broadcast. The size is the
 full tensor (all_reduce input, reduce_scatter input, all_gather output).
 Times are rank 0's, each call preceded by a barrier; rounds interleave the
-cases. DeepSpeed's shm all_reduce is not installed here; REFERENCE.md
-measured 63-67 ms at 192 MiB on this kind of machine.
+cases. With --deepspeed DIR (a directory holding the deepspeed package),
+DeepSpeed's CPU shared-memory all_reduce (deepspeed.comm.inference_all_reduce
+with DS_ACCELERATOR=cpu; its op is JIT-built on first use) runs in the same
+rounds; REFERENCE.md measured it at 63-67 ms at 192 MiB on this kind of machine.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def rank_main(rank: int, world: int, port: int, sizes: list[int], repeats: int, name: str, slot_mib: int,
-              out) -> None:
+              deepspeed_dir: str | None, out) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import torch
     import torch.distributed as dist
@@ -34,6 +36,15 @@ def rank_main(rank: int, world: int, port: int, sizes: list[int], repeats: int, 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     group = shm_comm.ShmGroup(name, rank, world, barrier=dist.barrier, slot_bytes=slot_mib << 20)
+    ds_all_reduce = None
+    if deepspeed_dir:
+        # DeepSpeed's shm op needs LOCAL_SIZE (it crashes without it, REFERENCE.md §6).
+        os.environ.update(DS_ACCELERATOR="cpu", LOCAL_RANK=str(rank), LOCAL_SIZE=str(world))
+        sys.path.insert(0, deepspeed_dir)
+        import deepspeed
+        import deepspeed.comm
+        deepspeed.init_distributed("gloo")
+        ds_all_reduce = deepspeed.comm.inference_all_reduce
     results = {}
     for mib in sizes:
         n = (mib << 20) // 4 // world * world
@@ -48,6 +59,8 @@ def rank_main(rank: int, world: int, port: int, sizes: list[int], repeats: int, 
             "shm all_gather": lambda: group.all_gather(full, part),
             "shm broadcast": lambda: group.broadcast(full, 0),
         }
+        if ds_all_reduce is not None:
+            cases["deepspeed shm all_reduce"] = lambda: ds_all_reduce(full)
         for fn in cases.values():
             fn()  # warm up (first touch, connections)
         samples = {k: [] for k in cases}
@@ -74,6 +87,7 @@ def main() -> None:
     ap.add_argument("--sizes-mib", type=int, nargs="+", default=[16, 192])
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--deepspeed", metavar="DIR", help="also time DeepSpeed's shm all_reduce, imported from DIR")
     ap.add_argument("--slot-mib", type=int, default=shm_comm.DEFAULT_SLOT_BYTES >> 20,
                     help="bytes each rank stages per step")
     args = ap.parse_args()
@@ -81,7 +95,7 @@ def main() -> None:
     out = ctx.Queue()
     port, name = free_port(), f"/dsrun-bench-{uuid.uuid4().hex[:8]}"
     procs = [ctx.Process(target=rank_main, args=(r, args.ranks, port, args.sizes_mib, args.repeats, name,
-                                                   args.slot_mib, out))
+                                                   args.slot_mib, args.deepspeed, out))
              for r in range(args.ranks)]
     for p in procs:
         p.start()
