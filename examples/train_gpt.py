@@ -9,8 +9,11 @@ validation files (see byte_data.py). The script measures the validation loss
 after training and prints both and the drop.
 
 The script uses only DeepSpeed's public API (initialize, forward, backward,
-step), so ``import deepspeed as dsrun`` would run it too. It also runs under
-torchrun or as a single process (world size 1).
+step): with DeepSpeed 0.16.5 standing in for dsrun (CPU, torchrun, pass
+--deepspeed_config, since DeepSpeed has no --config) it runs unchanged and,
+at ZeRO stage 2 in fp32 with a constant learning rate, prints the same
+per-step losses to 4 decimals. It also runs under torchrun or as a single
+process (world size 1).
 """
 from __future__ import annotations
 
