@@ -14,6 +14,10 @@ Everything that can be checked is checked before any rank starts: the
 hostfile and the filters (with file:line:col), the env files, and for SSH
 every connection, host key, login, working directory, Python and the
 master address from every node.
+
+Each launcher's module is imported only when that launcher is used, so a
+local launch does not pay for paramiko; `cli` is imported late because it
+imports this module.
 """
 from __future__ import annotations
 

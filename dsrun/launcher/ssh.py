@@ -27,6 +27,7 @@ refused under both policies.
 from __future__ import annotations
 
 import enum
+import getpass
 import os
 import shlex
 import signal
@@ -112,7 +113,7 @@ def resolve_target(host: str, config: paramiko.SSHConfig) -> SshTarget:
         alias=host,
         hostname=entry.get("hostname", name),
         port=int(port or entry.get("port", 22)),
-        user=user or entry.get("user") or _local_user(),
+        user=user or entry.get("user") or getpass.getuser(),
         identity_files=tuple(os.path.expanduser(f) for f in entry.get("identityfile", [])),
         identities_only=entry.get("identitiesonly", "no").lower() == "yes",
         known_hosts=Path(os.path.expanduser(known)),
@@ -120,11 +121,6 @@ def resolve_target(host: str, config: paramiko.SSHConfig) -> SshTarget:
         proxy_command=entry.get("proxycommand") if entry.get("proxycommand", "none").lower() != "none" else None,
         timeout=float(entry.get("connecttimeout", DEFAULT_CONNECT_TIMEOUT)),
     )
-
-
-def _local_user() -> str:
-    import getpass
-    return getpass.getuser()
 
 
 class _RecordNewKeys(paramiko.MissingHostKeyPolicy):

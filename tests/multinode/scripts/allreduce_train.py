@@ -76,4 +76,7 @@ for step in range(args.steps):
         print(f"LOSS {step} {total.item() / world:.8f}", flush=True)
 if args.mode == "fail":
     time.sleep(120)  # never reached by the healthy ranks: they block in all_reduce above
+# Leave together: a rank that tears down gloo while a peer still talks to it can
+# abort in native code ("terminate called without an active exception").
+dist.barrier()
 dist.destroy_process_group()
