@@ -78,6 +78,22 @@ def test_adam_step_matches_torch(impl, n, grad_dtype, copy_dtype, adamw):
         assert torch.equal(copy, p.to(copy_dtype))
 
 
+def test_without_bias_correction(impl):
+    # DeepSpeed's bias_correction=False: step_size = lr and no sqrt(1 - beta2^t).
+    n = 1003
+    p, m, v = torch.linspace(-1, 1, n), torch.zeros(n), torch.zeros(n)
+    g = torch.cos(torch.arange(n, dtype=torch.float32))
+    rp, rm, rv = p.clone(), m.clone(), v.clone()
+    for step in (1, 2):
+        adam.adam_step(p, g, m, v, step=step, lr=0.01, beta1=0.9, beta2=0.99, eps=1e-6, weight_decay=0.1,
+                       bias_correction=False)
+        rp.mul_(1 - 0.01 * 0.1)
+        rm.mul_(0.9).add_(g, alpha=0.1)
+        rv.mul_(0.99).addcmul_(g, g, value=0.01)
+        rp.addcdiv_(rm, rv.sqrt().add_(1e-6), value=-0.01)
+    torch.testing.assert_close(p, rp, rtol=1e-5, atol=1e-6)
+
+
 def test_copy_rounding_of_special_values(impl):
     # Values at rounding ties, nan, inf, overflow to fp16 inf, subnormals: with
     # lr=0 the parameter is unchanged, so the copy must equal torch's cast.
