@@ -10,7 +10,7 @@ Cases (all on the same machine, interleaved round by round so drift hits all):
   dsrun fp32 + bf16 copy    fp32 master/states, bf16 copy written in the same pass
   dsrun fp32 + fp16 copy    the same with an fp16 copy
   dsrun bf16 grad + bf16 copy    bf16 gradients read, fp32 master/states, bf16 copy
-  dsrun fallback fp32       the pure-PyTorch fallback
+  dsrun fallback + bf16 copy  the pure-PyTorch fallback (torch's fused step, then the copy)
 With --deepspeed DIR (a directory holding the deepspeed package, e.g. from
 `pip install --target DIR deepspeed`), DeepSpeedCPUAdam runs in the same
 rounds: fp32 params, and bf16 params with fp32 states (its first use JIT-builds
@@ -77,8 +77,9 @@ def main() -> None:
 
     def fallback():
         step[0] += 1
-        adam._adam_step_torch(p, g, m, v, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
-                              adamw_mode=True, step_size=1e-3, bc2_sqrt=1.0, grad_scale=1.0, param_copy=None)
+        adam._adam_step_torch(p, g, m, v, step=step[0], lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+                              weight_decay=0.0, adamw_mode=True, bias_correction=True, grad_scale=1.0,
+                              param_copy=copy_bf16)
 
     def torch_then_copy():
         topt.step()
@@ -92,7 +93,7 @@ def main() -> None:
         "dsrun fp32 + bf16 copy": ours(g, copy_bf16),
         "dsrun fp32 + fp16 copy": ours(g, copy_f16),
         "dsrun bf16 grad + bf16 copy": ours(g_bf16, copy_bf16),
-        "dsrun fallback fp32": fallback,
+        "dsrun fallback + bf16 copy": fallback,
     }
     if args.deepspeed:
         cases.update(deepspeed_cases(args.deepspeed, n))
