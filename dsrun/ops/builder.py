@@ -2,7 +2,8 @@
 
 Each op is a plain shared library with a C interface, built by
 torch.utils.cpp_extension (ninja) just in time on first use, or ahead of time
-by `DSRUN_BUILD_OPS=1 pip install .`, and called from Python through ctypes.
+by `DSRUN_BUILD_OPS=1 pip install --no-build-isolation .` (see setup.py), and
+called from Python through ctypes.
 
 [Note: build time] A C++ file that includes torch/extension.h costs 25-30 s
 of CPU to compile on the reference machine; DeepSpeed's async_io took 202 s
@@ -34,7 +35,7 @@ import os
 import platform
 import shutil
 import subprocess
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
@@ -74,7 +75,7 @@ class OpSpec:
     description: str = ""
     requires_cuda: bool = False  # a .cu source: needs nvcc and a CUDA build of torch
     # Directories under csrc/ whose files (headers included) enter the cache key.
-    hashed_dirs: tuple[str, ...] = field(default=())
+    hashed_dirs: tuple[str, ...] = ()
 
 
 OPS: dict[str, OpSpec] = {

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import errno
-import os
 import subprocess
 import threading
 import time
