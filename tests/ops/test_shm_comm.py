@@ -67,6 +67,13 @@ def _all_collectives(name: str) -> str:
                 b = _data(rank, n, dtype)
                 g.broadcast(b, src)
                 assert torch.equal(b, _data(src, n, dtype)), ("broadcast", src)
+    # The fallback is gloo: the same sums, up to rounding (gloo rounds 16-bit
+    # partial sums, which are ~9 here: a bf16 ulp there is 0.0625).
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 0.13), (torch.float16, 0.02)):
+        a, b = _data(rank, 3001, dtype), _data(rank, 3001, dtype)
+        g.all_reduce(a)
+        dist.all_reduce(b)
+        torch.testing.assert_close(a.float(), b.float(), rtol=0, atol=tol)
     # In place, as ZeRO calls them: gather into a buffer holding this rank's
     # piece, reduce-scatter into this rank's piece of the input.
     full = torch.zeros(world * 1001)
