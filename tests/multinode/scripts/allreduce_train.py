@@ -76,7 +76,12 @@ for step in range(args.steps):
         print(f"LOSS {step} {total.item() / world:.8f}", flush=True)
 if args.mode == "fail":
     time.sleep(120)  # never reached by the healthy ranks: they block in all_reduce above
-# Leave together: a rank that tears down gloo while a peer still talks to it can
-# abort in native code ("terminate called without an active exception").
+# [Note: leaving gloo] With torch 2.13, a rank whose interpreter exits while
+# gloo objects are alive, or while a peer is still tearing down, sometimes
+# aborts in native code ("terminate called without an active exception",
+# SIGABRT) although training finished. So: leave together, destroy the group,
+# and skip the interpreter's own teardown.
 dist.barrier()
 dist.destroy_process_group()
+sys.stdout.flush()
+os._exit(0)
