@@ -15,7 +15,7 @@ import torch
 
 from dsrun.runtime import comm
 from dsrun.runtime.zero import init as zinit
-from dsrun.runtime.zero.stage3 import _ZERO_UNITS
+from dsrun.runtime.zero.stage3 import unit_of
 from dsrun.runtime.zero.strategy import owner_of
 
 
@@ -42,8 +42,8 @@ def GatheredParameters(params, modifier_rank: int | None = None, fwd_module=None
     params = _as_list(params)
     found = {}
     for p in params:
-        unit = _ZERO_UNITS.get(id(p))
-        if unit is not None and any(q is p for q in unit.fset.params):
+        unit = unit_of(p)
+        if unit is not None:
             found[unit.index] = unit
     units = [found[i] for i in sorted(found)]  # same order on every rank
     init_only = [p for p in params if zinit.is_partitioned(p)]

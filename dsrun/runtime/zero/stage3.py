@@ -31,6 +31,7 @@ the saved tensors valid again in backward.
 from __future__ import annotations
 
 import enum
+import weakref
 
 import torch
 from torch.autograd.graph import register_multi_grad_hook
@@ -122,7 +123,7 @@ def find_units(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     return units
 
 
-def _unit_of(path: str, unit_names: list[str]) -> str:
+def _enclosing_unit(path: str, unit_names: list[str]) -> str:
     """Longest unit name that is `path` or a dotted prefix of it."""
     best = ""
     for u in unit_names:
@@ -154,7 +155,7 @@ class PartitionedParamStrategy(ZeroStrategy):
         users: dict[int, list[str]] = {}
         for mod_name, mod in module.named_modules():
             for pname, p in mod.named_parameters(recurse=False):
-                users.setdefault(id(p), []).append(_unit_of(mod_name, unit_names))
+                users.setdefault(id(p), []).append(_enclosing_unit(mod_name, unit_names))
         members: dict[str, list] = {n: [] for n in unit_names}
         for p, name, g in self.trainable_groups(optimizer, module):
             owners = users[id(p)]
@@ -162,7 +163,7 @@ class PartitionedParamStrategy(ZeroStrategy):
             for o in owners[1:]:
                 while common and not (o == common or o.startswith(common + ".")):
                     common = common.rpartition(".")[0]
-            members[_unit_of(common, unit_names) if common else ""].append((p, name, g))
+            members[_enclosing_unit(common, unit_names) if common else ""].append((p, name, g))
         self.units: list[Unit] = []
         for uname, umod in unit_mods:
             entries = sorted(members[uname], key=lambda e: e[2])  # stable: by group, then order
@@ -178,7 +179,7 @@ class PartitionedParamStrategy(ZeroStrategy):
                         fset.layout.numel < persistence_threshold, self)
             self.units.append(unit)
             for p in fset.params:
-                _ZERO_UNITS[id(p)] = unit
+                _ZERO_UNITS[id(p)] = (weakref.ref(p), weakref.ref(unit))
         if precision.mixed:
             module.to(precision.compute_dtype)  # frozen params and buffers
         self._bind_optimizer()
@@ -214,6 +215,8 @@ class PartitionedParamStrategy(ZeroStrategy):
         self._cursor[phase] = pos + 1
 
     def _pre_forward(self, unit: Unit) -> None:
+        if unit.module is self.module:
+            self._cursor["forward"] = 0  # a new forward starts (e.g. after an eval pass)
         unit.wait("forward")
         self._advance("forward", unit)
 
@@ -258,6 +261,14 @@ class PartitionedParamStrategy(ZeroStrategy):
         return sum(u.numel for u in self.units if u.state is not UnitState.SHARDED)
 
 
-# id(param) -> its Unit, for GatheredParameters and safe_get_full_* (see api.py).
-_ZERO_UNITS: dict[int, Unit] = {}
+# id(param) -> (weak param, weak Unit), for GatheredParameters (see api.py).
+_ZERO_UNITS: dict[int, tuple] = {}
+
+
+def unit_of(param: torch.Tensor) -> Unit | None:
+    """The stage-3 unit holding `param`, or None."""
+    entry = _ZERO_UNITS.get(id(param))
+    if entry is None or entry[0]() is not param:
+        return None
+    return entry[1]()
 
