@@ -157,21 +157,26 @@ class _Connector:
         if depth > 8:
             raise paramiko.SSHException("ProxyJump chain deeper than 8 hops; is there a loop in the ssh config?")
         jumps: list[paramiko.SSHClient] = []
-        for hop in target.proxy_jump:
-            hop_target = resolve_target(hop, self.config)
-            if not jumps:  # the first hop is reached the way its own config says
-                client, outer = self.connect(hop_target, depth + 1)
-                jumps += outer
-            else:  # later hops are reached through the previous one
-                client = self._connect_one(hop_target, _tunnel(jumps[-1], hop_target))
-            jumps.append(client)
-        if jumps:
-            sock = _tunnel(jumps[-1], target)
-        elif target.proxy_command:
-            sock = paramiko.ProxyCommand(target.proxy_command)
-        else:
-            sock = None
-        return self._connect_one(target, sock), jumps
+        try:
+            for hop in target.proxy_jump:
+                hop_target = resolve_target(hop, self.config)
+                if not jumps:  # the first hop is reached the way its own config says
+                    client, outer = self.connect(hop_target, depth + 1)
+                    jumps += outer
+                else:  # later hops are reached through the previous one
+                    client = self._connect_one(hop_target, _tunnel(jumps[-1], hop_target))
+                jumps.append(client)
+            if jumps:
+                sock = _tunnel(jumps[-1], target)
+            elif target.proxy_command:
+                sock = paramiko.ProxyCommand(target.proxy_command)
+            else:
+                sock = None
+            return self._connect_one(target, sock), jumps
+        except BaseException:
+            for jump in reversed(jumps):
+                jump.close()
+            raise
 
     def _connect_one(self, target: SshTarget, sock) -> paramiko.SSHClient:
         client = paramiko.SSHClient()
@@ -181,13 +186,19 @@ class _Connector:
             client.set_missing_host_key_policy(_RefuseUnknown())
         else:
             client.set_missing_host_key_policy(_RecordNewKeys(self.new_keys, target.known_hosts, self.lock))
-        client.connect(
-            target.hostname, port=target.port, username=target.user,
-            key_filename=list(target.identity_files) or None,
-            look_for_keys=not target.identities_only, allow_agent=not target.identities_only,
-            timeout=target.timeout, banner_timeout=target.timeout, auth_timeout=target.timeout,
-            sock=sock,
-        )
+        try:
+            client.connect(
+                target.hostname, port=target.port, username=target.user,
+                key_filename=list(target.identity_files) or None,
+                look_for_keys=not target.identities_only, allow_agent=not target.identities_only,
+                timeout=target.timeout, banner_timeout=target.timeout, auth_timeout=target.timeout,
+                sock=sock,
+            )
+        except BaseException:
+            # A refused key or login leaves paramiko's transport open; close it, or
+            # the server keeps a half-open session until its LoginGraceTime.
+            client.close()
+            raise
         client.get_transport().set_keepalive(15)  # notice a dead link while the job runs
         return client
 

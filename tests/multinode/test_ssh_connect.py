@@ -1,7 +1,9 @@
 """SSH connection phase against a real sshd on loopback: config, host keys, failures before any rank starts."""
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from dsrun.launcher.ssh import (HostKeyPolicy, SshConnectError, check_master_reachable, connect_all,
@@ -60,6 +62,11 @@ def test_per_host_failure_table(sshd_cluster, tmp_path):
     assert "authentication failed" in f["node-b"] and str(wrong_key) in f["node-b"]
     assert "connection refused at 127.0.0.3" in f["node-c"]
     assert "no rank was started" in str(e.value) and "node-c (" in str(e.value)
+    # Failed logins are closed at once: sshd keeps no half-open session around.
+    deadline = time.monotonic() + 5
+    while psutil.Process(sshd_cluster.proc.pid).children() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not psutil.Process(sshd_cluster.proc.pid).children()
 
 
 def test_proxy_jump(sshd_cluster):
