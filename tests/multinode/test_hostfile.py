@@ -103,3 +103,9 @@ def test_placement_is_node_major_and_prints():
     out = console.export_text()
     assert "world size 4" in out and "0-2" in out and "2-3" in out and "10.0.0.1" in out
     assert compact_ranges([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
+
+
+def test_shipped_example_parses():
+    from pathlib import Path
+    hosts = parse_hostfile(Path(__file__).resolve().parents[2] / "hostfile.example")
+    assert [h.name for h in hosts] == ["worker-0", "worker-1", "node01", "node02", "node03", "node04"]
