@@ -1,4 +1,6 @@
 """Hostfile grammar, include/exclude selection and placement (fast, no processes)."""
+from pathlib import Path
+
 import pytest
 from rich.console import Console
 
@@ -106,6 +108,5 @@ def test_placement_is_node_major_and_prints():
 
 
 def test_shipped_example_parses():
-    from pathlib import Path
     hosts = parse_hostfile(Path(__file__).resolve().parents[2] / "hostfile.example")
     assert [h.name for h in hosts] == ["worker-0", "worker-1", "node01", "node02", "node03", "node04"]
