@@ -6,13 +6,13 @@ from dsrun.runtime.comm.collectives import (Handle, ReduceOp, all_gather_into_te
                                             all_gather_object, all_reduce, barrier,
                                             broadcast, get_local_rank, get_rank,
                                             get_world_size, is_initialized,
-                                            reduce_scatter_tensor)
+                                            reduce_scatter_tensor, uses_shm)
 from dsrun.runtime.comm.logger import CommsLogger, OpStats, comms_logger
 from dsrun.runtime.dist import init_distributed
 
 __all__ = [
     "Handle", "ReduceOp", "all_gather_into_tensor", "all_gather_object", "all_reduce",
     "barrier", "broadcast", "get_local_rank", "get_rank", "get_world_size",
-    "is_initialized", "reduce_scatter_tensor", "CommsLogger", "OpStats", "comms_logger",
+    "is_initialized", "reduce_scatter_tensor", "uses_shm", "CommsLogger", "OpStats", "comms_logger",
     "init_distributed",
 ]

@@ -6,24 +6,176 @@ returns a handle whose `wait()` blocks until the result is in place (the
 torch.distributed Work object). Keeping them in one file makes the whole
 communication pattern of the runtime reviewable in one place and lets the
 comms logger see every byte.
+
+[Note: choosing the transport]
+Each tensor collective runs on one of two transports, recorded per call in
+`comms_logger` ("shm" or "torch"; the bytes counted are the same):
+- "shm": dsrun.ops.shm_comm, shared memory between the ranks of one node.
+  On CPU it beats gloo's loopback TCP by 2-3x (bench/ops/bench_shm_comm.py)
+  and its reduce-scatter/all-gather are cheaper than its all_reduce, as
+  ZeRO's traffic model assumes.
+- "torch": torch.distributed (gloo on CPU, nccl on GPU), for everything else.
+The choice has two levels:
+1. Per process group, once (cached): only the default (world) group of a
+   gloo job can be served by shm, and only when every rank is on this node
+   (LOCAL_WORLD_SIZE == WORLD_SIZE), the native op loaded on every rank and
+   DSRUN_SHM_COMM is not "0". Subgroups always use torch.distributed.
+2. Per call: the tensors must be contiguous CPU tensors and, for reductions,
+   fp32/bf16/fp16 with SUM, MAX or MIN; else the call falls back to
+   torch.distributed (same semantics, same errors). These properties are
+   the same on every rank for one collective, so all ranks take the same
+   transport.
+On shm, all_reduce/reduce_scatter accumulate in fp32 in rank order and
+round once, so every rank gets bit-identical results.
+
+[Note: when the shm group is created]
+Opening the segment is itself collective (two barriers over the world
+group), so it must happen at a point every rank reaches in the same order.
+We do it lazily, on the first tensor collective issued on the default group
+(or the first `uses_shm` query for it): collectives are by definition issued
+by every rank in the same order, so that is such a point, and jobs that
+never communicate pay nothing. Before opening, the ranks agree by a one-
+element all_reduce(MIN) that each can use shm (environment, native op), and
+after opening that each succeeded; otherwise all stay on torch.distributed.
+A rank that disagreed alone would otherwise wait in a barrier or a
+collective the others never enter. A new default group (destroy and
+re-init) gets a new choice.
+
+[Note: shm is synchronous]
+The shm collectives return when the result is in place; with async_op=True
+the handle is already complete. On CPU that loses nothing: the copies into
+and out of shared memory ARE the work, done by this rank's own thread, so
+there is nothing to overlap them with (gloo's async ops do the same copies
+on a background thread that competes for the same cores). Their time is
+therefore counted as synchronous seconds in the comms logger.
 """
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
+from dsrun.ops import shm_comm
 from dsrun.runtime.comm.logger import comms_logger, timed
+
+log = logging.getLogger(__name__)
 
 Handle = dist.Work
 
+SHM = "shm"
+TORCH = "torch"
+_SHM_REDUCE_OPS = {ReduceOp.SUM: "sum", ReduceOp.MAX: "max", ReduceOp.MIN: "min"}
 
-def _issue(name: str, counted: torch.Tensor, async_op: bool, launch) -> Handle | None:
+
+class CompletedWork(dist.Work):
+    """Handle of a collective that finished before it returned (the shm path,
+    see [Note: shm is synchronous]): `wait()` returns True at once."""
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return True
+
+
+class _WorldShm:
+    """The transport choice for the current default group (see [Note: when the shm group is created])."""
+
+    pg: ProcessGroup | None = None       # the default group the choice was made for
+    group: shm_comm.ShmGroup | None = None
+
+
+def _shm_enabled_by_env() -> bool:
+    raw = os.environ.get("DSRUN_SHM_COMM", "1").strip()
+    if raw not in ("0", "1", ""):
+        raise ValueError(f"DSRUN_SHM_COMM={raw!r}: set it to 0 to use torch.distributed for every "
+                         "collective, or 1 (the default) to use shared memory where it applies")
+    return raw != "0"
+
+
+def _all_ranks_agree(ok: bool) -> bool:
+    flag = torch.tensor([int(ok)], dtype=torch.int32)
+    dist.all_reduce(flag, op=ReduceOp.MIN)  # set-up traffic, not counted
+    return bool(flag.item())
+
+
+def _open_world_shm() -> shm_comm.ShmGroup | None:
+    """The ShmGroup over the default group, or None; collective over every rank."""
+    world = dist.get_world_size()
+    if world == 1 or dist.get_backend() != "gloo":
+        return None  # the same answer on every rank: no agreement needed
+    env = os.environ
+    able = (_shm_enabled_by_env() and env.get("LOCAL_WORLD_SIZE") == env.get("WORLD_SIZE") == str(world)
+            and env.get("RANK") == str(dist.get_rank()) and shm_comm.available())
+    if not _all_ranks_agree(able):
+        return None
+    group, error = None, None
+    try:
+        group = shm_comm.world_group_from_env(barrier=dist.barrier)
+    except shm_comm.ShmCollectiveError as e:
+        error = e
+    if not _all_ranks_agree(group is not None):
+        if group is not None:
+            group.close()
+        log.warning("dsrun.comm: shared-memory collectives unavailable on some rank (%s); "
+                    "using torch.distributed", error or "another rank failed")
+        return None
+    return group
+
+
+def _world_shm(group: ProcessGroup | None) -> shm_comm.ShmGroup | None:
+    """The ShmGroup serving `group`, or None when torch.distributed serves it.
+    Collective on the first call for a new default group."""
+    if not dist.is_initialized():
+        return None
+    world = dist.group.WORLD
+    if group is not None and group is not world:
+        return None
+    if _WorldShm.pg is not world:
+        if _WorldShm.group is not None:
+            _WorldShm.group.close()
+        _WorldShm.group, _WorldShm.pg = None, world
+        _WorldShm.group = _open_world_shm()
+    return _WorldShm.group
+
+
+def uses_shm(group: ProcessGroup | None = None) -> bool:
+    """True when contiguous CPU tensors of supported dtypes in `group` go over
+    shared memory (see [Note: choosing the transport]). Every rank must call
+    it at the same point the first time (it may open the shm group)."""
+    return _world_shm(group) is not None
+
+
+def _served(group: ProcessGroup | None, *tensors: torch.Tensor,
+            reduce_op: ReduceOp | None = None) -> shm_comm.ShmGroup | None:
+    """The ShmGroup to run this call on, or None for torch.distributed."""
+    shm = _world_shm(group)
+    if shm is None:
+        return None
+    if reduce_op is not None:
+        if reduce_op not in _SHM_REDUCE_OPS:
+            return None
+        return shm if shm_comm.supports(*tensors, reduce=True) else None
+    return shm if shm_comm.supports(*tensors, reduce=False) else None
+
+
+def _issue(name: str, counted: torch.Tensor, async_op: bool, shm: shm_comm.ShmGroup | None,
+           on_shm, on_torch) -> Handle | None:
     with timed() as t:
-        handle = launch()
-    comms_logger.record(name, counted, 0.0 if async_op else t.seconds)
+        if shm is not None:
+            on_shm(shm)
+            handle = CompletedWork() if async_op else None
+        else:
+            handle = on_torch()
+    synchronous = shm is not None or not async_op
+    comms_logger.record(name, counted, t.seconds if synchronous else 0.0,
+                        transport=SHM if shm is not None else TORCH)
     return handle
 
 
@@ -32,15 +184,20 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM,
     """Reduce `tensor` (any shape/dtype) in place across the ranks of `group`.
 
     gloo has no ReduceOp.AVG: average by SUM then dividing by the world size.
+    On shm (see [Note: choosing the transport]) 16-bit tensors are summed in
+    fp32 and rounded once.
     """
-    return _issue("all_reduce", tensor, async_op,
+    return _issue("all_reduce", tensor, async_op, _served(group, tensor, reduce_op=op),
+                  lambda shm: shm.all_reduce(tensor, _SHM_REDUCE_OPS[op]),
                   lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op))
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None = None,
               async_op: bool = False) -> Handle | None:
     """Overwrite `tensor` on every rank with global rank `src`'s copy."""
-    return _issue("broadcast", tensor, async_op,
+    # shm serves only the world group, where global rank == group rank.
+    return _issue("broadcast", tensor, async_op, _served(group, tensor),
+                  lambda shm: shm.broadcast(tensor, src),
                   lambda: dist.broadcast(tensor, src=src, group=group, async_op=async_op))
 
 
@@ -48,7 +205,8 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor,
                            group: ProcessGroup | None = None,
                            async_op: bool = False) -> Handle | None:
     """Concatenate every rank's `input` (shape [n]) into `output` (shape [world*n]), rank order."""
-    return _issue("all_gather_into_tensor", output, async_op,
+    return _issue("all_gather_into_tensor", output, async_op, _served(group, output, input),
+                  lambda shm: shm.all_gather(output, input),
                   lambda: dist.all_gather_into_tensor(output, input, group=group,
                                                       async_op=async_op))
 
@@ -58,6 +216,8 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor,
                           async_op: bool = False) -> Handle | None:
     """Reduce `input` (shape [world*n]) across ranks; rank r keeps slice r in `output` ([n])."""
     return _issue("reduce_scatter_tensor", input, async_op,
+                  _served(group, output, input, reduce_op=op),
+                  lambda shm: shm.reduce_scatter(output, input, _SHM_REDUCE_OPS[op]),
                   lambda: dist.reduce_scatter_tensor(output, input, op=op, group=group,
                                                      async_op=async_op))
 

@@ -32,12 +32,15 @@ class OpStats:
         bytes: total bytes = elements * element size.
         seconds: wall time of synchronous calls (async calls add 0: their
             cost shows up at wait()).
+        transports: calls per transport that carried them ("shm" or
+            "torch", see comm/collectives.py [Note: choosing the transport]).
     """
 
     calls: int = 0
     elements: int = 0
     bytes: int = 0
     seconds: float = 0.0
+    transports: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 class CommsLogger:
@@ -63,11 +66,13 @@ class CommsLogger:
         self.prof_all = prof_all
         self.prof_ops = list(prof_ops or [])
 
-    def record(self, op: str, tensor: torch.Tensor, seconds: float = 0.0) -> None:
-        """Count one collective `op` over `tensor` (any shape/dtype)."""
+    def record(self, op: str, tensor: torch.Tensor, seconds: float = 0.0,
+               transport: str = "torch") -> None:
+        """Count one collective `op` over `tensor` (any shape/dtype), carried by `transport`."""
         stats = self._stats.setdefault(op, OpStats())
         numel = tensor.numel()
         stats.calls += 1
+        stats.transports[transport] = stats.transports.get(transport, 0) + 1
         stats.elements += numel
         stats.bytes += numel * tensor.element_size()
         stats.seconds += seconds
@@ -81,7 +86,7 @@ class CommsLogger:
 
     def snapshot(self) -> dict[str, OpStats]:
         """A copy of the counters, keyed by op name."""
-        return {op: dataclasses.replace(s) for op, s in self._stats.items()}
+        return {op: dataclasses.replace(s, transports=dict(s.transports)) for op, s in self._stats.items()}
 
     def reset(self) -> None:
         """Zero every counter."""

@@ -39,10 +39,11 @@ LOGICAL_ALL_GATHER = "logical_all_gather"
 
 def _uses_all_reduce(group: ProcessGroup | None) -> bool:
     """True when the backend's all_reduce beats its reduce-scatter/all-gather.
-    See [Note: choosing the collective per backend]."""
+    See [Note: choosing the collective per backend]; shared memory (on one
+    node, collectives.uses_shm) has fast native ones."""
     import torch.distributed as dist
 
-    return dist.get_backend(group) == "gloo"
+    return dist.get_backend(group) == "gloo" and not collectives.uses_shm(group)
 
 
 class RegionHandle:
