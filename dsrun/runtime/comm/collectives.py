@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -87,7 +88,9 @@ class CompletedWork(dist.Work):
 class _WorldShm:
     """The transport choice for the current default group (see [Note: when the shm group is created])."""
 
-    pg: ProcessGroup | None = None       # the default group the choice was made for
+    # The default group the choice was made for, weakly: holding a destroyed
+    # group alive until exit would tear gloo down at interpreter shutdown.
+    pg: weakref.ref | None = None
     group: shm_comm.ShmGroup | None = None
 
 
@@ -137,11 +140,12 @@ def _world_shm(group: ProcessGroup | None) -> shm_comm.ShmGroup | None:
     world = dist.group.WORLD
     if group is not None and group is not world:
         return None
-    if _WorldShm.pg is not world:
+    if _WorldShm.pg is None or _WorldShm.pg() is not world:
         if _WorldShm.group is not None:
             _WorldShm.group.close()
-        _WorldShm.group, _WorldShm.pg = None, world
+            _WorldShm.group = None
         _WorldShm.group = _open_world_shm()
+        _WorldShm.pg = weakref.ref(world)
     return _WorldShm.group
 
 
