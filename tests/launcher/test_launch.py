@@ -161,11 +161,14 @@ def _alive(pid: int) -> bool:
 
 def test_busy_default_port_is_replaced_and_said(launcher):
     holder = socket.socket()
+    # SO_REUSEADDR as the launcher's own check uses it: an earlier job's socket in
+    # TIME_WAIT on 29500 must not make this bind fail and leave the port looking free.
+    holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         holder.bind(("", 29500))
         holder.listen()
     except OSError:
-        pass  # already busy (another job on this machine): the case under test all the same
+        pass  # already listened on (another job on this machine): the case under test all the same
     try:
         result = launcher.run("--num_procs", "1", str(SCRIPTS / "print_env.py"))
     finally:
