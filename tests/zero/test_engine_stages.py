@@ -28,7 +28,9 @@ def _matrix(stages, precisions, model_kwargs):
     out = {}
     for prec in precisions:
         for stage in stages:
-            cfg = base_config(stage, prec, gas=2, stage3_param_persistence_threshold=0)
+            # Small buckets: many regions per group, launched in order during backward.
+            cfg = base_config(stage, prec, gas=2, stage3_param_persistence_threshold=0,
+                              reduce_bucket_size=500, allgather_bucket_size=1000)
             cfg["gradient_clipping"] = 1.0
             losses, full, _ = train(cfg, steps=3, model_kwargs=model_kwargs)
             out[(stage, prec)] = (losses, full)

@@ -24,14 +24,16 @@ logger: `comm.all_reduce` / native ops record what is ACTUALLY sent, and
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 from torch.distributed import ProcessGroup
 
 from dsrun.runtime.comm import collectives
 from dsrun.runtime.comm.logger import comms_logger
-from dsrun.runtime.zero.partition import BucketSlot, FlatLayout
+
+if TYPE_CHECKING:  # the zero package imports this module; only the types are needed here
+    from dsrun.runtime.zero.partition import BucketSlot, FlatLayout
 
 LOGICAL_REDUCE_SCATTER = "logical_reduce_scatter"
 LOGICAL_ALL_GATHER = "logical_all_gather"

@@ -23,6 +23,7 @@ from dsrun.runtime import comm
 from dsrun.runtime.comm.zero_collectives import RegionHandle, reduce_scatter_region
 from dsrun.runtime.zero.flat_params import FlatParamSet
 from dsrun.runtime.zero.partition import BucketSlot
+from dsrun.runtime.zero.watchdog import Watchdog
 
 
 class Region:
@@ -63,17 +64,20 @@ class OrderedReducer:
 
     on_launched(region) is called right after a region's collective is
     issued (stage 3 releases the unit's gathered parameters there).
+    watchdog: reports a launch that blocks too long (see watchdog.py).
     replicated: stage 0 with mixed precision -- layouts span one rank, each
     region's staging buffer IS the set's grad_partition, and it is
     all-reduced and averaged in place.
     """
 
     def __init__(self, regions: list[Region], group: ProcessGroup | None,
-                 on_launched: Callable[[Region], None] | None = None, replicated: bool = False):
+                 on_launched: Callable[[Region], None] | None = None, replicated: bool = False,
+                 watchdog: Watchdog | None = None):
         self.regions = regions
         self.group = group
         self.on_launched = on_launched
         self.replicated = replicated
+        self.watchdog = watchdog or Watchdog(comm.get_rank(group), 0)
         self.world_size = comm.get_world_size(group)
         self.where: dict[int, tuple[Region, int]] = {}
         for r in regions:
@@ -109,6 +113,11 @@ class OrderedReducer:
             self.next += 1
 
     def _launch(self, region: Region) -> None:
+        # Issuing may block (synchronous transports such as shm): watched too.
+        with self.watchdog.waiting(f"reduce-scatter of gradients of '{region.fset.name}'"):
+            self._issue(region)
+
+    def _issue(self, region: Region) -> None:
         fset = region.fset
         full = region.buffer()
         if self.replicated:

@@ -74,7 +74,8 @@ class PartitionedOptimizerStrategy(ZeroStrategy):
                 regions.append(Region(fset, [b], staging))
         # Backward produces gradients roughly in reverse registration order.
         regions.sort(key=lambda r: (-self.sets.index(r.fset), -max(s.index for s in r.slots)))
-        self.reducer = OrderedReducer(regions, group, replicated=self.replicated)
+        self.reducer = OrderedReducer(regions, group, replicated=self.replicated,
+                                      watchdog=self.watchdog)
         self._hooks = [p.register_post_accumulate_grad_hook(self.reducer.accumulate)
                        for fset in self.sets for p in fset.params]
         self._gather_plan = [(fset, _runs(fset, int(allgather_bucket_size))) for fset in self.sets]
@@ -98,8 +99,9 @@ class PartitionedOptimizerStrategy(ZeroStrategy):
             for buckets in runs:
                 start = buckets[0].offset
                 end = buckets[-1].offset + buckets[-1].padded_numel
-                handles.append(all_gather_region(fset.layout, buckets, fset.full[start:end],
-                                                 self.rank, self.group, async_op=True))
+                with self.watchdog.waiting("all-gather of updated parameters (after the step)"):
+                    handles.append(all_gather_region(fset.layout, buckets, fset.full[start:end],
+                                                     self.rank, self.group, async_op=True))
         with self.watchdog.waiting("all-gather of updated parameters (after the step)"):
             for h in handles:
                 h.wait()  # parameters are complete on every rank after this

@@ -83,8 +83,10 @@ class Unit:
                                 device=self.fset.partition.device)
         for view, dst in own_shard_views(layout, layout.buckets, self.full, self.fset.rank):
             view.copy_(self.fset.partition[dst:dst + view.numel()])
-        self.handle = all_gather_region(layout, layout.buckets, self.full, self.fset.rank,
-                                        self.owner.group, async_op=True)
+        # Issuing may block too (synchronous transports such as shm).
+        with self.owner.watchdog.waiting(f"all-gather of unit '{self.name}' ({phase})"):
+            self.handle = all_gather_region(layout, layout.buckets, self.full, self.fset.rank,
+                                            self.owner.group, async_op=True)
         self.state = UnitState.GATHERING
         self.phase = phase
 
@@ -185,7 +187,8 @@ class PartitionedParamStrategy(ZeroStrategy):
         self._bind_optimizer()
         regions = [Region(u.fset, list(u.fset.layout.buckets)) for u in reversed(self.units)]
         self._unit_of_set = {id(u.fset): u for u in self.units}
-        self.reducer = OrderedReducer(regions, group, on_launched=self._on_reduced)
+        self.reducer = OrderedReducer(regions, group, on_launched=self._on_reduced,
+                                      watchdog=self.watchdog)
         self._hooks = []
         for unit in self.units:
             self._hooks.append(unit.module.register_forward_pre_hook(
