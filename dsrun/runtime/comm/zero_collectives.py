@@ -16,8 +16,13 @@ re-measure with `bench/step_time/collectives.py`). So on gloo:
   reduce-scatter = all_reduce of the region, then keep the own shards;
   all-gather     = zero the region, write the own shards, all_reduce
                    (x + 0 + ... + 0 is exact, so the result is bit-exact).
-Elsewhere (nccl) the native collectives are used, with a copy into / out of
-the rank-major order they require. Both are counted twice in the comms
+Elsewhere (nccl, or gloo jobs served by the shared-memory transport of
+collectives.py, whose native ops are cheap) the native collectives are used,
+with a copy into / out of the rank-major order they require. Measured on a
+loaded 2-core machine, 64 MiB fp32 (`bench/step_time/collectives.py`,
+DSRUN_SHM_COMM=0): all_reduce 121 ms, reduce_scatter_tensor 256 ms,
+all_gather_into_tensor 188 ms, region reduce-scatter 104 ms, region
+all-gather 129 ms. Both are counted twice in the comms
 logger: `comm.all_reduce` / native ops record what is ACTUALLY sent, and
 `logical_reduce_scatter` / `logical_all_gather` record the ZeRO operation
 (region elements), which is what the paper's Ψ accounting is about.
