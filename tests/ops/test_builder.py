@@ -46,6 +46,9 @@ def test_cache_is_reused(tiny_op):
     # A library with no completion marker (a killed build) is rebuilt by the
     # next process, not trusted; torch's stale lock file does not block it.
     (lib.parent / "BUILD_OK").unlink()
+    # Unlink first: this process has the library mapped, and truncating a
+    # mapped file in place makes the next touch of its pages (at exit) SIGBUS.
+    lib.unlink()
     lib.write_bytes(b"half-written")
     (lib.parent / "lock").write_text("")
     out = _python(prelude + f"import ctypes; assert ctypes.CDLL(str(builder.build({TINY_SPEC}))).dsrun_tiny(2) == 4", env)
