@@ -160,13 +160,9 @@ def _served(group: ProcessGroup | None, *tensors: torch.Tensor,
             reduce_op: ReduceOp | None = None) -> shm_comm.ShmGroup | None:
     """The ShmGroup to run this call on, or None for torch.distributed."""
     shm = _world_shm(group)
-    if shm is None:
+    if shm is None or (reduce_op is not None and reduce_op not in _SHM_REDUCE_OPS):
         return None
-    if reduce_op is not None:
-        if reduce_op not in _SHM_REDUCE_OPS:
-            return None
-        return shm if shm_comm.supports(*tensors, reduce=True) else None
-    return shm if shm_comm.supports(*tensors, reduce=False) else None
+    return shm if shm_comm.supports(*tensors, reduce=reduce_op is not None) else None
 
 
 def _issue(name: str, counted: torch.Tensor, async_op: bool, shm: shm_comm.ShmGroup | None,
