@@ -31,7 +31,6 @@ def _collectives(shm_env: str) -> dict:
     import torch.distributed as dist
 
     import dsrun
-    import dsrun.runtime.zero  # noqa: F401  (zero_collectives imported on its own is an import cycle)
     from dsrun.runtime import comm
     from dsrun.runtime.comm import zero_collectives
 
