@@ -33,6 +33,7 @@ import os
 import re
 import types
 import typing
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,7 +56,9 @@ from pydantic.fields import FieldInfo
 
 __all__ = [
     "ConfigError",
+    "ConfigWarning",
     "DsConfig",
+    "NO_EFFECT_YET",
     "NOT_YET_SUPPORTED",
     "Unsupported",
     "load_config",
@@ -686,6 +689,47 @@ def _unsupported(cfg: DsConfig) -> list[str]:
     return problems
 
 
+# Settings that are accepted, so that DeepSpeed configs load, but that do not
+# change what this release does (dsrun always overlaps, reduce-scatters and
+# uses contiguous buffers; the rest are tuning knobs of parts not built yet).
+# load_config warns, naming each one the config sets, instead of ignoring it
+# silently; delete an entry when its setting takes effect.
+NO_EFFECT_YET: tuple[str, ...] = (
+    "zero_optimization.overlap_comm",
+    "zero_optimization.reduce_scatter",
+    "zero_optimization.contiguous_gradients",
+    "zero_optimization.sub_group_size",
+    "zero_optimization.stage3_max_live_parameters",
+    "zero_optimization.stage3_max_reuse_distance",
+    "zero_optimization.stage3_gather_16bit_weights_on_model_save",
+    "zero_optimization.round_robin_gradients",
+    "zero_optimization.elastic_checkpoint",
+    "activation_checkpointing",
+    "wall_clock_breakdown",
+)
+
+
+class ConfigWarning(UserWarning):
+    """A config setting that is valid but has no effect in this release."""
+
+
+def _user_set(cfg: DsConfig, path: str) -> bool:
+    """True when the config file/dict itself set the dotted `path`."""
+    node: Any = cfg
+    for part in path.split("."):
+        if not isinstance(node, BaseModel) or part not in node.model_fields_set:
+            return False
+        node = getattr(node, part)
+    return True
+
+
+def _warn_no_effect(cfg: DsConfig, source: str) -> None:
+    keys = [path for path in NO_EFFECT_YET if _user_set(cfg, path)]
+    if keys:
+        warnings.warn(f"{source}: {_RELEASE} accepts but does not act on {', '.join(keys)}; "
+                      "the run goes on as if they were left out", ConfigWarning, stacklevel=3)
+
+
 # ---------------------------------------------------------------------------
 # Batch triple
 
@@ -1023,6 +1067,7 @@ def load_config(source: Mapping | str | os.PathLike | DsConfig, world_size: int 
     problems = _unsupported(cfg)
     if problems:
         raise ConfigError(*problems, source=name)
+    _warn_no_effect(cfg, name)
     for key, value in zip(BATCH_KEYS, triple):
         _fill(cfg, key, value)
     cfg._world_size = world_size

@@ -150,6 +150,29 @@ def test_real_registry_entries_name_real_keys():
     assert any(e.applies("Lamb") for e in config_module.NOT_YET_SUPPORTED if e.path == "optimizer.type")
 
 
+def test_no_effect_registry_names_real_keys():
+    for path in config_module.NO_EFFECT_YET:
+        model = DsConfig
+        for part in path.split("."):
+            assert model is not None and part in model.model_fields, f"{path} is not a config key"
+            model = config_module._model_of(model.model_fields[part])
+
+
+def test_settings_without_effect_warn_by_name(recwarn):
+    cfg = load_config({**MICRO, "wall_clock_breakdown": True,
+                       "zero_optimization": {"stage": 2, "sub_group_size": 1000}}, world_size=1)
+    (warning,) = [w for w in recwarn if issubclass(w.category, config_module.ConfigWarning)]
+    text = str(warning.message)
+    assert "zero_optimization.sub_group_size" in text and "wall_clock_breakdown" in text
+    assert "does not act on" in text and "overlap_comm" not in text  # inferred, not set by the user
+    assert cfg.zero_optimization.sub_group_size == 1000
+
+
+def test_settings_with_effect_do_not_warn(recwarn):
+    load_config({**MICRO, "zero_optimization": {"stage": 3, "reduce_bucket_size": 1000}}, world_size=1)
+    assert not [w for w in recwarn if issubclass(w.category, config_module.ConfigWarning)]
+
+
 def test_nvme_without_path(all_features):
     (got,) = problems({**MICRO, "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}})
     assert got == ("zero_optimization.offload_param.nvme_path: required when device is 'nvme'; "
