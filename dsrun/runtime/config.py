@@ -689,42 +689,49 @@ def _unsupported(cfg: DsConfig) -> list[str]:
     return problems
 
 
-# Settings that are accepted, so that DeepSpeed configs load, but that do not
-# change what this release does (dsrun always overlaps, reduce-scatters and
-# uses contiguous buffers; the rest are tuning knobs of parts not built yet).
-# load_config warns, naming each one the config sets, instead of ignoring it
-# silently; delete an entry when its setting takes effect.
-NO_EFFECT_YET: tuple[str, ...] = (
-    "zero_optimization.overlap_comm",
-    "zero_optimization.reduce_scatter",
-    "zero_optimization.contiguous_gradients",
-    "zero_optimization.sub_group_size",
-    "zero_optimization.stage3_max_live_parameters",
-    "zero_optimization.stage3_max_reuse_distance",
-    "zero_optimization.stage3_gather_16bit_weights_on_model_save",
-    "zero_optimization.round_robin_gradients",
-    "zero_optimization.elastic_checkpoint",
-    "activation_checkpointing",
-    "wall_clock_breakdown",
-)
+# Settings that are accepted, so that DeepSpeed configs load, but that this
+# release does not act on. Each maps to the value dsrun behaves as (it always
+# overlaps, reduce-scatters and uses contiguous buffers; the rest are knobs of
+# parts not built yet). load_config warns, naming each one the config sets to
+# anything else, instead of ignoring it silently; delete an entry when its
+# setting takes effect.
+NO_EFFECT_YET: dict[str, Any] = {
+    "zero_optimization.overlap_comm": True,
+    "zero_optimization.reduce_scatter": True,
+    "zero_optimization.contiguous_gradients": True,
+    "zero_optimization.sub_group_size": 1_000_000_000,
+    "zero_optimization.stage3_max_live_parameters": 1_000_000_000,
+    "zero_optimization.stage3_max_reuse_distance": 1_000_000_000,
+    "zero_optimization.stage3_gather_16bit_weights_on_model_save": False,
+    "zero_optimization.round_robin_gradients": False,
+    "zero_optimization.elastic_checkpoint": False,
+    "activation_checkpointing.number_checkpoints": None,
+    "activation_checkpointing.synchronize_checkpoint_boundary": False,
+    "activation_checkpointing.profile": False,
+    "wall_clock_breakdown": False,
+}
 
 
 class ConfigWarning(UserWarning):
     """A config setting that is valid but has no effect in this release."""
 
 
-def _user_set(cfg: DsConfig, path: str) -> bool:
-    """True when the config file/dict itself set the dotted `path`."""
+def _user_value(cfg: DsConfig, path: str) -> tuple[bool, Any]:
+    """(True, value) when the config file/dict itself set the dotted `path`."""
     node: Any = cfg
     for part in path.split("."):
         if not isinstance(node, BaseModel) or part not in node.model_fields_set:
-            return False
+            return False, None
         node = getattr(node, part)
-    return True
+    return True, node
 
 
 def _warn_no_effect(cfg: DsConfig, source: str) -> None:
-    keys = [path for path in NO_EFFECT_YET if _user_set(cfg, path)]
+    keys = []
+    for path, acts_as in NO_EFFECT_YET.items():
+        is_set, value = _user_value(cfg, path)
+        if is_set and value != acts_as:
+            keys.append(f"{path}={_show(value)}")
     if keys:
         warnings.warn(f"{source}: {_RELEASE} accepts but does not act on {', '.join(keys)}; "
                       "the run goes on as if they were left out", ConfigWarning, stacklevel=3)
