@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 import time
 
 from rich.logging import RichHandler
@@ -10,7 +11,14 @@ from dsrun.runtime.dist import Topology
 
 logger = logging.getLogger("dsrun")
 if not logger.handlers:
-    logger.addHandler(RichHandler(show_path=False, markup=False))
+    # Under a launcher stdout is a pipe, where rich would wrap every record at
+    # 80 columns and pad it with blanks: plain one-line records there instead.
+    if sys.stdout.isatty():
+        _handler: logging.Handler = RichHandler(show_path=False, markup=False)
+    else:
+        _handler = logging.StreamHandler(sys.stdout)
+        _handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S"))
+    logger.addHandler(_handler)
     logger.setLevel(logging.INFO)
     logger.propagate = False
 
@@ -44,5 +52,5 @@ class ProgressLog:
         rate = (global_samples - self._samples0) / max(now - self._t0, 1e-9)
         self._t0, self._samples0 = now, global_samples
         log_rank0(self._topology,
-                  f"step={global_steps}, skipped={skipped}, lr={lrs}, mom={moms}, "
-                  f"samples/s={rate:.2f}")
+                  f"step={global_steps}, skipped={skipped}, lr=[{', '.join(f'{lr:.4g}' for lr in lrs)}], "
+                  f"mom={moms}, samples/s={rate:.2f}")
