@@ -3,7 +3,8 @@
 `import dsrun as deepspeed` is meant to run a DeepSpeed training script
 unchanged; see README.md for what is supported. Public API:
 `initialize`, `init_distributed`, `add_config_arguments`, `comm`
-(DeepSpeed's `deepspeed.comm`), `Engine` (alias `DeepSpeedEngine`).
+(DeepSpeed's `deepspeed.comm`), `Engine` (alias `DeepSpeedEngine`), `ops`
+(DeepSpeed's optimizer names under `ops.adam`, `ops.lion`, `ops.adagrad`).
 """
 import importlib
 
@@ -24,6 +25,7 @@ _LAZY_API = {
     "add_config_arguments": ("dsrun.runtime.entry", "add_config_arguments"),
     "initialize": ("dsrun.runtime.entry", "initialize"),
     "zero": ("dsrun.runtime.zero", None),
+    "ops": ("dsrun.ops", None),
     "estimate_zero_memory": ("dsrun.runtime.memory", "estimate_zero_memory"),
 }
 
@@ -44,4 +46,4 @@ def __dir__() -> list[str]:
 
 
 __all__ = ["DeepSpeedEngine", "Engine", "Topology", "__version__", "add_config_arguments",
-           "comm", "estimate_zero_memory", "init_distributed", "initialize", "zero"]
+           "comm", "estimate_zero_memory", "init_distributed", "initialize", "ops", "zero"]

@@ -37,13 +37,16 @@ def native_available() -> bool:
 def multi_tensor_adam(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
                       exp_avg_sqs: list[torch.Tensor], *, step: int, lr: float, beta1: float = 0.9,
                       beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0, adamw_mode: bool = True,
-                      grad_scale: float = 1.0, found_inf: torch.Tensor | None = None) -> None:
+                      bias_correction: bool = True, grad_scale: float = 1.0,
+                      found_inf: torch.Tensor | None = None) -> None:
     """One Adam/AdamW step over lists of tensors, in place.
 
     Args:
         params, grads: same-shape contiguous tensors of one dtype (fp32/bf16/fp16).
         exp_avgs, exp_avg_sqs: fp32 contiguous tensors shaped like params.
         step: step count including this update (>= 1).
+        bias_correction: False drops Adam's 1/(1 - beta^step) factors from
+            both moments (DeepSpeed's `bias_correction: false`).
         grad_scale: multiplies every gradient (1/loss_scale x clip coefficient).
         found_inf: optional one-element fp32 tensor on the device; non-zero
             skips the update without a host synchronisation.
@@ -61,8 +64,8 @@ def multi_tensor_adam(params: list[torch.Tensor], grads: list[torch.Tensor], exp
             raise ValueError(f"multi_tensor_adam: tensor {i}: need contiguous same-shape tensors on one device, "
                              f"params/grads of one dtype in fp32/bf16/fp16 and fp32 moments; got {p.dtype}/"
                              f"{g.dtype}/{m.dtype}/{v.dtype} shapes {tuple(p.shape)}/{tuple(g.shape)}")
-    step_size = lr / (1.0 - beta1 ** step)
-    bc2_sqrt = math.sqrt(1.0 - beta2 ** step)
+    step_size = lr / (1.0 - beta1 ** step) if bias_correction else lr
+    bc2_sqrt = math.sqrt(1.0 - beta2 ** step) if bias_correction else 1.0
     lib = _native() if params and params[0].is_cuda else None
     if lib is None:
         _fallback(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, weight_decay, adamw_mode,

@@ -2,72 +2,25 @@
 
 Names are matched case-insensitively. "Adam" uses decoupled weight decay
 (AdamW) unless `adam_w_mode: false`, as DeepSpeed's FusedAdam does by
-default; "AdamW" always does. "Lion" is implemented here. Any other name is
-looked up in torch.optim. Every parameter is checked against what the
-optimizer accepts, so a typo is an error naming the accepted keys.
+default; "AdamW" always does. Both run dsrun's native Adam
+(dsrun.ops.adam: DeepSpeedCPUAdam for CPU parameters, FusedAdam when any is
+on a GPU) unless `torch_adam: true` asks for torch.optim.Adam/AdamW.
+"Lion" is dsrun.ops.lion.Lion. Any other name is looked up in torch.optim.
+Every parameter is checked against what the optimizer accepts, so a typo is
+an error naming the accepted keys.
 """
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
 import torch
 
+from dsrun.ops.adam import DeepSpeedCPUAdam, FusedAdam
+from dsrun.ops.lion import Lion
 from dsrun.runtime.config import ConfigError
 
-
-class Lion(torch.optim.Optimizer):
-    """Lion with decoupled weight decay (Chen et al. 2023, "Symbolic Discovery of
-    Optimization Algorithms", Algorithm 2).
-
-    Per parameter θ with gradient g and momentum m (same shape/dtype as θ):
-        c = β1·m + (1-β1)·g
-        θ ← θ - lr·(sign(c) + λ·θ)
-        m ← β2·m + (1-β2)·g
-
-    Args:
-        params: parameters or parameter-group dicts.
-        lr: learning rate (default 1e-3, DeepSpeed's FusedLion default; the
-            paper suggests 3-10x smaller than AdamW's).
-        betas: (β1, β2) interpolation factors, default (0.9, 0.999).
-        weight_decay: λ, decoupled, default 0.
-
-    Raises:
-        ValueError: lr < 0, betas outside [0, 1), weight_decay < 0.
-    """
-
-    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 weight_decay: float = 0.0) -> None:
-        if lr < 0:
-            raise ValueError(f"Lion: lr must be >= 0, got {lr}")
-        if not all(0.0 <= b < 1.0 for b in betas) or len(betas) != 2:
-            raise ValueError(f"Lion: betas must be two values in [0, 1), got {betas}")
-        if weight_decay < 0:
-            raise ValueError(f"Lion: weight_decay must be >= 0, got {weight_decay}")
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay))
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None):
-        """One Lion update of every parameter with a gradient; returns closure's loss."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            lr, (beta1, beta2), wd = group["lr"], group["betas"], group["weight_decay"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                m = state["exp_avg"]
-                update = torch.lerp(p.grad, m, beta1).sign_()  # β1·m + (1-β1)·g, then sign
-                if wd:
-                    p.mul_(1 - lr * wd)
-                p.add_(update, alpha=-lr)
-                m.lerp_(p.grad, 1 - beta2)  # β2·m + (1-β2)·g
-        return loss
+__all__ = ["Lion", "build_optimizer"]
 
 
 # DeepSpeed's Adam parameters that are not torch.optim.Adam(W) arguments.
@@ -84,22 +37,43 @@ def _check_keys(kind: str, params: dict[str, Any], accepted: Iterable[str]) -> N
                 f"accepted: {', '.join(accepted)}")
 
 
+def _tensors(params: list) -> list[torch.Tensor]:
+    """The tensors in a list of parameters, (name, parameter) pairs or group dicts."""
+    out = []
+    for item in params:
+        group = item["params"] if isinstance(item, dict) else [item]
+        group = [group] if isinstance(group, torch.Tensor) else group
+        out += [t[1] if isinstance(t, tuple) else t for t in group]
+    return out
+
+
 def _build_adam(kind: str, params, options: dict[str, Any]) -> torch.optim.Optimizer:
     _check_keys(kind, options, _ADAM_KEYS)
     options = dict(options)
     adam_w_mode = bool(options.pop("adam_w_mode", True)) or kind == "adamw"
-    options.pop("torch_adam", None)  # always torch's implementation here
-    if not options.pop("bias_correction", True):
-        raise ConfigError("optimizer.params.bias_correction: false is not supported; "
-                          "remove the key (bias correction is always on)")
+    torch_adam = bool(options.pop("torch_adam", False))
+    bias_correction = bool(options.pop("bias_correction", True))
+    amsgrad = bool(options.pop("amsgrad", False))
     # FusedAdam's defaults, which differ from torch.optim.AdamW's weight_decay=0.01.
     options.setdefault("lr", 1e-3)
     options.setdefault("weight_decay", 0.0)
-    # The fused kernel is ~5x faster than the per-tensor loop on CPU (REFERENCE.md
-    # section 6: 62 ms vs 324-447 ms per 100M parameters), same update rule.
-    options["fused"] = True
-    cls = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
-    return cls(params, **options)
+    if torch_adam:
+        if not bias_correction:
+            raise ConfigError("optimizer.params.bias_correction: false needs dsrun's Adam, and torch_adam "
+                              "is true (torch.optim.Adam always corrects); remove one of the two keys")
+        # The fused kernel is ~5x faster than the per-tensor loop on CPU (REFERENCE.md
+        # section 6: 62 ms vs 324-447 ms per 100M parameters), same update rule.
+        cls = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
+        return cls(params, amsgrad=amsgrad, fused=True, **options)
+    if amsgrad:
+        raise ConfigError("optimizer.params.amsgrad: dsrun's native Adam (as DeepSpeed's) has no AMSGrad; "
+                          "add \"torch_adam\": true to use torch.optim.Adam's, or remove amsgrad")
+    # Group dicts are kept, but their "params" must be lists we can look at twice.
+    params = [dict(p, params=list(p["params"]) if not isinstance(p["params"], torch.Tensor) else p["params"])
+              if isinstance(p, dict) else p for p in params]
+    if all(t.device.type == "cpu" for t in _tensors(params)):
+        return DeepSpeedCPUAdam(params, adamw_mode=adam_w_mode, bias_correction=bias_correction, **options)
+    return FusedAdam(params, adam_w_mode=adam_w_mode, bias_correction=bias_correction, **options)
 
 
 def _torch_optimizer(name: str) -> type[torch.optim.Optimizer] | None:
