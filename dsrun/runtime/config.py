@@ -533,7 +533,9 @@ class DsConfig(_BatchTriple):
         default_factory=ActivationCheckpointingConfig, description="Activation checkpointing options.")
     steps_per_print: PosInt = Field(10, description="Log progress every this many optimizer steps.")
     wall_clock_breakdown: bool = Field(False, description="Time forward, backward and step, and log it.")
-    memory_breakdown: bool = Field(False, description="Log memory use at each step.")
+    memory_breakdown: bool = Field(False, description="Measure memory per phase of each step (RSS, "
+                                   "CUDA allocator, tensors held) and log it on rank 0 every "
+                                   "steps_per_print steps (see Engine.memory_profile).")
     dump_state: bool = Field(False, description="Print the engine's state after initialization.")
     tensorboard: MonitorConfig = Field(default_factory=MonitorConfig, description="TensorBoard output.")
     csv_monitor: MonitorConfig = Field(default_factory=MonitorConfig, description="CSV output.")
@@ -668,7 +670,6 @@ NOT_YET_SUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("gradient_predivide_factor", lambda v: v != 1.0, "a gradient predivide factor",
                 "set it to 1.0"),
     Unsupported("dump_state", _on, "dumping the engine state"),
-    Unsupported("memory_breakdown", _on, "the memory breakdown"),
     Unsupported("tensorboard.enabled", _on, "TensorBoard output"),
     Unsupported("csv_monitor.enabled", _on, "CSV monitor output"),
     Unsupported("wandb.enabled", _on, "Weights & Biases logging"),

@@ -17,7 +17,8 @@ from dsrun.runtime.comm import OpStats, comms_logger
 from dsrun.runtime.config import DsConfig
 from dsrun.runtime.data_parallel import AllReduceStrategy, GradientStrategy
 from dsrun.runtime.dist import Topology
-from dsrun.runtime.logging import ProgressLog
+from dsrun.runtime.logging import ProgressLog, log_rank0
+from dsrun.runtime.memory_profile import MemoryProfiler, format_memory_profile, no_phase, recorded_phases
 from dsrun.runtime.zero import build_zero_strategy
 
 
@@ -55,6 +56,10 @@ class Engine(torch.nn.Module):
         module, optimizer, lr_scheduler, global_steps (optimizer steps
         attempted), global_samples (samples consumed by those steps),
         skipped_steps (steps skipped on overflow), micro_steps.
+
+    Memory profiling (config "memory_breakdown": true, or
+    `enable_memory_profile()`) measures forward, backward and step as
+    phases of dsrun.runtime.memory_profile; `memory_profile()` returns them.
     """
 
     def __init__(self, module: torch.nn.Module, strategy: GradientStrategy,
@@ -75,6 +80,14 @@ class Engine(torch.nn.Module):
         self._grad_norm: float | None = None
         self._step_applied = False
         self._progress = ProgressLog(topology, config.steps_per_print)
+        # forward/backward/step run their body in self._phase(name): a shared
+        # no-op context unless memory profiling is on.
+        self._phase = no_phase
+        self._memory_profiler: MemoryProfiler | None = None
+        self._memory_log = False
+        self._memory_profile_kept: dict = {}
+        if config.memory_breakdown:
+            self.enable_memory_profile()
 
     # -- DeepSpeed compatibility: identity of this rank ------------------------------------
     @property
@@ -119,7 +132,8 @@ class Engine(torch.nn.Module):
     # -- the step --------------------------------------------------------------------------
     def forward(self, *inputs, **kwargs):
         """Run the wrapped module's forward."""
-        return self.module(*inputs, **kwargs)
+        with self._phase("forward"):
+            return self.module(*inputs, **kwargs)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False,
                  scale_wrt_gas: bool = True) -> torch.Tensor:
@@ -137,7 +151,8 @@ class Engine(torch.nn.Module):
         if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
             loss = loss / self.gradient_accumulation_steps()
         sync = self.is_gradient_accumulation_boundary() and not self._in_no_sync
-        self.strategy.backward(loss, sync=sync, retain_graph=retain_graph)
+        with self._phase("backward"):
+            self.strategy.backward(loss, sync=sync, retain_graph=retain_graph)
         return loss
 
     def step(self) -> None:
@@ -153,19 +168,22 @@ class Engine(torch.nn.Module):
                 raise RuntimeError(
                     "engine.step() at a gradient accumulation boundary inside engine.no_sync(): "
                     "gradients were not reduced; leave no_sync() for the last micro-step")
-            outcome = self.strategy.step(self.config.gradient_clipping)
-            self._grad_norm = outcome.grad_norm
-            self._step_applied = outcome.applied
-            if outcome.applied:
-                if self.lr_scheduler is not None:
-                    self.lr_scheduler.step()
-            else:
-                self.skipped_steps += 1
-            self.strategy.zero_grad()
+            with self._phase("step"):
+                outcome = self.strategy.step(self.config.gradient_clipping)
+                self._grad_norm = outcome.grad_norm
+                self._step_applied = outcome.applied
+                if outcome.applied:
+                    if self.lr_scheduler is not None:
+                        self.lr_scheduler.step()
+                else:
+                    self.skipped_steps += 1
+                self.strategy.zero_grad()
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
             self._progress.after_step(self.global_steps, self.skipped_steps,
                                       self.global_samples, self.get_lr(), self.get_mom())
+            if self._memory_profiler is not None:
+                self._end_memory_step()
         self.micro_steps += 1
 
     def zero_grad(self) -> None:
@@ -208,6 +226,59 @@ class Engine(torch.nn.Module):
         """Bytes this rank holds for parameters, gradients, master weights and
         optimizer states, per dtype (see dsrun.estimate_zero_memory)."""
         return self.strategy.memory_breakdown()
+
+    # -- memory profile ----------------------------------------------------------------------
+    def enable_memory_profile(self, detailed: bool = False, log: bool | None = None) -> None:
+        """Measure memory in every forward, backward and step from now on.
+
+        Args:
+            detailed: also track the tensors each phase creates, to find
+                transient copies (slows every op; see
+                dsrun.runtime.memory_profile [Note: tracking new tensors]).
+            log: print the table on rank 0 every `steps_per_print` steps;
+                None: when the config sets "memory_breakdown".
+
+        Phases already recorded are dropped. The "initialize" row exists only
+        when the config set "memory_breakdown" (or when initialize ran inside
+        `dsrun.runtime.memory_profile.phase("initialize")`).
+        """
+        self._memory_profiler = MemoryProfiler(self.device, self.strategy.memory_breakdown,
+                                               detailed=detailed)
+        self._phase = self._memory_profiler.phase
+        self._memory_log = self.config.memory_breakdown if log is None else log
+
+    def disable_memory_profile(self) -> None:
+        """Stop measuring; `memory_profile()` keeps returning the last profile."""
+        if self._memory_profiler is not None:
+            self._memory_profile_kept = self.memory_profile()
+        self._memory_profiler, self._phase = None, no_phase
+
+    def memory_profile(self) -> dict:
+        """This rank's measured memory per phase of the last optimizer step (bytes).
+
+        Returns:
+            A JSON-serialisable dict: {"rank", "step" (the global step the
+            phases belong to; None before the first step ends),
+            "rss_source", "detailed", "phases": {name: record}}, where the
+            phases recorded outside the step by
+            `dsrun.runtime.memory_profile.phase` ("construction",
+            "initialize") come first, then "forward", "backward", "step".
+            Each record's fields are described by
+            dsrun.runtime.memory_profile.PhaseRecord. Empty when profiling
+            was never enabled. `dsrun.runtime.memory_profile.format_memory_profile`
+            renders it as a table.
+        """
+        if self._memory_profiler is None:
+            return self._memory_profile_kept
+        profile = self._memory_profiler.profile()
+        profile["phases"] = {**recorded_phases(), **profile["phases"]}
+        return {"rank": self.global_rank, **profile}
+
+    def _end_memory_step(self) -> None:
+        self._memory_profiler.end_step(self.global_steps)
+        every = self.config.steps_per_print
+        if self._memory_log and every > 0 and self.global_steps % every == 0:
+            log_rank0(self.topology, format_memory_profile(self.memory_profile()))
 
     def comm_stats(self) -> dict[str, OpStats]:
         """Collective counters of this process (calls/elements/bytes per op name)."""

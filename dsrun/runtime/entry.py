@@ -9,12 +9,13 @@ a factory, or the config).
 from __future__ import annotations
 
 import argparse
+import contextlib
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import torch
 
-from dsrun.runtime import comm
+from dsrun.runtime import comm, memory_profile
 from dsrun.runtime.config import ConfigError, DsConfig, load_config
 from dsrun.runtime.dataloader import DistributedDataLoader
 from dsrun.runtime.dist import Topology, init_distributed
@@ -149,21 +150,24 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
         raise RuntimeError("dist_init_required=False but torch.distributed is not initialised; "
                            "call dsrun.init_distributed() first or drop the argument")
     source = _config_source(args, config, config_params)
+    started = memory_profile.MemorySnapshot.take()  # reads /proc only; used if the config asks
     topology: Topology = init_distributed(distributed_port=distributed_port)
     cfg = load_config(source, world_size=topology.world_size)
     comm.comms_logger.configure(cfg.comms_logger.enabled, cfg.comms_logger.verbose,
                                 cfg.comms_logger.prof_all, cfg.comms_logger.prof_ops)
 
-    model.to(topology.device)
-    _broadcast_module(model)
-    params = (list(model_parameters) if model_parameters is not None
-              else [p for p in model.parameters() if p.requires_grad])
-    basic_optimizer = _build_optimizer(optimizer, params, cfg)
-    strategy = build_strategy(cfg, model, basic_optimizer, topology)
-    scheduler = _build_scheduler(lr_scheduler, strategy.optimizer, cfg)
-    loader = None
-    if training_data is not None:
-        loader = DistributedDataLoader(training_data, cfg.train_micro_batch_size_per_gpu,
-                                       topology, collate_fn=collate_fn)
-    engine = Engine(model, strategy, scheduler, cfg, topology)
+    with (memory_profile.phase("initialize", since=started) if cfg.memory_breakdown
+          else contextlib.nullcontext()):
+        model.to(topology.device)
+        _broadcast_module(model)
+        params = (list(model_parameters) if model_parameters is not None
+                  else [p for p in model.parameters() if p.requires_grad])
+        basic_optimizer = _build_optimizer(optimizer, params, cfg)
+        strategy = build_strategy(cfg, model, basic_optimizer, topology)
+        scheduler = _build_scheduler(lr_scheduler, strategy.optimizer, cfg)
+        loader = None
+        if training_data is not None:
+            loader = DistributedDataLoader(training_data, cfg.train_micro_batch_size_per_gpu,
+                                           topology, collate_fn=collate_fn)
+        engine = Engine(model, strategy, scheduler, cfg, topology)
     return engine, engine.optimizer, loader, engine.lr_scheduler
