@@ -4,7 +4,7 @@
 
 2 ranks on one machine. Times all_reduce, reduce_scatter_tensor and
 all_gather_into_tensor of the same fp32 buffer, and dsrun's region
-collectives (comm/zero_collectives.py), which on gloo are built from
+collectives (zero/collectives.py), which on gloo are built from
 all_reduce. Prints median and min-max of each, and the ratio to all_reduce.
 See [Note: choosing the collective per backend].
 """
@@ -27,7 +27,8 @@ def _rank(rank, port, numel, repeats, out):
     import torch
     import torch.distributed as dist
 
-    from dsrun.runtime.comm.zero_collectives import all_gather_region, reduce_scatter_region
+    from dsrun.runtime.zero.collectives import all_gather_region, reduce_region
+    from dsrun.runtime.zero.groups import RankGroup, ZeroGroups
     from dsrun.runtime.zero.partition import FlatLayout
 
     torch.set_num_threads(1)
@@ -39,8 +40,8 @@ def _rank(rank, port, numel, repeats, out):
         "all_reduce": lambda: dist.all_reduce(full),
         "reduce_scatter_tensor": lambda: dist.reduce_scatter_tensor(half, full),
         "all_gather_into_tensor": lambda: dist.all_gather_into_tensor(full, half),
-        "dsrun reduce_scatter_region": lambda: reduce_scatter_region(layout, layout.buckets, full, half, rank),
-        "dsrun all_gather_region": lambda: all_gather_region(layout, layout.buckets, full, rank),
+        "dsrun reduce_region": lambda: reduce_region(layout, layout.buckets, full, half, ZeroGroups.sharded()),
+        "dsrun all_gather_region": lambda: all_gather_region(layout, layout.buckets, full, RankGroup.of()),
     }
     res = {}
     for name, fn in ops.items():

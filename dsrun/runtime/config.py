@@ -337,6 +337,11 @@ class ZeroConfig(_Section):
                                               "elements alive at once.")
     stage3_max_reuse_distance: Count = Field(1_000_000_000, description="A parameter reused within this "
                                              "many elements of other parameters is not freed in between.")
+    stage3_unit_modules: Optional[list[str]] = Field(
+        None, description="dsrun: the stage-3 gather units, as fnmatch patterns of module names "
+                          "(\"layers.*\") or class names (\"Block\"); each matching module's parameters "
+                          "are gathered with one all-gather. Default: each element of an nn.ModuleList "
+                          "or nn.Sequential, plus the root.")
     stage3_gather_16bit_weights_on_model_save: bool = Field(
         False, description="save_16bit_model gathers full 16-bit weights (old name: "
                            "stage3_gather_fp16_weights_on_model_save).")
@@ -700,9 +705,6 @@ NO_EFFECT_YET: dict[str, Any] = {
     "zero_optimization.overlap_comm": True,
     "zero_optimization.reduce_scatter": True,
     "zero_optimization.contiguous_gradients": True,
-    "zero_optimization.sub_group_size": 1_000_000_000,
-    "zero_optimization.stage3_max_live_parameters": 1_000_000_000,
-    "zero_optimization.stage3_max_reuse_distance": 1_000_000_000,
     "zero_optimization.stage3_gather_16bit_weights_on_model_save": False,
     "zero_optimization.round_robin_gradients": False,
     "zero_optimization.elastic_checkpoint": False,

@@ -111,8 +111,8 @@ def estimate_zero_memory(model_or_num_params, world_size: int, stage: int, dtype
         params, grads, master, states = psi, psi, psi, psi
     else:
         params = padded if stage < 3 else shard
-        # Stage 1 keeps the full accumulation buffer plus the reduced shard.
-        grads = padded + shard if stage == 1 else shard
+        # Stage 1 keeps the full accumulation buffer (its own shard is the reduced one).
+        grads = padded if stage == 1 else shard
         master, states = shard, shard
     cats = {
         "params": {dtype: params * _BYTES[dtype]},

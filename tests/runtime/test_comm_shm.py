@@ -32,11 +32,12 @@ def _collectives(shm_env: str) -> dict:
 
     import dsrun
     from dsrun.runtime import comm
-    from dsrun.runtime.comm import zero_collectives
+    from dsrun.runtime.zero import collectives as zero_collectives
+    from dsrun.runtime.zero.groups import RankGroup
 
     dsrun.init_distributed()
     rank, world = comm.get_rank(), comm.get_world_size()
-    out: dict = {"uses_shm": comm.uses_shm(), "zero_all_reduce": zero_collectives._uses_all_reduce(None)}
+    out: dict = {"uses_shm": comm.uses_shm(), "zero_all_reduce": zero_collectives.uses_all_reduce(RankGroup.of(None))}
     for dtype in DTYPES:
         name = str(dtype).split(".")[1]
         for op in (comm.ReduceOp.SUM, comm.ReduceOp.MAX):

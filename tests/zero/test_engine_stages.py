@@ -37,12 +37,12 @@ def _matrix(stages, precisions, model_kwargs):
     return out
 
 
-def _comm_volume(stage):
-    """Logical/actual elements sent in one optimizer step, and padded Ψ."""
+def _comm_volume(stage, **zero):
+    """Logical/actual elements sent in one optimizer step (the second), and padded Ψ."""
     from dsrun.runtime.comm import comms_logger
-    from dsrun.runtime.comm.zero_collectives import LOGICAL_ALL_GATHER, LOGICAL_REDUCE_SCATTER
+    from dsrun.runtime.zero.collectives import LOGICAL_ALL_GATHER, LOGICAL_REDUCE_SCATTER
 
-    _, _, engine = train(base_config(stage, stage3_param_persistence_threshold=0), steps=1)
+    _, _, engine = train(base_config(stage, stage3_param_persistence_threshold=0, **zero), steps=1)
     idx, tgt = batches(0, 1, 2, 1)[0]
     comms_logger.reset()
     engine.backward(engine(idx, tgt))
@@ -118,11 +118,11 @@ def _gathered_and_init():
     with dsrun.zero.Init():
         model = TinyGPT()
     out["init_empty"] = all(p.numel() == 0 for p in model.parameters())
-    from dsrun.runtime.zero.init import _SHARDS
-    out["init_shard_numel"] = sum(_SHARDS[id(p)][1].numel() for p in model.parameters())
-    out["numel"] = sum(_SHARDS[id(p)][3] for p in model.parameters())
+    out["init_shard_numel"] = sum(p.ds_tensor.numel() for p in model.parameters())
+    out["numel"] = sum(p.ds_numel for p in model.parameters())
+    out["ds_status"] = {p.ds_status.name for p in model.parameters()}
     from tests.zero.models import param_groups
-    shapes = {n: _SHARDS[id(p)][2] for n, p in model.named_parameters()}
+    shapes = {n: p.ds_shape for n, p in model.named_parameters()}
     engine, *_ = dsrun.initialize(model=model, optimizer=torch.optim.AdamW(
         param_groups(model, shapes=shapes), lr=1e-2), config=cfg)
     losses = []
@@ -139,7 +139,8 @@ def _gathered_and_init():
 
 def _ws2():
     return {"matrix": _matrix((0, 1, 2, 3), PRECISIONS, ODD),
-            "comm": {s: _comm_volume(s) for s in (1, 2, 3)},
+            "comm": {s: _comm_volume(s, stage3_max_reuse_distance=0) for s in (1, 2, 3)},
+            "comm_reuse": _comm_volume(3),
             "memory": {(s, p): _memory(s, p) for s in (1, 2, 3) for p in ("fp32", "bf16")},
             "overflow": {s: _overflow(s) for s in (0, 1, 2, 3)},
             "api": _gathered_and_init()}
@@ -183,11 +184,14 @@ def test_logical_traffic_is_2psi_and_3psi(ws2):
         assert vol["logical"] == factor * vol["psi"], (stage, vol)
         assert vol["reduce_scatter"] == vol["psi"]
         assert vol["actual"] >= vol["logical"]  # carried by all_reduce (gloo) or the native ops (shm)
+    # Default stage3_max_reuse_distance (1e9): what forward gathered is kept for backward.
+    assert ws2["comm_reuse"]["logical"] < 3 * ws2["comm_reuse"]["psi"]
 
 
 def test_memory_breakdown_equals_estimate(ws2):
     for key, (actual, estimate) in ws2["memory"].items():
-        assert actual == {k: v for k, v in estimate.items()}, key
+        assert {k: actual[k] for k in estimate} == estimate, key
+        assert not actual["comm_buffers"], key  # nothing in flight between steps
 
 
 def test_fp16_overflow_skips_step_everywhere(ws2):
@@ -205,4 +209,5 @@ def test_gathered_parameters_and_zero_init(ws2):
     assert api["modified"] and api["read_back"] and api["state_shape"] == (32, 16)
     assert api["init_empty"]
     assert api["init_shard_numel"] < api["numel"]  # each rank holds about half
+    assert api["ds_status"] == {"NOT_AVAILABLE"}
     assert api["init_losses"] == pytest.approx(api["ref_losses"], rel=1e-6)

@@ -10,8 +10,8 @@ def test_paper_formulas_mixed_adam(n):
     psi = 1024 * 64  # divisible by every n: no padding
     per = lambda stage: estimate_zero_memory(psi, n, stage, "bf16", grad_accum_dtype="bf16").bytes_per_param()
     assert per(0) == pytest.approx(16)
-    # dsrun's stage 1 also keeps the reduced gradient shard (2/N) next to the full buffer.
-    assert per(1) == pytest.approx(4 + 12 / n + 2 / n)
+    # dsrun's stage 1 reduces in place: its gradient shard is part of the full buffer.
+    assert per(1) == pytest.approx(4 + 12 / n)
     assert per(2) == pytest.approx(2 + 14 / n)
     assert per(3) == pytest.approx(16 / n)
 
@@ -23,7 +23,7 @@ def test_fp32_default_grads_and_padding():
     model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 1))  # 12 + 4 params
     est = estimate_zero_memory(model, 3, 1, "bf16", bucket_numel=12)  # buckets 12 and 4 -> 12 + 6
     assert est.num_params == 16 and est.categories["params"] == {"bf16": 36}
-    assert est.categories["grads"] == {"fp32": (18 + 6) * 4}
+    assert est.categories["grads"] == {"fp32": 18 * 4}
     assert est.categories["master"] == {"fp32": 6 * 4}
     with pytest.raises(ValueError, match="stage"):
         estimate_zero_memory(10, 2, 4)

@@ -27,9 +27,8 @@ def build_zero_strategy(cfg, module: torch.nn.Module, optimizer: torch.optim.Opt
                         topology: Topology) -> ZeroStrategy:
     """The strategy for `cfg.zero_optimization.stage` and `cfg`'s precision.
 
-    Stage 0 with bf16/fp16 uses the stage-1/2 machinery with one partition
-    holding everything (`PartitionedOptimizerStrategy.replicated`). Raises
-    ValueError for an unknown stage.
+    Stage 0 with bf16/fp16 uses the stage-1/2 machinery over the (nobody,
+    world) group pair (see groups.py). Raises ValueError for an unknown stage.
     """
     zero = cfg.zero_optimization
     precision = PrecisionPolicy.from_config(cfg)
@@ -37,10 +36,16 @@ def build_zero_strategy(cfg, module: torch.nn.Module, optimizer: torch.optim.Opt
         return PartitionedOptimizerStrategy(
             module, optimizer, topology, precision, zero.stage,
             reduce_bucket_size=int(zero.reduce_bucket_size),
-            allgather_bucket_size=int(zero.allgather_bucket_size))
+            allgather_bucket_size=int(zero.allgather_bucket_size),
+            sub_group_size=int(zero.sub_group_size))
     if zero.stage == 3:
         return PartitionedParamStrategy(
             module, optimizer, topology, precision,
             persistence_threshold=int(zero.stage3_param_persistence_threshold),
-            prefetch_numel=int(zero.stage3_prefetch_bucket_size))
+            prefetch_numel=int(zero.stage3_prefetch_bucket_size),
+            model_persistence_threshold=int(zero.stage3_model_persistence_threshold),
+            max_live_numel=int(zero.stage3_max_live_parameters),
+            max_reuse_distance=int(zero.stage3_max_reuse_distance),
+            sub_group_size=int(zero.sub_group_size),
+            unit_patterns=zero.stage3_unit_modules)
     raise ValueError(f"zero_optimization.stage={zero.stage} is not available")

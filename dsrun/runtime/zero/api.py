@@ -15,7 +15,7 @@ import torch
 
 from dsrun.runtime import comm
 from dsrun.runtime.zero import init as zinit
-from dsrun.runtime.zero.stage3 import unit_of
+from dsrun.runtime.zero.params import record_of
 from dsrun.runtime.zero.strategy import owner_of
 
 
@@ -34,7 +34,9 @@ def GatheredParameters(params, modifier_rank: int | None = None, fwd_module=None
     a rank = that rank's values after the block are broadcast and written
     into every rank's partition, master weights included. Works for
     parameters managed by any ZeRO stage, built under zero.Init, or plain.
-    fwd_module is accepted for compatibility.
+    Only the units of `params` are gathered (load a big model module by
+    module to keep the working set small). fwd_module is accepted for
+    compatibility.
     """
     if not enabled:
         yield
@@ -42,9 +44,9 @@ def GatheredParameters(params, modifier_rank: int | None = None, fwd_module=None
     params = _as_list(params)
     found = {}
     for p in params:
-        unit = unit_of(p)
-        if unit is not None:
-            found[unit.index] = unit
+        rec = record_of(p)
+        if rec is not None and rec.unit is not None:
+            found[rec.unit.index] = rec.unit
     units = [found[i] for i in sorted(found)]  # same order on every rank
     init_only = [p for p in params if zinit.is_partitioned(p)]
     for unit in units:

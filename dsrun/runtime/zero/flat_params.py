@@ -1,105 +1,213 @@
-"""One flat set of parameters and the optimizer-side tensors a rank owns for it.
+"""One flat set of parameters and the tensors a rank holds for it.
 
-A `FlatParamSet` is a list of parameters laid out by a `FlatLayout` (stage
-1/2: one set per optimizer param group; stage 3: one set per unit, bucketed
-by optimizer group). On this rank it holds:
+A `FlatParamSet` is a list of parameters laid out by a `FlatLayout` over the
+shard group (stages 0-2: one set per optimizer param group; stage 3: one set
+per gather unit, one bucket per parameter). On this rank it holds:
 
-- the compute copy: the full flat buffer (stages 1-2; parameters are views
-  into it) or only this rank's partition (stage 3; see stage3.py);
-- the master copy the optimizer steps (fp32): its own tensor when the
-  compute dtype is 16-bit, else the compute storage itself;
-- `grad_partition`: this rank's shards of the averaged gradients, in the
-  gradient accumulation dtype.
+- the compute copy: the full flat buffer `full` (stages 0-2; parameters are
+  views into it) or only this rank's `partition` (stage 3; the unit gathers
+  the rest, see unit.py);
+- the fp32 master copy the optimizer steps: its own partition `master`
+  when the compute dtype is 16-bit, else the compute storage itself (the
+  partition at stage 3, the own shards of `full` at stages 1-2);
+- the averaged gradients of this rank's shards, in the gradient
+  accumulation dtype: `grad_partition` (stages 2-3, 16-bit stage 0), or, at
+  stage 1, the rank's shards of `grad_full`, the full accumulation buffer
+  that is reduced in place at the boundary (no second copy).
 
-The optimizer sees one tensor per bucket (`master_views[b]`): a bucket never
-mixes optimizer groups (`FlatLayout.build(keys=...)`), and in fp32 stages
-1-2 a rank's shards are not contiguous in the full buffer, so one tensor per
-group would need a copy.
+Trainable parameters come first, frozen ones (stage 3 partitions them too)
+after them: masters and gradients cover the trainable prefix only.
+
+The optimizer sees one tensor per `Span` (`master_view(span)`): a run of
+buckets of one optimizer group whose master, gradient and compute shards are
+each contiguous. At stage 3 that is one span per (unit, group); at stages 0-2
+one per bucket, because the own shards of consecutive buckets are not
+adjacent in `full`.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from dsrun.runtime.precision import PrecisionPolicy
-from dsrun.runtime.zero.partition import FlatLayout, flatten_into, param_views, shard_of
+from dsrun.runtime.zero.groups import RankGroup
+from dsrun.runtime.zero.params import record_of
+from dsrun.runtime.zero.partition import BucketSlot, FlatLayout
+
+
+@dataclass(frozen=True)
+class Span:
+    """Buckets `buckets` of one optimizer group, this rank's shards of which
+    are elements [lo, hi) of its partition."""
+
+    group: int
+    buckets: tuple[BucketSlot, ...]
+    lo: int
+    hi: int
 
 
 class FlatParamSet:
-    """Parameters `params` (with `names`, optimizer group per parameter in
-    `groups`, grouped together) flattened over `world_size` ranks.
+    """Parameters flattened over the shard group (see the module docstring).
 
-    partition_params: False keeps the full compute flat buffer on every rank
-    (stages 1-2), True keeps only this rank's shards (stage 3).
-    Raises ValueError when parameters of one group are not adjacent.
+    Args:
+        name: for messages ("group0", a unit's module name).
+        members: (parameter, qualified name, optimizer group index or None
+            for a frozen parameter), trainable ones first, each group's
+            members adjacent.
+        shard: the shard group (its size is the layout's world size).
+        precision: dtypes of compute copy, master and gradients.
+        bucket_numel: most elements per bucket (None: one bucket; 1: one
+            bucket per parameter, which is what zero.Init shards match).
+        partition_params: True keeps only this rank's compute shards (stage 3).
+        grad_in_full: True accumulates gradients in a full buffer reduced in
+            place (stage 1).
+
+    Raises:
+        ValueError: frozen parameters before trainable ones, or a group's
+            parameters not adjacent.
     """
 
-    def __init__(self, name: str, params: list[torch.nn.Parameter], names: list[str],
-                 groups: list[int], rank: int, world_size: int, precision: PrecisionPolicy,
-                 bucket_numel: int | None, partition_params: bool):
-        seen: list[int] = []
-        for g in groups:
-            if not seen or seen[-1] != g:
-                if g in seen:
-                    raise ValueError(f"{name}: parameters of optimizer group {g} are not adjacent")
-                seen.append(g)
+    def __init__(self, name: str, members: list[tuple[torch.nn.Parameter, str, int | None]],
+                 shard: RankGroup, precision: PrecisionPolicy, bucket_numel: int | None,
+                 partition_params: bool, grad_in_full: bool = False):
+        keys = [k for _, _, k in members]
+        if None in keys and any(k is not None for k in keys[keys.index(None):]):
+            raise ValueError(f"{name}: frozen parameters must come after trainable ones")
+        seen: list[int | None] = []
+        for k in keys:
+            if not seen or seen[-1] != k:
+                if k in seen:
+                    raise ValueError(f"{name}: parameters of optimizer group {k} are not adjacent")
+                seen.append(k)
         self.name = name
-        self.params = params
-        self.rank = rank
+        self.params = [p for p, _, _ in members]
+        self.names = [n for _, n, _ in members]
+        self.rank = shard.rank
         self.precision = precision
-        self.layout = FlatLayout.build([(n, p.shape) for n, p in zip(names, params)], world_size,
-                                       bucket_numel, keys=groups)
-        self.group_of_bucket = [groups[self.layout.slots_of_bucket(b.index)[0].index]
-                                for b in self.layout.buckets]
-        device = params[0].device
-        compute, master_dtype = precision.compute_dtype, precision.master_dtype
-        # The fp32 values as given, before any cast: masters start exact.
-        exact = flatten_into(self.layout, [p.detach() for p in params], master_dtype, device)
-        own = _own_positions(self.layout, rank)
+        self.partition_params = partition_params
+        self.layout = FlatLayout.build([(n, _full_shape(p)) for p, n, _ in members], shard.size,
+                                       bucket_numel, keys=["frozen" if k is None else k for k in keys])
+        self.key_of_bucket = [keys[self.layout.slots_of_bucket(b.index)[0].index] for b in self.layout.buckets]
+        trainable = [b for b, k in zip(self.layout.buckets, self.key_of_bucket) if k is not None]
+        self.trainable_numel = sum(b.padded_numel for b in trainable)  # full flat elements
+        self.trainable_shard_numel = self.trainable_numel // self.layout.world_size
+        self.spans = _spans(self.layout, trainable, self.key_of_bucket, merge=partition_params)
+        device = _device(self.params[0])
+        compute, accum = precision.compute_dtype, precision.grad_accum_dtype
+        spans_of = self.layout.shard_spans(self.rank)
         if partition_params:
-            self.full: torch.Tensor | None = None
-            self.partition = torch.empty(self.layout.shard_numel, dtype=compute, device=device)
-            for src, dst, w in own:
-                self.partition[dst:dst + w].copy_(exact[src:src + w])
+            self.full = None
+            self.partition = torch.zeros(self.layout.shard_numel, dtype=compute, device=device)
         else:
-            self.full = exact if compute == master_dtype else exact.to(compute)
+            self.full = torch.zeros(self.layout.padded_numel, dtype=compute, device=device)
             self.partition = None
-            for p, view in zip(params, param_views(self.layout, self.full)):
-                p.data = view
-        if precision.mixed:
-            self.master = torch.empty(self.layout.shard_numel, dtype=master_dtype, device=device)
-            for src, dst, w in own:
-                self.master[dst:dst + w].copy_(exact[src:src + w])
-            self.master_views = [shard_of(self.layout, self.master, b) for b in self.layout.buckets]
-        elif partition_params:
-            self.master = self.partition
-            self.master_views = [shard_of(self.layout, self.partition, b) for b in self.layout.buckets]
+        self.master = (torch.zeros(self.trainable_shard_numel, dtype=precision.master_dtype, device=device)
+                       if precision.mixed else None)
+        self._load_initial_values(spans_of)
+        self.grad_full = self.grad_partition = None
+        if grad_in_full:
+            self.grad_full = torch.zeros(self.trainable_numel, dtype=accum, device=device)
         else:
-            self.master = None  # the own shards of `full` are the master weights
-            self.master_views = [self.full[src:src + w] for src, _, w in own]
-        del exact
-        self.grad_partition = torch.zeros(self.layout.shard_numel, dtype=precision.grad_accum_dtype,
-                                          device=device)
+            self.grad_partition = torch.zeros(self.trainable_shard_numel, dtype=accum, device=device)
 
-    def grad_views(self) -> list[torch.Tensor]:
-        """`grad_partition` cut like `master_views` (one per bucket)."""
-        return [shard_of(self.layout, self.grad_partition, b) for b in self.layout.buckets]
+    def _load_initial_values(self, spans_of) -> None:
+        """Copy each parameter's value into the compute copy and the master,
+        one parameter at a time, and point stage 0-2 parameters at `full`
+        (their own storage is freed as it goes, so construction needs the
+        model once plus the new buffers, not twice the model)."""
+        with torch.no_grad():
+            for slot, p in zip(self.layout.slots, self.params):
+                bucket = self.layout.buckets[slot.bucket]
+                src, dst, w = spans_of[slot.bucket]
+                rec = record_of(p)
+                init_shard = rec.init_shard if rec is not None else None
+                if init_shard is not None:
+                    # zero.Init shard == this rank's shard of the parameter's own bucket.
+                    if bucket.numel != slot.numel or init_shard.numel() != w:
+                        raise ValueError(f"{slot.name}: its zero.Init shard ({init_shard.numel()} elements) "
+                                         f"does not match this layout (shard of {w}); build the model under "
+                                         "zero.Init with the same data-parallel group")
+                    self._store(slot, init_shard, dst, lo_in_shard=0, count=w)
+                    continue
+                flat = p.detach().reshape(-1)
+                # the rank's elements of this parameter: [src, src + w) ∩ [offset, offset + numel)
+                lo = max(src, slot.offset)
+                hi = min(src + w, slot.offset + slot.numel)
+                if lo < hi:
+                    self._store(slot, flat[lo - slot.offset:hi - slot.offset], dst + lo - src, 0, hi - lo)
+                if self.full is not None:
+                    view = self.full[slot.offset:slot.offset + slot.numel]
+                    view.copy_(flat)
+                    p.data = view.view(slot.shape)
 
-    def write_back_master(self, target: torch.Tensor) -> None:
-        """Copy the stepped master weights into the compute copy `target`
-        (the full flat buffer for stages 1-2, the partition for stage 3),
-        casting to the compute dtype. No-op when they are the same memory."""
-        if self.master is None or self.master is target:
-            return
-        if target.numel() == self.layout.shard_numel:
-            target.copy_(self.master)
-            return
-        for (src, dst, w) in _own_positions(self.layout, self.rank):
-            target[src:src + w].copy_(self.master[dst:dst + w])
+    def _store(self, slot, values: torch.Tensor, dst: int, lo_in_shard: int, count: int) -> None:
+        """Write `count` elements of `values` at partition offset `dst` into the
+        master and (stage 3) the compute partition."""
+        values = values[lo_in_shard:lo_in_shard + count]
+        if self.partition is not None:
+            self.partition[dst:dst + count].copy_(values)
+        if self.master is not None and self.key_of_bucket[slot.bucket] is not None:
+            self.master[dst:dst + count].copy_(values)
 
+    # ---- views the optimizer step uses ------------------------------------------
+    def master_view(self, span: Span) -> torch.Tensor:
+        """fp32 master shards of `span`, (hi - lo,), contiguous."""
+        if self.master is not None:
+            return self.master[span.lo:span.hi]
+        if self.partition is not None:
+            return self.partition[span.lo:span.hi]
+        return self._own_of_full(self.full, span)
+
+    def grad_view(self, span: Span) -> torch.Tensor:
+        """Averaged gradient shards of `span`, (hi - lo,), accumulation dtype."""
+        if self.grad_full is not None:
+            return self._own_of_full(self.grad_full, span)
+        return self.grad_partition[span.lo:span.hi]
+
+    def copy_view(self, span: Span) -> torch.Tensor | None:
+        """Where the 16-bit compute copy of `span` lives, or None when the
+        master is the compute storage itself (fp32)."""
+        if self.master is None:
+            return None
+        if self.partition is not None:
+            return self.partition[span.lo:span.hi]
+        return self._own_of_full(self.full, span)
+
+    def _own_of_full(self, full: torch.Tensor, span: Span) -> torch.Tensor:
+        (bucket,) = span.buckets  # spans of full buffers are single buckets
+        src, _, w = self.layout.shard_spans(self.rank, [bucket])[0]
+        return full[src:src + w]
+
+    def grad_shards(self) -> list[torch.Tensor]:
+        """The averaged gradient shards, one per span."""
+        return [self.grad_view(s) for s in self.spans]
+
+    def shard_of_slot(self, slot: int) -> torch.Tensor:
+        """This rank's shard of slot's bucket in the compute copy (DeepSpeed's ds_tensor)."""
+        bucket = self.layout.buckets[self.layout.slots[slot].bucket]
+        src, dst, w = self.layout.shard_spans(self.rank, [bucket])[0]
+        if self.partition is not None:
+            return self.partition[dst:dst + w]
+        return self.full[src:src + w]
+
+    def write_back_master(self) -> None:
+        """Copy the stepped master weights into the compute copy (casting).
+        No-op when the master is the compute storage (fp32)."""
+        for span in self.spans:
+            target = self.copy_view(span)
+            if target is not None:
+                target.copy_(self.master_view(span))
+
+    def zero_grad(self) -> None:
+        """Zero the accumulated gradients."""
+        (self.grad_full if self.grad_full is not None else self.grad_partition).zero_()
+
+    # ---- reads of whole parameters ------------------------------------------------
     def local_piece_tensor(self, source: torch.Tensor, slot_index: int) -> torch.Tensor:
-        """A zero tensor shaped like parameter `slot_index` holding this rank's
-        elements of it, read from a partition-shaped `source` (fp32 result).
-        Summed over ranks it gives the full tensor."""
+        """A zero fp32 tensor shaped like parameter `slot_index` holding this
+        rank's elements of it, read from a partition-shaped `source`. Summed
+        over the shard group it gives the full tensor."""
         slot = self.layout.slots[slot_index]
         out = torch.zeros(slot.numel, dtype=torch.float32, device=source.device)
         for piece in self.layout.local_pieces(self.rank):
@@ -108,22 +216,36 @@ class FlatParamSet:
                 out[piece.lo:piece.hi].copy_(source[piece.shard_offset:piece.shard_offset + n])
         return out.view(slot.shape)
 
-    def master_partition(self) -> torch.Tensor:
-        """The master weights as one partition-shaped tensor (a copy when fp32
-        stages 1-2 keep them inside the full buffer)."""
-        if self.master is not None:
-            return self.master
-        out = torch.empty(self.layout.shard_numel, dtype=self.full.dtype, device=self.full.device)
-        for src, dst, w in _own_positions(self.layout, self.rank):
-            out[dst:dst + w].copy_(self.full[src:src + w])
+    def partition_of(self, view) -> torch.Tensor:
+        """`view(span)` of every span assembled into one partition-shaped
+        tensor (trainable_shard_numel,), fp32 (a copy)."""
+        out = torch.zeros(self.layout.shard_numel, dtype=torch.float32, device=_device(self.params[0]))
+        for span in self.spans:
+            out[span.lo:span.hi].copy_(view(span))
         return out
 
 
-def _own_positions(layout: FlatLayout, rank: int) -> list[tuple[int, int, int]]:
-    """(offset in the full flat buffer, offset in the partition, width) of
-    rank's shard of every bucket."""
-    out = []
-    for b in layout.buckets:
-        w = layout.bucket_shard_numel(b)
-        out.append((b.offset + rank * w, layout.bucket_shard_offset(b), w))
-    return out
+def _full_shape(p: torch.nn.Parameter) -> torch.Size:
+    rec = record_of(p)
+    return rec.shape if rec is not None else p.shape
+
+
+def _device(p: torch.nn.Parameter) -> torch.device:
+    rec = record_of(p)
+    if rec is not None and rec.init_shard is not None:
+        return rec.init_shard.device
+    return p.device
+
+
+def _spans(layout: FlatLayout, trainable: list[BucketSlot], key_of_bucket: list, merge: bool) -> list[Span]:
+    spans: list[Span] = []
+    for b in trainable:
+        lo = layout.bucket_shard_offset(b)
+        hi = lo + layout.bucket_shard_numel(b)
+        key = key_of_bucket[b.index]
+        if merge and spans and spans[-1].group == key and spans[-1].hi == lo:
+            last = spans.pop()
+            spans.append(Span(key, last.buckets + (b,), last.lo, hi))
+        else:
+            spans.append(Span(key, (b,), lo, hi))
+    return spans

@@ -1,12 +1,18 @@
 """`zero.Init`: build a model with its parameters already partitioned.
 
 Inside `with dsrun.zero.Init():` every parameter a module creates is, as
-soon as the module's constructor returns, replaced by this rank's shard of
-it (rank 0's value, padded to a multiple of N, shard r = elements
-[r*w, (r+1)*w)); the parameter itself keeps an empty tensor. The full model
-therefore never exists on one rank: peak memory is the largest single
-module's parameters plus the shards. The stage-3 strategy rebuilds full
-values one unit at a time (`restore_full`) when it lays the unit out.
+soon as that module's constructor returns, replaced by this rank's shard of
+it: rank 0's value (broadcast, so every rank starts from the same
+initialisation), zero-padded to a multiple of N, shard r = elements
+[r*w, (r+1)*w), w = ceil(numel / N). The shard is kept in the parameter's
+record (`ds_tensor`, see params.py) and the parameter's own storage is
+freed, so the full model never exists on one rank: peak memory while
+building is the shards plus the largest single module's parameters.
+
+That shard is exactly this rank's shard of the parameter's bucket in the
+stage-3 layout (one bucket per parameter, see stage3.py), so the stage-3
+strategy adopts it without ever rebuilding full values. Stages 0-2 need
+full values and get them back one parameter at a time (`restore_full`).
 
 Limits (as in DeepSpeed): code that initialises weights of a sub-module
 AFTER that sub-module was constructed (e.g. `self.apply(self._init_weights)`
@@ -17,15 +23,12 @@ sub-module's constructor.
 from __future__ import annotations
 
 import functools
-import weakref
 
 import torch
 
 from dsrun.runtime import comm
 from dsrun.runtime.dist import init_distributed
-
-# id(param) -> (weak param, shard (w,), full shape, numel)
-_SHARDS: dict[int, tuple] = {}
+from dsrun.runtime.zero.params import ZeroParam, ZeroParamStatus, record_of
 
 
 def _all_subclasses(cls):
@@ -39,48 +42,62 @@ def _all_subclasses(cls):
 
 
 def is_partitioned(param: torch.Tensor) -> bool:
-    """True while `param` holds only its zero.Init shard."""
-    entry = _SHARDS.get(id(param))
-    return entry is not None and entry[0]() is param
+    """True while `param` holds only its zero.Init shard (no strategy adopted it yet)."""
+    rec = record_of(param)
+    return rec is not None and rec.init_shard is not None
 
 
 def partition_param(param: torch.nn.Parameter, group=None) -> None:
     """Replace `param`'s data by this rank's shard of rank 0's value (collective)."""
     if is_partitioned(param):
         return
+    world, rank = comm.get_world_size(group), comm.get_rank(group)
     with torch.no_grad():
-        comm.broadcast(param.data, src=0, group=group)  # every rank starts from rank 0's init
-        n, world, rank = param.numel(), comm.get_world_size(group), comm.get_rank(group)
+        comm.broadcast(param.data, src=_global_rank0(group), group=group)  # every rank starts from rank 0's init
+        n = param.numel()
         w = -(-n // world)
-        flat = torch.zeros(w * world, dtype=param.dtype, device=param.device)
-        flat[:n].copy_(param.data.reshape(-1))
-        shard = flat[rank * w:(rank + 1) * w].clone()
-    _SHARDS[id(param)] = (weakref.ref(param), shard, tuple(param.shape), n)
+        shard = torch.zeros(w, dtype=param.dtype, device=param.device)
+        lo, hi = min(rank * w, n), min((rank + 1) * w, n)
+        shard[:hi - lo].copy_(param.data.reshape(-1)[lo:hi])
+    rec = ZeroParam(param, param.shape)
+    rec.init_shard, rec.init_world_size = shard, world
+    param.ds_tensor = shard
+    param.ds_status = ZeroParamStatus.NOT_AVAILABLE
     param.data = torch.empty(0, dtype=param.dtype, device=param.device)
 
 
+def _global_rank0(group) -> int:
+    import torch.distributed as dist
+    return 0 if group is None else dist.get_global_rank(group, 0)
+
+
 def gather_full(param: torch.nn.Parameter, group=None) -> torch.Tensor:
-    """The full value of a zero.Init-partitioned parameter (collective)."""
-    _, shard, shape, n = _SHARDS[id(param)]
-    world, rank = comm.get_world_size(group), comm.get_rank(group)
-    w = shard.numel()
-    flat = torch.zeros(w * world, dtype=shard.dtype, device=shard.device)
-    flat[rank * w:(rank + 1) * w].copy_(shard)
-    comm.all_reduce(flat, group=group)
-    return flat[:n].view(shape)
+    """The full value of a zero.Init-partitioned parameter (collective), (ds_shape)."""
+    rec = record_of(param)
+    shard = rec.init_shard
+    world = comm.get_world_size(group)
+    if world != rec.init_world_size:
+        raise ValueError(f"parameter was partitioned over {rec.init_world_size} ranks by zero.Init, "
+                         f"now gathered over {world}; use the same data-parallel group")
+    flat = torch.empty(shard.numel() * world, dtype=shard.dtype, device=shard.device)
+    comm.all_gather_into_tensor(flat, shard, group=group)
+    return flat[:rec.numel].view(rec.shape)
 
 
 def restore_full(param: torch.nn.Parameter, group=None) -> None:
-    """Give a zero.Init parameter its full value back and forget its shard
+    """Give a zero.Init parameter its full value back and drop its shard
     (collective; no-op for a parameter that is not partitioned)."""
     if is_partitioned(param):
-        param.data = gather_full(param, group)
-        del _SHARDS[id(param)]
+        param.data = gather_full(param, group).clone()
+        rec = record_of(param)
+        rec.init_shard = None
+        param.ds_status = ZeroParamStatus.AVAILABLE
 
 
 def write_shard(param: torch.nn.Parameter, full: torch.Tensor, group=None) -> None:
-    """Store this rank's shard of `full` (param's shape) as param's shard."""
-    _, shard, _, n = _SHARDS[id(param)]
+    """Store this rank's shard of `full` (param's full shape) as param's shard."""
+    rec = record_of(param)
+    shard, n = rec.init_shard, rec.numel
     rank, w = comm.get_rank(group), shard.numel()
     flat = full.reshape(-1)
     lo, hi = min(rank * w, n), min((rank + 1) * w, n)

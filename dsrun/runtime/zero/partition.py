@@ -160,6 +160,24 @@ class FlatLayout:
     def slots_of_bucket(self, bucket: int) -> list[ParamSlot]:
         return [s for s in self.slots if s.bucket == bucket]
 
+    def region(self, buckets: Sequence[BucketSlot]) -> tuple[int, int]:
+        """[start, end) in the full flat space of consecutive `buckets`."""
+        return buckets[0].offset, buckets[-1].offset + buckets[-1].padded_numel
+
+    def shard_spans(self, rank: int,
+                    buckets: Sequence[BucketSlot] | None = None) -> list[tuple[int, int, int]]:
+        """Where rank's shard of each bucket lives, in bucket order.
+
+        Returns (offset in the full flat space, offset in rank's partition,
+        width) per bucket of `buckets` (default: all). Every other module
+        asks here instead of recomputing shard offsets.
+        """
+        out = []
+        for b in self.buckets if buckets is None else buckets:
+            w = self.bucket_shard_numel(b)
+            out.append((b.offset + rank * w, self.bucket_shard_offset(b), w))
+        return out
+
     # ---- ownership -----------------------------------------------------
     def local_pieces(self, rank: int) -> list[LocalPiece]:
         """The parameter elements held by `rank`, in partition order.

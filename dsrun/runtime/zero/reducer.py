@@ -2,57 +2,80 @@
 
 [Note: ordered reduction]
 A `Region` is a run of buckets of one FlatParamSet whose gradients travel in
-one reduce-scatter (stage 1/2: one bucket; stage 3: one unit). Post-
-accumulate-grad hooks add each parameter's gradient into the region's
-staging buffer (accumulation dtype) and free `param.grad`. When a region is
-complete it is launched asynchronously -- but only when every region before
-it in the fixed order has been launched, so all ranks issue the same
-sequence of collectives even if hooks fire in a different order on
-different ranks. `flush()` (end of backward) launches the rest in order
-(parameters that got no gradient contribute zeros), waits, and adds
-result / N into each set's `grad_partition`.
+one reduction (stages 0-2: one bucket; stage 3: one unit). Post-accumulate-
+grad hooks add each parameter's gradient into the region's staging buffer
+(accumulation dtype) and free `param.grad`. When a region is complete it is
+launched asynchronously -- but only when every region before it in the
+fixed order has been launched, so all ranks issue the same sequence of
+collectives even if hooks fire in a different order on different ranks.
+`flush()` (end of backward) launches the rest in order (parameters that got
+no gradient contribute zeros), waits, and divides by the data-parallel size.
+
+Two kinds of regions (see flat_params.py for where gradients live):
+- in place (stage 1, 16-bit stage 0): staging is the set's persistent
+  gradient buffer; the reduction leaves the sum in this rank's shard of it.
+- transient (stages 2-3): staging is allocated zeroed when the region's
+  first gradient arrives and freed once reduced; the rank's averaged shard
+  is added into `grad_partition`. At most the regions between the next one
+  to launch and the ones whose hooks already fired hold staging memory.
 """
 from __future__ import annotations
 
 from typing import Callable
 
 import torch
-from torch.distributed import ProcessGroup
 
-from dsrun.runtime import comm
-from dsrun.runtime.comm.zero_collectives import RegionHandle, reduce_scatter_region
+from dsrun.runtime.zero.collectives import RegionHandle, reduce_region
 from dsrun.runtime.zero.flat_params import FlatParamSet
+from dsrun.runtime.zero.groups import ZeroGroups
 from dsrun.runtime.zero.partition import BucketSlot
 from dsrun.runtime.zero.watchdog import Watchdog
 
 
 class Region:
-    """Buckets `buckets` (consecutive) of `fset`, reduced together.
+    """Buckets `buckets` (consecutive, trainable) of `fset`, reduced together.
 
-    staging: a persistent buffer to accumulate into (stage 1's full gradient
-    buffer), or None to allocate a zeroed one per backward and free it after
-    the reduction (stages 2-3).
+    in_place: reduce inside the set's persistent gradient buffer (needs a
+    single bucket unless the shard group is one rank).
     """
 
-    def __init__(self, fset: FlatParamSet, buckets: list[BucketSlot],
-                 staging: torch.Tensor | None = None):
+    def __init__(self, fset: FlatParamSet, buckets: list[BucketSlot], in_place: bool = False):
         self.fset = fset
         self.buckets = buckets
-        self.start = buckets[0].offset
-        self.end = buckets[-1].offset + buckets[-1].padded_numel
+        self.start, self.end = fset.layout.region(buckets)
+        self.part_lo = fset.layout.bucket_shard_offset(buckets[0])
         ids = {b.index for b in buckets}
         self.slots = [s for s in fset.layout.slots if s.bucket in ids]
-        self.persistent = staging
-        self.staging = staging
+        self.in_place = in_place
+        self.staging: torch.Tensor | None = None
         self.ready: set[int] = set()
         self.handle: RegionHandle | None = None
         self.out: torch.Tensor | None = None
+        if in_place:
+            persistent = fset.grad_full if fset.grad_full is not None else fset.grad_partition
+            if fset.layout.world_size > 1 and len(buckets) != 1:
+                raise ValueError("an in-place region must be a single bucket")
+            self.staging = persistent[self.start:self.end]
 
     def buffer(self) -> torch.Tensor:
+        """The staging buffer, (end - start,), allocated zeroed on first use."""
         if self.staging is None:
-            self.staging = torch.zeros(self.end - self.start, dtype=self.fset.grad_partition.dtype,
-                                       device=self.fset.grad_partition.device)
+            self.staging = torch.zeros(self.end - self.start, dtype=self.fset.precision.grad_accum_dtype,
+                                       device=self.fset.partition.device if self.fset.partition is not None
+                                       else self.fset.full.device)
         return self.staging
+
+    def output(self) -> torch.Tensor:
+        """Where this rank's summed shards land: its own shard of the staging
+        buffer (in place) or a new (region / N,) tensor."""
+        world = self.fset.layout.world_size
+        if self.in_place:
+            if world == 1:
+                return self.staging
+            src, _, w = self.fset.layout.shard_spans(self.fset.rank, self.buckets)[0]
+            return self.staging[src - self.start:src - self.start + w]
+        return torch.empty((self.end - self.start) // world, dtype=self.staging.dtype,
+                           device=self.staging.device)
 
     @property
     def complete(self) -> bool:
@@ -62,23 +85,18 @@ class Region:
 class OrderedReducer:
     """Owns the regions, in launch order. See [Note: ordered reduction].
 
+    groups: the (shard, replicate) pair the gradients are reduced over.
     on_launched(region) is called right after a region's collective is
     issued (stage 3 releases the unit's gathered parameters there).
     watchdog: reports a launch that blocks too long (see watchdog.py).
-    replicated: stage 0 with mixed precision -- layouts span one rank, each
-    region's staging buffer IS the set's grad_partition, and it is
-    all-reduced and averaged in place.
     """
 
-    def __init__(self, regions: list[Region], group: ProcessGroup | None,
-                 on_launched: Callable[[Region], None] | None = None, replicated: bool = False,
-                 watchdog: Watchdog | None = None):
+    def __init__(self, regions: list[Region], groups: ZeroGroups,
+                 on_launched: Callable[[Region], None] | None = None, watchdog: Watchdog | None = None):
         self.regions = regions
-        self.group = group
+        self.groups = groups
         self.on_launched = on_launched
-        self.replicated = replicated
-        self.watchdog = watchdog or Watchdog(comm.get_rank(group), 0)
-        self.world_size = comm.get_world_size(group)
+        self.watchdog = watchdog or Watchdog(groups.shard.rank, 0)
         self.where: dict[int, tuple[Region, int]] = {}
         for r in regions:
             for s in r.slots:
@@ -115,41 +133,26 @@ class OrderedReducer:
     def _launch(self, region: Region) -> None:
         # Issuing may block (synchronous transports such as shm): watched too.
         with self.watchdog.waiting(f"reduce-scatter of gradients of '{region.fset.name}'"):
-            self._issue(region)
-
-    def _issue(self, region: Region) -> None:
-        fset = region.fset
-        full = region.buffer()
-        if self.replicated:
-            region.out = full
-            region.handle = RegionHandle(comm.all_reduce(full, group=self.group, async_op=True), None)
-            return
-        region.out = torch.empty((region.end - region.start) // fset.layout.world_size,
-                                 dtype=full.dtype, device=full.device)
-        region.handle = reduce_scatter_region(fset.layout, region.buckets, full, region.out,
-                                              fset.rank, self.group, async_op=True)
+            full = region.buffer()
+            region.out = region.output()
+            region.handle = reduce_region(region.fset.layout, region.buckets, full, region.out,
+                                          self.groups, async_op=True)
         if self.on_launched is not None:
             self.on_launched(region)
 
     def flush(self) -> None:
-        """Launch what is left in order, wait for everything, accumulate the
-        averages into the grad partitions and reset for the next backward."""
+        """Launch what is left in order, wait for everything, average into the
+        gradient shards and reset for the next backward."""
         self._launch_in_order(force=True)
+        dp = self.groups.data_parallel_size
         for region in self.regions:
             region.handle.wait()  # blocks until this region's sum arrived
             region.handle = None
             region.ready.clear()
-            if self.replicated:
-                region.out.div_(self.world_size)
-                region.out = None
-                continue
-            fset = region.fset
-            lo = region.start // fset.layout.world_size
-            target = fset.grad_partition[lo:lo + region.out.numel()]
-            target.add_(region.out.div_(self.world_size))
-            region.out = None
-            if region.persistent is not None:
-                region.persistent.zero_()
-            else:
+            out, region.out = region.out, None
+            out.div_(dp)
+            if not region.in_place:
+                fset = region.fset
+                fset.grad_partition[region.part_lo:region.part_lo + out.numel()].add_(out)
                 region.staging = None
         self.next = 0

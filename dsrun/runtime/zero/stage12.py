@@ -1,14 +1,18 @@
-"""ZeRO stages 1 and 2: partitioned optimizer states (and gradients).
+"""ZeRO stages 1 and 2 (and stage 0 in 16-bit): partitioned optimizer states (and gradients).
 
 Every rank keeps the full parameters in the compute dtype, as views into one
 flat buffer per optimizer param group, and owns one shard of every bucket:
-fp32 master weights, optimizer states and (averaged) gradients for it.
+fp32 master weights, optimizer states and averaged gradients for it.
 
 - Stage 1 accumulates full gradients locally (accumulation dtype) across
-  micro-steps and reduce-scatters them only at the accumulation boundary.
+  micro-steps, in one flat buffer, and reduce-scatters each bucket of it in
+  place at the accumulation boundary; the rank's shard of that buffer is its
+  gradient partition (no second copy).
 - Stage 2 reduce-scatters every micro-step, bucket by bucket while backward
   runs, into the owner's gradient partition; only the buckets in flight
   hold full gradients. See [Note: ordered reduction] in reducer.py.
+- Stage 0 with bf16/fp16 is the same machinery over the (nobody, world)
+  group pair: one shard holding everything, gradients all-reduced in place.
 
 After the optimizer step the owners' new weights are all-gathered back into
 the flat buffers (buckets grouped up to allgather_bucket_size elements).
@@ -18,64 +22,55 @@ from __future__ import annotations
 
 import torch
 
-from dsrun.runtime.comm.zero_collectives import all_gather_region
 from dsrun.runtime.dist import Topology
 from dsrun.runtime.precision import PrecisionPolicy
+from dsrun.runtime.zero.collectives import all_gather_region
 from dsrun.runtime.zero.flat_params import FlatParamSet
+from dsrun.runtime.zero.groups import ZeroGroups
+from dsrun.runtime.zero.init import restore_full
 from dsrun.runtime.zero.reducer import OrderedReducer, Region
 from dsrun.runtime.zero.strategy import ZeroStrategy
 
 
 class PartitionedOptimizerStrategy(ZeroStrategy):
-    """ZeRO stage 1 or 2 (see module docstring).
+    """ZeRO stage 0 (16-bit), 1 or 2 (see module docstring).
 
     module: the model (its floating parameters and buffers are cast to the
     compute dtype). optimizer: a fresh torch optimizer over module's
     parameters; its param groups are rewritten to hold master shards.
     reduce_bucket_size / allgather_bucket_size: elements per collective.
-    Raises ValueError for stage not in (1, 2) or an optimizer with state.
+    sub_group_size: elements per fused optimizer chunk.
+    Raises ValueError for stage not in (0, 1, 2) or an optimizer with state.
     """
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  topology: Topology, precision: PrecisionPolicy, stage: int,
-                 reduce_bucket_size: int, allgather_bucket_size: int, group=None):
+                 reduce_bucket_size: int, allgather_bucket_size: int, sub_group_size: int = 1_000_000_000,
+                 group=None):
         if stage not in (0, 1, 2):
             raise ValueError(f"PartitionedOptimizerStrategy is stage 0, 1 or 2, got {stage}")
-        super().__init__(optimizer, topology, precision, group)
+        groups = ZeroGroups.replicated(group) if stage == 0 else ZeroGroups.sharded(group)
+        super().__init__(optimizer, topology, precision, groups, sub_group_size)
         self.stage = stage
-        # Stage 0 (only used for 16-bit precision) = one partition holding everything.
-        self.replicated = stage == 0
-        parts, part_rank = (1, 0) if self.replicated else (self.world_size, self.rank)
         self.module = module
-        entries = self.trainable_groups(optimizer, module)
         by_group: dict[int, list] = {}
-        for p, n, g in entries:
-            by_group.setdefault(g, []).append((p, n))
+        for p, n, g in self.trainable_groups(optimizer, module):
+            restore_full(p, groups.shard.group)  # built under zero.Init: full values back, once
+            by_group.setdefault(g, []).append((p, n, g))
         for g, members in sorted(by_group.items()):
-            self.sets.append(FlatParamSet(
-                f"group{g}", [p for p, _ in members], [n for _, n in members], [g] * len(members),
-                part_rank, parts, precision, int(reduce_bucket_size), partition_params=False))
+            fset = FlatParamSet(f"group{g}", members, groups.shard, precision, int(reduce_bucket_size),
+                                partition_params=False, grad_in_full=stage in (0, 1))
+            self.sets.append(fset)
+            self._adopt(fset)
         if precision.mixed:
             # Frozen parameters and buffers follow the compute dtype (managed ones already do).
             module.to(precision.compute_dtype)
         self._bind_optimizer()
-        regions = []
-        self._full_grads: dict[int, torch.Tensor | None] = {}
-        for fset in self.sets:
-            full_grad = None
-            if stage == 1:
-                full_grad = torch.zeros(fset.layout.padded_numel, dtype=precision.grad_accum_dtype,
-                                        device=fset.full.device)
-            self._full_grads[id(fset)] = full_grad
-            for b in fset.layout.buckets:
-                staging = None if full_grad is None else full_grad[b.offset:b.offset + b.padded_numel]
-                if self.replicated:
-                    staging = fset.grad_partition[b.offset:b.offset + b.padded_numel]
-                regions.append(Region(fset, [b], staging))
+        regions = [Region(fset, [b], in_place=stage in (0, 1)) for fset in self.sets
+                   for b in fset.layout.buckets]
         # Backward produces gradients roughly in reverse registration order.
-        regions.sort(key=lambda r: (-self.sets.index(r.fset), -max(s.index for s in r.slots)))
-        self.reducer = OrderedReducer(regions, group, replicated=self.replicated,
-                                      watchdog=self.watchdog)
+        regions.sort(key=lambda r: (-self.sets.index(r.fset), -r.buckets[0].index))
+        self.reducer = OrderedReducer(regions, groups, watchdog=self.watchdog)
         self._hooks = [p.register_post_accumulate_grad_hook(self.reducer.accumulate)
                        for fset in self.sets for p in fset.params]
         self._gather_plan = [(fset, _runs(fset, int(allgather_bucket_size))) for fset in self.sets]
@@ -89,29 +84,18 @@ class PartitionedOptimizerStrategy(ZeroStrategy):
                 self.reducer.flush()
 
     def _after_step(self) -> None:
-        if self.replicated:
-            for fset in self.sets:
-                fset.write_back_master(fset.full)
-            return
+        if self.groups.shard.size == 1:
+            return  # every rank stepped all of it (the copy was written in the step)
         handles = []
         for fset, runs in self._gather_plan:
-            fset.write_back_master(fset.full)
             for buckets in runs:
-                start = buckets[0].offset
-                end = buckets[-1].offset + buckets[-1].padded_numel
+                start, end = fset.layout.region(buckets)
                 with self.watchdog.waiting("all-gather of updated parameters (after the step)"):
                     handles.append(all_gather_region(fset.layout, buckets, fset.full[start:end],
-                                                     self.rank, self.group, async_op=True))
+                                                     self.groups.shard, async_op=True))
         with self.watchdog.waiting("all-gather of updated parameters (after the step)"):
             for h in handles:
                 h.wait()  # parameters are complete on every rank after this
-
-    def _compute_storage(self, fset: FlatParamSet) -> list[torch.Tensor]:
-        return [fset.full]
-
-    def _grad_storage(self, fset: FlatParamSet) -> list[torch.Tensor]:
-        full = self._full_grads[id(fset)]
-        return [fset.grad_partition] + ([full] if full is not None else [])
 
 
 def _runs(fset: FlatParamSet, limit: int):

@@ -2,126 +2,70 @@
 
 [Note: units]
 A unit is a group of modules whose parameters are gathered with ONE
-collective: the model itself (root) and every module held in an
-nn.ModuleList / nn.Sequential (e.g. one transformer block). A parameter
-belongs to the nearest unit above the module that holds it; a parameter held
-by several modules (tied embedding/head) belongs to the nearest unit above
-all of them, so it is gathered whenever any of its users runs. A unit's
-trainable parameters form one FlatParamSet, bucketed by optimizer group.
-Frozen parameters are not partitioned (they stay whole on every rank).
+all-gather. By default: the model itself (root) and every module held in an
+nn.ModuleList / nn.Sequential (e.g. one transformer block); a user can name
+them instead (`zero_optimization.stage3_unit_modules`: fnmatch patterns of
+module names or class names, as torchtitan calls fully_shard per block). A
+parameter belongs to the nearest unit above the module that holds it; a
+parameter held by several modules (tied embedding/head) belongs to the
+nearest unit above all of them, so it is gathered whenever any user runs.
+Parameters smaller than stage3_param_persistence_threshold (while their
+total stays within stage3_model_persistence_threshold) form one extra,
+persistent unit instead: gathered after every step, never freed
+(DeepSpeed's ds_persist). Frozen parameters are partitioned too.
 
-[Note: unit life cycle]
-    SHARDED --gather()--> GATHERING --wait()--> GATHERED --release()--> SHARDED
-Forward pre-hook: make the unit GATHERED (waiting on a prefetch when one is
-in flight), then prefetch the next unit of the recorded forward order.
-Forward post-hook: release (unless persistent: fewer elements than
-stage3_param_persistence_threshold, kept until the step), and hook the
-outputs so that the first gradient reaching them gathers the unit again
-before its backward runs (prefetching the next unit of the recorded
-backward order). Post-accumulate-grad hooks move gradients into the unit's
-staging buffer; when all of a unit's parameters have their gradient, the
-unit is reduce-scattered (in the fixed order of [Note: ordered reduction],
-reverse registration order) and released. Per step: Ψ gathered in forward,
-Ψ in backward, Ψ reduce-scattered = 3Ψ logical elements.
+Each unit's parameters form one FlatParamSet with ONE BUCKET PER PARAMETER:
+a rank's shard of a parameter is then exactly what zero.Init kept for it
+(see init.py), so a model built under zero.Init is adopted without ever
+rebuilding full values.
 
-Autograd saved the Parameter objects, not their storage, so swapping
-`param.data` between the gathered view and an empty tensor is what makes
-the saved tensors valid again in backward.
+[Note: hooks]
+Forward pre-hook: fetch the unit (see schedule.py; gathers, prefetches).
+Forward post-hook: done with it (freed or kept), and hook the outputs so
+the first gradient reaching them fetches the unit again before its
+backward runs. Post-accumulate-grad hooks move gradients into the unit's
+staging buffer; when all of a unit's trainable parameters have their
+gradient, the unit is reduce-scattered (in the fixed order of [Note:
+ordered reduction], reverse unit order) and released. Per step: Ψ gathered
+in forward, Ψ in backward, Ψ reduce-scattered = 3Ψ logical elements.
 """
 from __future__ import annotations
 
-import enum
-import weakref
+import fnmatch
 
 import torch
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
-from dsrun.runtime.comm.zero_collectives import all_gather_region, own_shard_views
 from dsrun.runtime.dist import Topology
 from dsrun.runtime.precision import PrecisionPolicy
 from dsrun.runtime.zero.flat_params import FlatParamSet
-from dsrun.runtime.zero.init import restore_full
-from dsrun.runtime.zero.partition import param_views
+from dsrun.runtime.zero.groups import ZeroGroups
+from dsrun.runtime.zero.params import record_of
 from dsrun.runtime.zero.reducer import OrderedReducer, Region
+from dsrun.runtime.zero.schedule import GatherSchedule
 from dsrun.runtime.zero.strategy import ZeroStrategy
+from dsrun.runtime.zero.unit import Unit, UnitState
+
+PERSISTENT = "<persistent>"
 
 
-class UnitState(enum.Enum):
-    SHARDED = "sharded"        # only the partition is held; params are empty tensors
-    GATHERING = "gathering"    # a gather is in flight into `full`
-    GATHERED = "gathered"      # params are views of `full`
+def find_units(module: torch.nn.Module, patterns: list[str] | None = None) -> list[tuple[str, torch.nn.Module]]:
+    """(qualified name, module) of every unit, root first, in registration order.
 
-
-class Unit:
-    """One gather unit (see [Note: units]); transitions as in [Note: unit life cycle]."""
-
-    def __init__(self, index: int, name: str, module: torch.nn.Module, fset: FlatParamSet,
-                 persistent: bool, owner: "PartitionedParamStrategy"):
-        self.index = index
-        self.name = name
-        self.module = module
-        self.fset = fset
-        self.persistent = persistent
-        self.owner = owner
-        self.state = UnitState.SHARDED
-        self.full: torch.Tensor | None = None
-        self.handle = None
-        self._empty = torch.empty(0, dtype=fset.partition.dtype, device=fset.partition.device)
-        self.release(force=True)
-
-    @property
-    def numel(self) -> int:
-        return self.fset.layout.padded_numel
-
-    def gather(self, phase: str) -> None:
-        """SHARDED -> GATHERING: issue the all-gather (async)."""
-        if self.state is not UnitState.SHARDED:
-            return
-        layout = self.fset.layout
-        self.full = torch.empty(layout.padded_numel, dtype=self.fset.partition.dtype,
-                                device=self.fset.partition.device)
-        for view, dst in own_shard_views(layout, layout.buckets, self.full, self.fset.rank):
-            view.copy_(self.fset.partition[dst:dst + view.numel()])
-        # Issuing may block too (synchronous transports such as shm).
-        with self.owner.watchdog.waiting(f"all-gather of unit '{self.name}' ({phase})"):
-            self.handle = all_gather_region(layout, layout.buckets, self.full, self.fset.rank,
-                                            self.owner.group, async_op=True)
-        self.state = UnitState.GATHERING
-        self.phase = phase
-
-    def wait(self, phase: str) -> None:
-        """Any state -> GATHERED (gathers first when SHARDED)."""
-        if self.state is UnitState.SHARDED:
-            self.gather(phase)
-        if self.state is UnitState.GATHERING:
-            with self.owner.watchdog.waiting(f"all-gather of unit '{self.name}' ({phase})"):
-                self.handle.wait()  # blocks until every rank's shard arrived
-            self.handle = None
-            for p, view in zip(self.fset.params, param_views(self.fset.layout, self.full)):
-                p.data = view
-            self.state = UnitState.GATHERED
-
-    def release(self, force: bool = False) -> None:
-        """GATHERED -> SHARDED (kept when persistent, unless forced)."""
-        if self.state is UnitState.GATHERING:
-            self.wait("release")
-        if self.persistent and not force:
-            return
-        for p in self.fset.params:
-            p.data = self._empty
-        self.full = None
-        self.state = UnitState.SHARDED
-
-
-def find_units(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """(qualified name, module) of every unit: the root, then each element of
-    an nn.ModuleList / nn.Sequential, in registration order."""
+    patterns: fnmatch patterns matched against each module's qualified name
+    and its class name; None = the default guess (each element of an
+    nn.ModuleList / nn.Sequential). The root is always a unit.
+    """
     units = [("", module)]
     for name, m in module.named_modules():
-        if isinstance(m, (torch.nn.ModuleList, torch.nn.Sequential)) and m is not module:
-            for child_name, child in m.named_children():
-                units.append((f"{name}.{child_name}" if name else child_name, child))
+        if m is module:
+            continue
+        if patterns is None:
+            if isinstance(m, (torch.nn.ModuleList, torch.nn.Sequential)):
+                units.extend((f"{name}.{c}", child) for c, child in m.named_children())
+        elif any(fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(type(m).__name__, p) for p in patterns):
+            units.append((name, m))
     return units
 
 
@@ -134,97 +78,111 @@ def _enclosing_unit(path: str, unit_names: list[str]) -> str:
     return best
 
 
+def _assign(module: torch.nn.Module, unit_names: list[str], members) -> dict[str, list]:
+    """Unit name -> its (param, name, key) members; see [Note: units]."""
+    users: dict[int, list[str]] = {}
+    for mod_name, mod in module.named_modules():
+        for _, p in mod.named_parameters(recurse=False):
+            users.setdefault(id(p), []).append(_enclosing_unit(mod_name, unit_names))
+    out: dict[str, list] = {n: [] for n in unit_names}
+    for p, name, key in members:
+        owners = users[id(p)]
+        common = owners[0]
+        for o in owners[1:]:
+            while common and not (o == common or o.startswith(common + ".")):
+                common = common.rpartition(".")[0]
+        out[_enclosing_unit(common, unit_names) if common else ""].append((p, name, key))
+    return out
+
+
 class PartitionedParamStrategy(ZeroStrategy):
     """ZeRO stage 3 (see the module docstring).
 
-    persistence_threshold: units with fewer elements stay gathered from
-    their first use until the optimizer step. prefetch_numel: most elements
-    of upcoming units gathered ahead (stage3_prefetch_bucket_size).
-    watchdog_timeout: seconds a rank may wait on one collective before it
-    reports what it is waiting on (see watchdog.py).
+    Args:
+        module, optimizer, topology, precision: as for every strategy.
+        persistence_threshold: parameters with fewer elements are persistent
+            (stage3_param_persistence_threshold) ...
+        model_persistence_threshold: ... while their total stays within this.
+        prefetch_numel, max_live_numel, max_reuse_distance: the schedule's
+            knobs (see schedule.py), in elements.
+        sub_group_size: elements per fused optimizer chunk.
+        unit_patterns: user-named units (see [Note: units]); None = default.
+        watchdog_timeout: seconds a rank may wait on one collective before it
+            reports what it is waiting on (see watchdog.py).
+        group: the data-parallel process group (None = all ranks).
     """
 
     stage = 3
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  topology: Topology, precision: PrecisionPolicy, persistence_threshold: int,
-                 prefetch_numel: int, watchdog_timeout: float | None = None, group=None):
-        super().__init__(optimizer, topology, precision, group, watchdog_timeout)
+                 prefetch_numel: int, model_persistence_threshold: int = 2**63 - 1,
+                 max_live_numel: int = 1_000_000_000, max_reuse_distance: int = 1_000_000_000,
+                 sub_group_size: int = 1_000_000_000, unit_patterns: list[str] | None = None,
+                 watchdog_timeout: float | None = None, group=None):
+        groups = ZeroGroups.sharded(group)
+        super().__init__(optimizer, topology, precision, groups, sub_group_size, watchdog_timeout)
         self.module = module
-        self.prefetch_numel = int(prefetch_numel)
-        unit_mods = find_units(module)
+        trainable = self.trainable_groups(optimizer, module)
+        seen = {id(p) for p, _, _ in trainable}
+        frozen = [(p, n, None) for n, p in module.named_parameters()
+                  if not p.requires_grad and id(p) not in seen]
+        unit_mods = find_units(module, unit_patterns)
         unit_names = [n for n, _ in unit_mods]
-        users: dict[int, list[str]] = {}
-        for mod_name, mod in module.named_modules():
-            for pname, p in mod.named_parameters(recurse=False):
-                users.setdefault(id(p), []).append(_enclosing_unit(mod_name, unit_names))
-        members: dict[str, list] = {n: [] for n in unit_names}
-        for p, name, g in self.trainable_groups(optimizer, module):
-            owners = users[id(p)]
-            common = owners[0]
-            for o in owners[1:]:
-                while common and not (o == common or o.startswith(common + ".")):
-                    common = common.rpartition(".")[0]
-            members[_enclosing_unit(common, unit_names) if common else ""].append((p, name, g))
+        by_unit = _assign(module, unit_names, trainable + frozen)
+        persistent, budget = [], int(model_persistence_threshold)
+        for name in unit_names:
+            keep = []
+            for member in by_unit[name]:
+                numel = _numel(member[0])
+                if numel < persistence_threshold and numel <= budget:
+                    persistent.append(member)
+                    budget -= numel
+                else:
+                    keep.append(member)
+            by_unit[name] = keep
         self.units: list[Unit] = []
-        for uname, umod in unit_mods:
-            entries = sorted(members[uname], key=lambda e: e[2])  # stable: by group, then order
-            if not entries:
+        plan = [(n or "<root>", [m], by_unit[n]) for n, m in unit_mods] + [(PERSISTENT, [], persistent)]
+        for uname, modules, members in plan:
+            if not members:
                 continue
-            for p, _, _ in entries:
-                restore_full(p, group)  # parameters built under zero.Init
-            fset = FlatParamSet(uname or "<root>", [e[0] for e in entries], [e[1] for e in entries],
-                                [e[2] for e in entries], self.rank, self.world_size, precision,
-                                None, partition_params=True)
+            members = sorted(members, key=lambda e: (e[2] is None, -1 if e[2] is None else e[2]))
+            fset = FlatParamSet(uname, members, groups.shard, precision, 1, partition_params=True)
             self.sets.append(fset)
-            unit = Unit(len(self.units), uname or "<root>", umod, fset,
-                        fset.layout.numel < persistence_threshold, self)
+            unit = Unit(len(self.units), uname, modules, fset, uname == PERSISTENT, self)
             self.units.append(unit)
-            for p in fset.params:
-                _ZERO_UNITS[id(p)] = (weakref.ref(p), weakref.ref(unit))
-        if precision.mixed:
-            module.to(precision.compute_dtype)  # frozen params and buffers
+            self._adopt(fset, unit)
+            unit.drop_values()
+        _cast_unmanaged(module, precision)
         self._bind_optimizer()
-        regions = [Region(u.fset, list(u.fset.layout.buckets)) for u in reversed(self.units)]
+        self.schedule = GatherSchedule(self.units, int(prefetch_numel), int(max_live_numel),
+                                       int(max_reuse_distance))
+        regions = [Region(u.fset, [b for b, k in zip(u.fset.layout.buckets, u.fset.key_of_bucket) if k is not None])
+                   for u in reversed(self.units) if not u.persistent and u.fset.trainable_numel]
+        regions += [Region(u.fset, [b for b, k in zip(u.fset.layout.buckets, u.fset.key_of_bucket) if k is not None])
+                    for u in self.units if u.persistent and u.fset.trainable_numel]
         self._unit_of_set = {id(u.fset): u for u in self.units}
-        self.reducer = OrderedReducer(regions, group, on_launched=self._on_reduced,
-                                      watchdog=self.watchdog)
+        self.reducer = OrderedReducer(regions, groups, on_launched=self._on_reduced, watchdog=self.watchdog)
         self._hooks = []
         for unit in self.units:
-            self._hooks.append(unit.module.register_forward_pre_hook(
-                lambda m, a, unit=unit: self._pre_forward(unit)))
-            self._hooks.append(unit.module.register_forward_hook(
-                lambda m, a, out, unit=unit: self._post_forward(unit, out)))
-            for p in unit.fset.params:
-                self._hooks.append(p.register_post_accumulate_grad_hook(self.reducer.accumulate))
-        self._order = {"forward": [], "backward": []}  # recorded unit order of the first step
-        self._cursor = {"forward": 0, "backward": 0}
-        self._recording = True
+            for m in unit.modules:
+                self._hooks.append(m.register_forward_pre_hook(
+                    lambda mod, a, unit=unit: self._pre_forward(unit)))
+                self._hooks.append(m.register_forward_hook(
+                    lambda mod, a, out, unit=unit: self._post_forward(unit, out)))
+            for p, key in zip(unit.fset.params, [unit.fset.key_of_bucket[s.bucket] for s in unit.fset.layout.slots]):
+                if key is not None:
+                    self._hooks.append(p.register_post_accumulate_grad_hook(self.reducer.accumulate))
+        self._gather_persistent()
 
     # ---- hooks ---------------------------------------------------------------
-    def _advance(self, phase: str, unit: Unit) -> None:
-        order, pos = self._order[phase], self._cursor[phase]
-        if self._recording:
-            order.append(unit.index)
-        elif pos < len(order) and order[pos] == unit.index:
-            # Prefetch what comes next in the recorded order, within the budget.
-            budget = self.prefetch_numel
-            for nxt in order[pos + 1:]:
-                u = self.units[nxt]
-                if u is unit or u.numel > budget:
-                    break
-                budget -= u.numel
-                u.gather(phase + " prefetch")
-        self._cursor[phase] = pos + 1
-
     def _pre_forward(self, unit: Unit) -> None:
-        if unit.module is self.module:
-            self._cursor["forward"] = 0  # a new forward starts (e.g. after an eval pass)
-        unit.wait("forward")
-        self._advance("forward", unit)
+        if self.module in unit.modules:
+            self.schedule.start_step()  # a new forward starts (e.g. after an eval pass)
+        self.schedule.fetch(unit, "forward")
 
     def _post_forward(self, unit: Unit, output) -> None:
-        unit.release()
+        self.schedule.done(unit)
         if not torch.is_grad_enabled():
             return
         tensors = [t for t in tree_flatten(output)[0]
@@ -234,11 +192,15 @@ class PartitionedParamStrategy(ZeroStrategy):
                                      mode="any")
 
     def _pre_backward(self, unit: Unit) -> None:
-        unit.wait("backward")
-        self._advance("backward", unit)
+        self.schedule.fetch(unit, "backward")
 
     def _on_reduced(self, region: Region) -> None:
-        self._unit_of_set[id(region.fset)].release()
+        self.schedule.done(self._unit_of_set[id(region.fset)])
+
+    def _gather_persistent(self) -> None:
+        for unit in self.units:
+            if unit.persistent:
+                unit.wait("persistent parameters")
 
     # ---- GradientStrategy ---------------------------------------------------
     def backward(self, loss: torch.Tensor, *, sync: bool, retain_graph: bool) -> None:
@@ -246,32 +208,35 @@ class PartitionedParamStrategy(ZeroStrategy):
         self._scale(loss).backward(retain_graph=retain_graph)
         with self.watchdog.waiting("reduce-scatter of gradients (end of backward)"):
             self.reducer.flush()
-        for unit in self.units:
-            unit.release()
-        self._recording = False
-        self._cursor = {"forward": 0, "backward": 0}
+        self.schedule.release_all()
+        self.schedule.end_recording()
 
     def _after_step(self) -> None:
         for unit in self.units:
-            unit.release(force=True)  # persistent units hold stale values now
-            unit.fset.write_back_master(unit.fset.partition)
+            if unit.persistent:
+                unit.release(force=True)  # stale values: gathered again below
+        self._gather_persistent()
 
-    def _compute_storage(self, fset: FlatParamSet) -> list[torch.Tensor]:
-        return [fset.partition]
+    def _held(self) -> dict[str, list[torch.Tensor]]:
+        held = super()._held()
+        held["gathered_params"] = [u.full for u in self.units if u.state is not UnitState.SHARDED]
+        return held
 
     def gathered_numel(self) -> int:
-        """Elements of units currently gathered or being gathered (working set)."""
-        return sum(u.numel for u in self.units if u.state is not UnitState.SHARDED)
+        """Elements of non-persistent units currently gathered or being gathered."""
+        return self.schedule.live_numel()
 
 
-# id(param) -> (weak param, weak Unit), for GatheredParameters (see api.py).
-_ZERO_UNITS: dict[int, tuple] = {}
+def _numel(p: torch.nn.Parameter) -> int:
+    rec = record_of(p)
+    return rec.numel if rec is not None else p.numel()
 
 
-def unit_of(param: torch.Tensor) -> Unit | None:
-    """The stage-3 unit holding `param`, or None."""
-    entry = _ZERO_UNITS.get(id(param))
-    if entry is None or entry[0]() is not param:
-        return None
-    return entry[1]()
-
+def _cast_unmanaged(module: torch.nn.Module, precision: PrecisionPolicy) -> None:
+    """Buffers (and parameters ZeRO does not manage) follow the compute dtype."""
+    if not precision.mixed:
+        return
+    dtype = precision.compute_dtype
+    for t in list(module.buffers()) + [p for p in module.parameters() if record_of(p) is None]:
+        if t.is_floating_point():
+            t.data = t.data.to(dtype)

@@ -1,86 +1,114 @@
-"""What every ZeRO stage (1-3) shares: the optimizer step on partitions.
+"""What every ZeRO strategy shares: the optimizer step on partitions.
 
 A stage subclass builds its `FlatParamSet`s and decides where gradients are
-reduced (`_backward_hooks`) and how parameters come back after the step
+reduced (`backward`) and how parameters come back after the step
 (`_after_step`); this base class does the rest, identically for all stages:
-loss scaling, unscale, overflow check, global norm, clipping, the optimizer
-step on the master partitions, memory accounting and full-tensor reads.
+loss scaling, the global norm and non-finite check, the step itself,
+memory accounting and full-tensor reads.
 
 [Note: one small collective per step]
-The global squared norm and the overflow flag travel together in one
-all_reduce of a 2-element fp32 tensor, on every rank, every step, so no rank
-branches on a local value before a collective. fp16 only: an overflow
-(inf/nan anywhere, any rank) skips the optimizer step on all ranks, the
-scaler shrinks, and the engine skips the LR scheduler (StepOutcome.applied).
+The global squared gradient norm travels in one all_reduce of a 1-element
+fp32 tensor over the shard group (replicas hold the same shards), on every
+rank, every step, so no rank branches on a local value before a
+collective. A non-finite norm (inf/nan anywhere, any rank) skips the
+optimizer step on all ranks; with fp16 the loss scaler shrinks, and the
+engine skips the LR scheduler (StepOutcome.applied).
+
+[Note: fused step]
+When the optimizer is one of dsrun's Adam classes (`dsrun.ops.adam`:
+CPUAdam, DeepSpeedCPUAdam, FusedAdam; what ds_config's "Adam"/"AdamW" build
+unless `torch_adam` is set), the step runs dsrun's Adam kernel
+directly on each span's flat, contiguous master shards: one pass reads the
+gradient (any accumulation dtype), multiplies it by 1/loss_scale times the
+clipping coefficient, updates master and moments, and writes the 16-bit
+compute copy. No unscaled or clipped gradient copy, no separate cast, and
+the work is cut into chunks of at most `sub_group_size` elements. Any other
+optimizer -- a torch.optim.AdamW object included, whose arithmetic a user
+may rely on bit for bit -- gets the torch path: the gradient shards are
+scaled in place and handed to `optimizer.step()` as the masters' `.grad`.
 """
 from __future__ import annotations
 
 import logging
 import math
-import weakref
+from typing import Callable
 
 import torch
 
+from dsrun.ops import adam as native_adam
+from dsrun.ops import cuda_adam
 from dsrun.runtime import comm
 from dsrun.runtime.data_parallel import GradientStrategy, StepOutcome
 from dsrun.runtime.dist import Topology
 from dsrun.runtime.memory import tensor_breakdown
 from dsrun.runtime.precision import PrecisionPolicy
-from dsrun.runtime.zero.flat_params import FlatParamSet
+from dsrun.runtime.zero.flat_params import FlatParamSet, Span
+from dsrun.runtime.zero.groups import ZeroGroups
+from dsrun.runtime.zero.params import ensure_record, record_of
 from dsrun.runtime.zero.watchdog import Watchdog
 
 log = logging.getLogger("dsrun.zero")
 
-# id(param) -> (weak param, weak strategy): who manages a parameter (api.py).
-_OWNERS: dict[int, tuple] = {}
-
 
 def owner_of(param: torch.Tensor) -> "ZeroStrategy | None":
     """The ZeRO strategy managing `param`, or None."""
-    entry = _OWNERS.get(id(param))
-    if entry is None or entry[0]() is not param:
-        return None
-    return entry[1]()
+    rec = record_of(param)
+    return rec.strategy if rec is not None else None
 
 
 class ZeroStrategy(GradientStrategy):
-    """Base of the ZeRO stages; see the module docstring.
+    """Base of the ZeRO strategies; see the module docstring.
 
-    Subclasses set `self.sets` (list[FlatParamSet]) before calling
-    `_bind_optimizer()`, and implement `backward`, `_after_step`,
-    `_compute_storage(fset)`.
+    Subclasses set `self.sets` (list[FlatParamSet]) and call
+    `_adopt(fset, unit_of_slot)` for each, then `_bind_optimizer()`; they
+    implement `backward` and `_after_step`.
+
+    Args:
+        optimizer: a freshly built torch optimizer over the model's parameters.
+        topology: this rank's Topology.
+        precision: dtypes and loss scaler.
+        groups: the (shard, replicate) pair (see groups.py).
+        sub_group_size: most elements the fused step processes at once.
+        watchdog_timeout: seconds before a blocked collective is reported.
+
+    Raises:
+        ValueError: the optimizer already holds state.
     """
 
     stage: int
-    replicated = False  # True: every rank holds all gradients (stage 0 mixed precision)
 
     def __init__(self, optimizer: torch.optim.Optimizer, topology: Topology,
-                 precision: PrecisionPolicy, group=None, watchdog_timeout: float | None = None):
+                 precision: PrecisionPolicy, groups: ZeroGroups, sub_group_size: int = 1_000_000_000,
+                 watchdog_timeout: float | None = None):
         if any(optimizer.state.values()):
             raise ValueError("the optimizer already holds state; give ZeRO a freshly built optimizer "
                              "(load a checkpoint through the engine instead)")
         self.optimizer = optimizer
         self.topology = topology
         self.precision = precision
-        self.group = group
-        self.rank = comm.get_rank(group)
-        self.world_size = comm.get_world_size(group)
-        self.watchdog = Watchdog(self.rank, watchdog_timeout)
+        self.groups = groups
+        self.rank = groups.shard.rank
+        self.sub_group_size = int(sub_group_size)
+        self.watchdog = Watchdog(topology.rank, watchdog_timeout)
         self.sets: list[FlatParamSet] = []
         self.last_overflow_param: str | None = None
-        self._owner: dict[int, tuple[FlatParamSet, int]] = {}
+        self._views: list[tuple[FlatParamSet, Span, torch.Tensor]] = []
+        self._fused = isinstance(optimizer, native_adam.NativeAdam)
 
     # ---- construction helpers ------------------------------------------
+    def _adopt(self, fset: FlatParamSet, unit=None) -> None:
+        """Give every parameter of `fset` its record pointing here."""
+        for slot in fset.layout.slots:
+            ensure_record(fset.params[slot.index]).adopt(self, fset, slot.index, slot.name, unit)
+
     def _bind_optimizer(self) -> None:
-        """Point the optimizer's param groups at the master partitions."""
+        """Point the optimizer's param groups at the master shards (one tensor per span)."""
         per_group: list[list[torch.Tensor]] = [[] for _ in self.optimizer.param_groups]
         for fset in self.sets:
-            for b, view in zip(fset.layout.buckets, fset.master_views):
-                per_group[fset.group_of_bucket[b.index]].append(view)
-            for slot in fset.layout.slots:
-                p = fset.params[slot.index]
-                self._owner[id(p)] = (fset, slot.index)
-                _OWNERS[id(p)] = (weakref.ref(p), weakref.ref(self))
+            for span in fset.spans:
+                view = fset.master_view(span)
+                self._views.append((fset, span, view))
+                per_group[span.group].append(view)
         for group, views in zip(self.optimizer.param_groups, per_group):
             group["params"] = views
 
@@ -107,62 +135,113 @@ class ZeroStrategy(GradientStrategy):
         scale = self.precision.scaler.scale
         return loss * scale if scale != 1.0 else loss
 
+    def _global_sq_norm(self) -> float:
+        """Sum of squares of every averaged gradient shard over the shard group
+        (one collective; see [Note: one small collective per step])."""
+        grads = [g for fset in self.sets for g in fset.grad_shards() if g.numel()]
+        if grads:
+            norms = torch._foreach_norm(grads)  # one fused pass, no gradient-sized temporary
+            sq = torch.stack([n.float() for n in norms]).square().sum().reshape(1)
+        else:
+            sq = torch.zeros(1, dtype=torch.float32, device=self.topology.device)
+        if self.groups.shard.size > 1:
+            with self.watchdog.waiting("all-reduce of the gradient norm (optimizer step)"):
+                comm.all_reduce(sq, group=self.groups.shard.group)
+        return float(sq.item())  # the one host sync of the step
+
     def step(self, max_grad_norm: float) -> StepOutcome:
         scale = self.precision.scaler.scale
-        fp16 = self.precision.compute_dtype == torch.float16
-        grads = [g for fset in self.sets for g in fset.grad_views()]
-        sq = torch.zeros((), dtype=torch.float32)
-        for g in grads:
-            sq += g.float().pow(2).sum()
-        if self.replicated and self.rank != 0:
-            sq.zero_()  # every rank holds the same full gradients: count them once
-        stats = torch.stack([sq, torch.tensor(0.0)])
-        if fp16:
-            stats[1] = float(not all(bool(torch.isfinite(g).all()) for g in grads))
-        with self.watchdog.waiting("all-reduce of the gradient norm (optimizer step)"):
-            comm.all_reduce(stats, group=self.group)  # See [Note: one small collective per step].
-        overflow = fp16 and (stats[1].item() > 0 or not math.isfinite(stats[0].item()))
-        self.precision.scaler.update(overflow)  # raises LossScaleUnderflowError at the floor
-        if overflow:
-            self._report_overflow(scale)
+        sq = self._global_sq_norm()
+        finite = math.isfinite(sq)
+        self.precision.scaler.update(not finite)  # raises LossScaleUnderflowError at the floor
+        if not finite:
+            self._report_nonfinite(scale)
             return StepOutcome(grad_norm=None, applied=False)
-        norm = math.sqrt(stats[0].item()) / scale
+        norm = math.sqrt(sq) / scale
         factor = 1.0 / scale
         if max_grad_norm > 0 and norm > max_grad_norm:
-            factor *= max_grad_norm / (norm + 1e-6)
-        for fset in self.sets:
-            for master, grad in zip(fset.master_views, fset.grad_views()):
-                g = grad if grad.dtype == master.dtype else grad.to(master.dtype)
-                master.grad = g if factor == 1.0 else g * factor
-        self.optimizer.step()
-        for fset in self.sets:
-            for master in fset.master_views:
-                master.grad = None
+            factor *= max_grad_norm / (norm + 1e-6)  # torch.nn.utils.clip_grad_norm_'s epsilon
+        if self._fused:
+            self._fused_adam_step(factor)
+        else:
+            self._torch_step(factor)
         self._after_step()
         return StepOutcome(grad_norm=norm, applied=True)
 
-    def _report_overflow(self, scale: float) -> None:
-        local = None
+    def _torch_step(self, factor: float) -> None:
+        """Any torch optimizer: scaled gradient shards as the masters' .grad."""
+        for fset, span, master in self._views:
+            grad = fset.grad_view(span)
+            if factor != 1.0:
+                grad.mul_(factor)  # in place: the buffer is zeroed after the step anyway
+            master.grad = grad if grad.dtype == master.dtype else grad.to(master.dtype)
+        self.optimizer.step()
+        for fset, span, master in self._views:
+            master.grad = None
         for fset in self.sets:
+            fset.write_back_master()
+
+    def _adam_state(self, master: torch.Tensor) -> dict:
+        state = self.optimizer.state[master]
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(master)
+            state["exp_avg_sq"] = torch.zeros_like(master)
+        return state
+
+    def _fused_adam_step(self, factor: float) -> None:
+        """See [Note: fused step]."""
+        for fset, span, master in self._views:
+            group = self.optimizer.param_groups[span.group]
+            state = self._adam_state(master)
+            state["step"] += 1
+            step = int(state["step"].item())
+            args = native_adam.adam_hyperparams(group, self.optimizer)
+            args.update(step=step, grad_scale=factor)
+            grad, copy = fset.grad_view(span), fset.copy_view(span)
+            if master.device.type == "cuda":
+                cuda_adam.multi_tensor_adam([master], [grad if grad.dtype == master.dtype else grad.float()],
+                                            [state["exp_avg"]], [state["exp_avg_sq"]], **args)
+                if copy is not None:
+                    copy.copy_(master)
+                continue
+            for lo in range(0, master.numel(), self.sub_group_size):
+                hi = min(lo + self.sub_group_size, master.numel())
+                native_adam.adam_step(master[lo:hi], grad[lo:hi], state["exp_avg"][lo:hi],
+                                      state["exp_avg_sq"][lo:hi],
+                                      param_copy=None if copy is None else copy[lo:hi], **args)
+
+    def _report_nonfinite(self, scale: float) -> None:
+        """Name the first parameter (in layout order) with a non-finite
+        gradient on any rank: one all_reduce(MIN) of its index, no pickling."""
+        names = [s.name for fset in self.sets for s in fset.layout.slots]
+        base, first = 0, len(names)
+        for fset in self.sets:
+            grad = fset.partition_of(fset.grad_view)
             for piece in fset.layout.local_pieces(fset.rank):
-                g = fset.grad_partition[piece.shard_offset:piece.shard_offset + piece.hi - piece.lo]
+                if fset.key_of_bucket[piece.slot.bucket] is None:
+                    continue  # frozen: no gradient
+                g = grad[piece.shard_offset:piece.shard_offset + piece.hi - piece.lo]
                 if not bool(torch.isfinite(g).all()):
-                    local = (piece.slot.index, piece.slot.name)
-                    break
-            if local:
-                break
-        names = comm.all_gather_object(local[1] if local else None, group=self.group)
-        self.last_overflow_param = next((n for n in names if n), None)
-        if self.rank == 0:
-            log.warning("fp16 gradient overflow (first in parameter %s); skipping step, loss scale "
-                        "%g -> %g", self.last_overflow_param, scale, self.precision.scaler.scale)
+                    first = min(first, base + piece.slot.index)
+            base += len(fset.layout.slots)
+        index = torch.tensor([first], dtype=torch.float32, device=self.topology.device)
+        if self.groups.shard.size > 1:
+            comm.all_reduce(index, op=torch.distributed.ReduceOp.MIN, group=self.groups.shard.group)
+        found = int(index.item())
+        self.last_overflow_param = names[found] if found < len(names) else None
+        if self.topology.rank == 0:
+            what = ("fp16 gradient overflow" if self.precision.compute_dtype == torch.float16
+                    else "non-finite gradient")
+            log.warning("%s (first in parameter %s); skipping step, loss scale %g -> %g", what,
+                        self.last_overflow_param, scale, self.precision.scaler.scale)
 
     def _after_step(self) -> None:
         raise NotImplementedError
 
     def zero_grad(self) -> None:
         for fset in self.sets:
-            fset.grad_partition.zero_()
+            fset.zero_grad()
 
     # ---- state -------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -173,35 +252,37 @@ class ZeroStrategy(GradientStrategy):
         self.precision.scaler.load_state_dict(state["scaler"])
 
     # ---- accounting and full-tensor reads ---------------------------------
-    def _compute_storage(self, fset: FlatParamSet) -> list[torch.Tensor]:
-        raise NotImplementedError
-
-    def memory_breakdown(self) -> dict[str, dict[str, int]]:
-        """Bytes this rank holds per category (params, grads, master,
-        optimizer_states) and dtype, counting flat buffers whole (padding
-        included). Step counters (0-dim tensors) are not counted."""
+    def _held(self) -> dict[str, list[torch.Tensor]]:
+        """Tensors this rank holds per category (subclasses add their own)."""
         states = [t for st in self.optimizer.state.values() for t in st.values()
                   if isinstance(t, torch.Tensor) and t.dim() > 0]
-        return tensor_breakdown({
-            "params": [t for f in self.sets for t in self._compute_storage(f)],
-            "grads": [t for f in self.sets for t in self._grad_storage(f)],
-            "master": [f.master for f in self.sets if f.master is not None and self.precision.mixed],
+        return {
+            "params": [t for f in self.sets for t in (f.full, f.partition) if t is not None],
+            "grads": [t for f in self.sets for t in (f.grad_full, f.grad_partition) if t is not None],
+            "master": [f.master for f in self.sets if f.master is not None],
             "optimizer_states": states,
-        })
+            "comm_buffers": [r.staging for r in self.reducer.regions
+                             if r.staging is not None and not r.in_place],
+        }
 
-    def _grad_storage(self, fset: FlatParamSet) -> list[torch.Tensor]:
-        return [fset.grad_partition]
+    def memory_breakdown(self) -> dict[str, dict[str, int]]:
+        """Bytes this rank holds per category (params, gathered_params,
+        grads, master, optimizer_states, comm_buffers) and dtype, counting
+        flat buffers whole (padding included). Step counters (0-dim tensors)
+        are not counted."""
+        return tensor_breakdown(self._held())
 
-    def _full_from_partition(self, param: torch.nn.Parameter, pick) -> torch.Tensor | None:
-        """Sum every rank's pieces of `param` read by pick(fset) -> partition
-        tensor (collective: all ranks must call). None if param is not ours."""
-        if id(param) not in self._owner:
+    def _full_from_partition(self, param: torch.nn.Parameter,
+                             source: Callable[[FlatParamSet], torch.Tensor]) -> torch.Tensor | None:
+        """Sum every shard-group rank's pieces of `param` read from the
+        partition-shaped tensor source(fset) (collective: all ranks must
+        call). None if param is not ours."""
+        rec = record_of(param)
+        if rec is None or rec.strategy is not self:
             return None
-        fset, idx = self._owner[id(param)]
-        source = pick(fset)
-        piece = fset.local_piece_tensor(source, idx)
-        if not self.replicated:
-            comm.all_reduce(piece, group=self.group)
+        piece = rec.fset.local_piece_tensor(source(rec.fset), rec.slot)
+        if self.groups.shard.size > 1:
+            comm.all_reduce(piece, group=self.groups.shard.group)
         return piece
 
     def sync_master_from_params(self, params) -> None:
@@ -209,37 +290,41 @@ class ZeroStrategy(GradientStrategy):
         modified identically on every rank, copy this rank's pieces of them
         into the master weights and, for stage 3, the compute partition."""
         for p in params:
-            if id(p) not in self._owner:
+            rec = record_of(p)
+            if rec is None or rec.strategy is not self:
                 continue
-            fset, idx = self._owner[id(p)]
+            fset = rec.fset
             flat = p.detach().reshape(-1)
+            trainable = fset.key_of_bucket[fset.layout.slots[rec.slot].bucket] is not None
             for piece in fset.layout.local_pieces(fset.rank):
-                if piece.slot.index != idx:
+                if piece.slot.index != rec.slot:
                     continue
-                n = piece.hi - piece.lo
-                for target in (fset.master, fset.partition):
+                lo, n = piece.shard_offset, piece.hi - piece.lo
+                targets = [fset.partition] + ([fset.master] if trainable else [])
+                for target in targets:
                     if target is not None:
-                        target[piece.shard_offset:piece.shard_offset + n].copy_(flat[piece.lo:piece.hi])
+                        target[lo:lo + n].copy_(flat[piece.lo:piece.hi])
 
     def full_fp32_param(self, param):
-        """Full fp32 master value of `param` (collective)."""
-        return self._full_from_partition(param, lambda f: f.master_partition())
+        """Full fp32 master value of `param` (its compute value if frozen; collective)."""
+        def source(fset: FlatParamSet) -> torch.Tensor:
+            out = fset.partition_of(fset.master_view)
+            if fset.partition is not None:  # frozen parameters (stage 3) have no master
+                out[fset.trainable_shard_numel:].copy_(fset.partition[fset.trainable_shard_numel:])
+            return out
+        return self._full_from_partition(param, source)
 
     def full_grad(self, param):
         """Full averaged gradient of `param` as fp32, unscaled (collective)."""
         scale = self.precision.scaler.scale
-        out = self._full_from_partition(param, lambda f: f.grad_partition)
+        out = self._full_from_partition(param, lambda f: f.partition_of(f.grad_view))
         return out if out is None or scale == 1.0 else out / scale
 
     def full_optimizer_state(self, param, key: str):
         """Full optimizer state `key` (e.g. "exp_avg") of `param` (collective)."""
-        def pick(fset):
-            part = torch.zeros(fset.layout.shard_numel, dtype=torch.float32,
-                               device=fset.grad_partition.device)
-            for b, view in zip(fset.layout.buckets, fset.master_views):
-                st = self.optimizer.state.get(view, {})
-                if key in st:
-                    off = fset.layout.bucket_shard_offset(b)
-                    part[off:off + view.numel()].copy_(st[key])
-            return part
-        return self._full_from_partition(param, pick)
+        views = {(id(f), s): v for f, s, v in self._views}
+
+        def read(fset, span):
+            st = self.optimizer.state.get(views[(id(fset), span)], {})
+            return st[key] if key in st else torch.zeros(span.hi - span.lo)
+        return self._full_from_partition(param, lambda f: f.partition_of(lambda span: read(f, span)))

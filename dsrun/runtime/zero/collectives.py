@@ -1,0 +1,173 @@
+"""ZeRO's collectives over flat, bucket-major buffers (see partition.py).
+
+Two operations over a *region* (consecutive buckets of a `FlatLayout`,
+whole parameters, each bucket padded to a multiple of the shard size),
+both issued through `dsrun.runtime.comm` (the only module that calls
+torch.distributed):
+
+- `reduce_region`: sum a full region over the shard group, leaving each
+  rank its shards (contiguous, partition order), then sum those over the
+  replicate group (see groups.py);
+- `all_gather_region`: rebuild the full region (parameter-major, so
+  parameters are plain views) from every rank's shards, in place.
+
+Neither allocates a second full-size buffer. Within one bucket the shards
+are already rank-major (shard r = [offset + r*w, offset + (r+1)*w)), which
+is what the native reduce-scatter and all-gather take, so they run per
+bucket in place; rank r's shard of the output may alias its input (shm and
+NCCL allow both in-place forms).
+
+[Note: choosing the collective per backend]
+gloo's reduce_scatter_tensor and all_gather_into_tensor are about 2x slower
+than its all_reduce on the same bytes (REFERENCE.md §6: 192 MiB fp32,
+all_reduce 107-114 ms, reduce_scatter 242-253 ms, all_gather 234-236 ms;
+re-measure with `bench/step_time/collectives.py`). So on gloo:
+  reduce-scatter = all_reduce of the region, then keep the own shards;
+  all-gather     = zero the region, write the own shards, all_reduce
+                   (x + 0 + ... + 0 is exact, so the result is bit-exact).
+Elsewhere (nccl, or gloo jobs served by the shared-memory transport, whose
+native ops are cheap) the native collectives run per bucket. Both are
+counted twice in the comms logger: `comm.all_reduce` / the native ops
+record what is ACTUALLY sent, and `logical_reduce_scatter` /
+`logical_all_gather` record the ZeRO operation (region elements), which is
+what the paper's Ψ accounting is about.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from dsrun.runtime.comm import collectives
+from dsrun.runtime.comm.logger import comms_logger
+from dsrun.runtime.zero.groups import RankGroup, ZeroGroups
+from dsrun.runtime.zero.partition import BucketSlot, FlatLayout
+
+LOGICAL_REDUCE_SCATTER = "logical_reduce_scatter"
+LOGICAL_ALL_GATHER = "logical_all_gather"
+
+
+def uses_all_reduce(group: RankGroup) -> bool:
+    """True when the backend's all_reduce beats its reduce-scatter/all-gather.
+    See [Note: choosing the collective per backend]; shared memory (one node,
+    collectives.uses_shm) has fast native ones."""
+    return dist.get_backend(group.group) == "gloo" and not collectives.uses_shm(group.group)
+
+
+class RegionHandle:
+    """Result of an async region collective: `wait()` blocks until the
+    output is complete (it also runs whatever local step follows)."""
+
+    def __init__(self, works: list, finish: Callable[[], None] | None = None):
+        self._works = works
+        self._finish = finish
+
+    def wait(self) -> None:
+        for work in self._works:
+            work.wait()  # blocks on the collective
+        self._works = []
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            finish()
+
+
+def _relative_spans(layout: FlatLayout, buckets: Sequence[BucketSlot], rank: int):
+    """(region offset of rank's shard, offset in the region's shards, width) per bucket."""
+    start, _ = layout.region(buckets)
+    part_start = layout.bucket_shard_offset(buckets[0])
+    return [(src - start, dst - part_start, w) for src, dst, w in layout.shard_spans(rank, buckets)]
+
+
+def _check(layout: FlatLayout, buckets: Sequence[BucketSlot], full: torch.Tensor,
+           shard: RankGroup) -> None:
+    start, end = layout.region(buckets)
+    if full.numel() != end - start:
+        raise ValueError(f"region of {end - start} elements, got a buffer of {full.numel()}")
+    if layout.world_size != shard.size:
+        raise ValueError(f"layout over {layout.world_size} ranks used with a shard group of {shard.size}")
+
+
+def reduce_region(layout: FlatLayout, buckets: Sequence[BucketSlot], full: torch.Tensor,
+                  out: torch.Tensor, groups: ZeroGroups, async_op: bool = False) -> RegionHandle:
+    """Sum `full` over all data-parallel ranks; this rank's shards land in `out`.
+
+    full: the region of a full flat buffer, shape (region elements,), any
+    float dtype; clobbered. out: shape (region / shard size,), same dtype,
+    may be `full` itself when the shard group is one rank, or (one bucket)
+    this rank's shard of `full`. Receives the SUM over shard x replicate
+    ranks; callers divide. Returns a handle (already complete unless async_op).
+
+    Raises ValueError when the sizes do not match the layout.
+    """
+    _check(layout, buckets, full, groups.shard)
+    if out.numel() * layout.world_size != full.numel():
+        raise ValueError(f"out has {out.numel()} elements, the region's shards {full.numel() // layout.world_size}")
+    comms_logger.record(LOGICAL_REDUCE_SCATTER, full)
+    shard, replicate = groups.shard, groups.replicate
+    works, finish = [], None
+    if shard.size == 1:
+        if out.data_ptr() != full.data_ptr():
+            out.copy_(full)
+    elif uses_all_reduce(shard):
+        works.append(collectives.all_reduce(full, group=shard.group, async_op=True))
+
+        def finish():
+            for src, dst, w in _relative_spans(layout, buckets, shard.rank):
+                if out[dst:].data_ptr() != full[src:].data_ptr():  # else reduced in place already
+                    out[dst:dst + w].copy_(full[src:src + w])
+    else:
+        base = buckets[0].offset
+        for b, (_, dst, w) in zip(buckets, _relative_spans(layout, buckets, shard.rank)):
+            lo = b.offset - base
+            works.append(collectives.reduce_scatter_tensor(out[dst:dst + w], full[lo:lo + b.padded_numel],
+                                                           group=shard.group, async_op=True))
+    if replicate.size > 1:
+        if works or finish:
+            first = RegionHandle(works, finish)
+            works, finish = [], None
+            first.wait()  # the replicas sum what the shard group reduced
+        works.append(collectives.all_reduce(out, group=replicate.group, async_op=True))
+    handle = RegionHandle(works, finish)
+    if not async_op:
+        handle.wait()
+    return handle
+
+
+def all_gather_region(layout: FlatLayout, buckets: Sequence[BucketSlot], full: torch.Tensor,
+                      shard: RankGroup, async_op: bool = False) -> RegionHandle:
+    """Complete a full region from every shard-group rank's shards, in place.
+
+    full: shape (region elements,), any dtype, parameter-major (the layout's
+    views apply). On entry it must hold this rank's shards at their own
+    positions (see `own_shard_views`); everything else is overwritten.
+    Raises ValueError when the sizes do not match the layout.
+    """
+    _check(layout, buckets, full, shard)
+    comms_logger.record(LOGICAL_ALL_GATHER, full)
+    if shard.size == 1:
+        return RegionHandle([])
+    works = []
+    if uses_all_reduce(shard):
+        for r in range(shard.size):
+            if r != shard.rank:
+                for src, _, w in _relative_spans(layout, buckets, r):
+                    full[src:src + w].zero_()
+        works.append(collectives.all_reduce(full, group=shard.group, async_op=True))
+    else:
+        base = buckets[0].offset
+        for b, (src, _, w) in zip(buckets, _relative_spans(layout, buckets, shard.rank)):
+            lo = b.offset - base
+            works.append(collectives.all_gather_into_tensor(full[lo:lo + b.padded_numel], full[src:src + w],
+                                                            group=shard.group, async_op=True))
+    handle = RegionHandle(works)
+    if not async_op:
+        handle.wait()
+    return handle
+
+
+def own_shard_views(layout: FlatLayout, buckets: Sequence[BucketSlot], full: torch.Tensor,
+                    rank: int) -> list[tuple[torch.Tensor, int]]:
+    """(view of the region buffer `full` at rank's shard of each bucket, its
+    offset among the rank's shards of the region), in bucket order."""
+    return [(full[src:src + w], dst) for src, dst, w in _relative_spans(layout, buckets, rank)]

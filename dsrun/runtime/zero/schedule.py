@@ -1,0 +1,137 @@
+"""When stage 3 gathers, prefetches, keeps and frees units: the memory knobs.
+
+[Note: the fetch trace]
+During the first forward + backward the strategy records the order in which
+units are fetched (`trace`, unit indices; forward and backward in one
+list). Later steps follow it with a cursor. That trace drives three of
+DeepSpeed's stage-3 knobs, all in elements:
+
+- stage3_prefetch_bucket_size: when unit trace[i] is fetched, the next units
+  of the trace are gathered ahead (async) while their total stays within it;
+- stage3_max_live_parameters: prefetching never takes the gathered total
+  above it, and a fetch that would evicts units kept for reuse (farthest
+  next use first) before gathering;
+- stage3_max_reuse_distance: after use, a unit whose next use in the trace
+  comes within fewer than this many elements of other fetches is kept gathered
+  instead of being freed and gathered again.
+
+Every decision depends only on the trace and sizes, which are the same on
+every rank, so all ranks issue the same gathers in the same order. A fetch
+that does not match the trace (the model took another path) switches the
+schedule off until the next step: no prefetch, free after use.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from dsrun.runtime.zero.unit import Unit, UnitState
+
+
+class GatherSchedule:
+    """Prefetch / keep / evict decisions over `units` (see [Note: the fetch trace]).
+
+    prefetch_numel, max_live_numel, max_reuse_distance: the three knobs, in
+    elements. Units marked persistent are never counted, kept or evicted.
+    """
+
+    def __init__(self, units: Sequence[Unit], prefetch_numel: int, max_live_numel: int,
+                 max_reuse_distance: int):
+        self.units = units
+        self.prefetch_numel = prefetch_numel
+        self.max_live_numel = max_live_numel
+        self.max_reuse_distance = max_reuse_distance
+        self.trace: list[int] = []
+        self.recording = True
+        self.pos = 0
+        self.on_track = True
+        self.in_use: set[int] = set()
+        self.kept: set[int] = set()
+
+    def live_numel(self) -> int:
+        """Elements of non-persistent units gathered or being gathered."""
+        return sum(u.numel for u in self.units if not u.persistent and u.state is not UnitState.SHARDED)
+
+    def start_step(self) -> None:
+        """A new forward begins: follow the trace from its start, free what was kept."""
+        self.pos, self.on_track = 0, True
+        for index in sorted(self.kept - self.in_use):
+            self.units[index].release()
+        self.kept &= self.in_use
+
+    def end_recording(self) -> None:
+        """The first backward finished: the trace is complete."""
+        self.recording = False
+
+    def fetch(self, unit: Unit, phase: str) -> None:
+        """`unit` is needed now: gather it (making room first) and prefetch what follows."""
+        self.in_use.add(unit.index)
+        self.kept.discard(unit.index)
+        if self.recording:
+            self.trace.append(unit.index)
+        elif self.on_track and self.pos < len(self.trace) and self.trace[self.pos] == unit.index:
+            self.pos += 1
+        else:
+            self.on_track = False
+        if unit.state is UnitState.SHARDED:
+            self._make_room(unit.numel)
+        unit.wait(phase)
+        if not self.recording and self.on_track:
+            self._prefetch(phase)
+
+    def done(self, unit: Unit) -> None:
+        """`unit` is no longer needed now: keep it for reuse or free it."""
+        self.in_use.discard(unit.index)
+        if unit.persistent:
+            return
+        if self.on_track and not self.recording and self._reused_soon(unit):
+            self.kept.add(unit.index)
+        else:
+            unit.release()
+
+    def release_all(self) -> None:
+        """End of backward: free every non-persistent unit."""
+        for unit in self.units:
+            unit.release()
+        self.in_use.clear()
+        self.kept.clear()
+
+    def _prefetch(self, phase: str) -> None:
+        budget = self.prefetch_numel
+        live = self.live_numel()
+        for index in self.trace[self.pos:]:
+            unit = self.units[index]
+            if unit.state is not UnitState.SHARDED:
+                continue
+            if unit.numel > budget or live + unit.numel > self.max_live_numel:
+                break
+            budget -= unit.numel
+            live += unit.numel
+            unit.gather(phase + " prefetch")
+
+    def _next_use_distance(self, unit: Unit) -> int | None:
+        """Elements fetched between now and `unit`'s next use in the trace."""
+        distance = 0
+        for index in self.trace[self.pos:]:
+            if index == unit.index:
+                return distance
+            distance += self.units[index].numel
+        return None
+
+    def _reused_soon(self, unit: Unit) -> bool:
+        distance = self._next_use_distance(unit)
+        return distance is not None and distance < self.max_reuse_distance
+
+    def _make_room(self, numel: int) -> None:
+        """Free kept units, farthest next use first, until `numel` more fits."""
+        live = self.live_numel()
+        if live + numel <= self.max_live_numel:
+            return
+        def distance(index: int) -> int:
+            d = self._next_use_distance(self.units[index])
+            return 1 << 62 if d is None else d
+        for index in sorted(self.kept - self.in_use, key=distance, reverse=True):
+            if live + numel <= self.max_live_numel:
+                break
+            self.units[index].release()
+            self.kept.discard(index)
+            live -= self.units[index].numel
