@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from dsrun.launcher.mpi import rank_env_from_scheduler
+from dsrun.runtime import allocator
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 
@@ -136,6 +137,7 @@ def init_distributed(dist_backend: str | None = None,
         DistributedSetupError: inconsistent rank variables, or MASTER_ADDR
             missing for a multi-rank job.
     """
+    allocator.use_returning_allocator()  # see [Note: glibc and peak RSS]
     # A rank started by mpirun/mpiexec or by srun (one task per rank) finds its
     # rank in the launcher's variables; dsrun and torchrun set RANK themselves.
     os.environ.update(rank_env_from_scheduler(os.environ))

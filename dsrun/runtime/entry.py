@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from dsrun.runtime import comm, memory_profile
+from dsrun.runtime import allocator, comm, memory_profile
 from dsrun.runtime.config import ConfigError, DsConfig, load_config
 from dsrun.runtime.dataloader import DistributedDataLoader
 from dsrun.runtime.dist import Topology, init_distributed
@@ -164,6 +164,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
                   else [p for p in model.parameters() if p.requires_grad])
         basic_optimizer = _build_optimizer(optimizer, params, cfg)
         strategy = build_strategy(cfg, model, basic_optimizer, topology)
+        allocator.trim()  # the model's original storage was just released
         scheduler = _build_scheduler(lr_scheduler, strategy.optimizer, cfg)
         loader = None
         if training_data is not None:

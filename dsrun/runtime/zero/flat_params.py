@@ -100,7 +100,11 @@ class FlatParamSet:
             self.full = None
             self.partition = torch.zeros(self.layout.shard_numel, dtype=compute, device=device)
         else:
-            self.full = torch.zeros(self.layout.padded_numel, dtype=compute, device=device)
+            # Untouched pages cost nothing: they fill as parameters move in and
+            # the originals are freed, so the model never exists twice.
+            self.full = torch.empty(self.layout.padded_numel, dtype=compute, device=device)
+            for b in self.layout.buckets:
+                self.full[b.offset + b.numel:b.offset + b.padded_numel].zero_()  # padding stays zero
             self.partition = None
         self.master = (torch.zeros(self.trainable_shard_numel, dtype=precision.master_dtype, device=device)
                        if precision.mixed else None)

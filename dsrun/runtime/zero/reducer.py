@@ -8,8 +8,10 @@ grad hooks add each parameter's gradient into the region's staging buffer
 launched asynchronously -- but only when every region before it in the
 fixed order has been launched, so all ranks issue the same sequence of
 collectives even if hooks fire in a different order on different ranks.
-`flush()` (end of backward) launches the rest in order (parameters that got
-no gradient contribute zeros), waits, and divides by the data-parallel size.
+At most MAX_INFLIGHT launched regions are unfinished at a time: launching
+one more first finishes (waits for, averages, frees) the oldest. `flush()`
+(end of backward) launches the rest in order (parameters that got no
+gradient contribute zeros) and finishes them all.
 
 Two kinds of regions (see flat_params.py for where gradients live):
 - in place (stage 1, 16-bit stage 0): staging is the set's persistent
@@ -67,11 +69,12 @@ class Region:
 
     def output(self) -> torch.Tensor:
         """Where this rank's summed shards land: its own shard of the staging
-        buffer (in place) or a new (region / N,) tensor."""
+        buffer when the region is one bucket (reduced in place), else a new
+        (region / N,) tensor."""
         world = self.fset.layout.world_size
-        if self.in_place:
-            if world == 1:
-                return self.staging
+        if world == 1:
+            return self.staging
+        if len(self.buckets) == 1:
             src, _, w = self.fset.layout.shard_spans(self.fset.rank, self.buckets)[0]
             return self.staging[src - self.start:src - self.start + w]
         return torch.empty((self.end - self.start) // world, dtype=self.staging.dtype,
@@ -103,6 +106,7 @@ class OrderedReducer:
                 self.where[id(r.fset.params[s.index])] = (r, s.index)
         self.next = 0
         self.launch_enabled = True
+        self.inflight: list[Region] = []
 
     def begin(self, launch: bool) -> None:
         """Start a backward: launch reductions as regions complete (launch=True)
@@ -139,20 +143,32 @@ class OrderedReducer:
                                           self.groups, async_op=True)
         if self.on_launched is not None:
             self.on_launched(region)
+        self.inflight.append(region)
+        while len(self.inflight) > self.MAX_INFLIGHT:
+            self._finish(self.inflight.pop(0))
+
+    # Regions reduced but not yet finished: each holds its staging buffer and
+    # output until finished, so this bounds the gradient working set.
+    MAX_INFLIGHT = 1
+
+    def _finish(self, region: Region) -> None:
+        """Wait for `region`'s reduction, average it into the gradient shards,
+        free its buffers."""
+        region.handle.wait()  # blocks until this region's sum arrived
+        region.handle = None
+        out, region.out = region.out, None
+        out.div_(self.groups.data_parallel_size)
+        if not region.in_place:
+            fset = region.fset
+            fset.grad_partition[region.part_lo:region.part_lo + out.numel()].add_(out)
+            region.staging = None
 
     def flush(self) -> None:
-        """Launch what is left in order, wait for everything, average into the
-        gradient shards and reset for the next backward."""
+        """Launch what is left in order, finish everything and reset for the
+        next backward."""
         self._launch_in_order(force=True)
-        dp = self.groups.data_parallel_size
+        while self.inflight:
+            self._finish(self.inflight.pop(0))
         for region in self.regions:
-            region.handle.wait()  # blocks until this region's sum arrived
-            region.handle = None
             region.ready.clear()
-            out, region.out = region.out, None
-            out.div_(dp)
-            if not region.in_place:
-                fset = region.fset
-                fset.grad_partition[region.part_lo:region.part_lo + out.numel()].add_(out)
-                region.staging = None
         self.next = 0
