@@ -22,8 +22,8 @@ baseline:
 and per configuration the model-state formula with Ψ trainable parameters
 and N = 2 ranks, the ratio peak / formula (the larger rank's median), and,
 for dsrun, `dsrun.estimate_zero_memory`'s prediction of its persistent
-buffers (with its bucket padding; at stage 1 it also counts the reduced
-gradient shard dsrun keeps, 4Ψ/N in fp32, which the paper's formula does not).
+buffers (dsrun's own layout, with its bucket padding; where it differs from
+the paper's formula, dsrun keeps buffers the paper does not count).
 
 Configurations (--runs, default all but deepspeed-*):
   ddp               torch DistributedDataParallel, AdamW(fused=True)
