@@ -59,12 +59,12 @@ def find_units(module: torch.nn.Module, patterns: list[str] | None = None) -> li
     """
     units = [("", module)]
     for name, m in module.named_modules():
-        if m is module:
-            continue
         if patterns is None:
-            if isinstance(m, (torch.nn.ModuleList, torch.nn.Sequential)):
-                units.extend((f"{name}.{c}", child) for c, child in m.named_children())
-        elif any(fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(type(m).__name__, p) for p in patterns):
+            if isinstance(m, (torch.nn.ModuleList, torch.nn.Sequential)):  # a container root too
+                prefix = f"{name}." if name else ""
+                units.extend((prefix + c, child) for c, child in m.named_children())
+        elif m is not module and any(fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(type(m).__name__, p)
+                                     for p in patterns):
             units.append((name, m))
     return units
 
