@@ -521,7 +521,8 @@ class DsConfig(_BatchTriple):
     gradient_clipping: NonNegReal = Field(1.0, description="Clip the global gradient norm to this value; "
                                           "0 = off. Default 1.0 as in DeepSpeed v0.19 (0.0 up to v0.16).")
     communication_data_type: Optional[Literal["fp32", "fp16", "bf16"]] = Field(
-        None, description="Dtype gradients are reduced in; null = the gradients' dtype.")
+        None, description="Dtype gradients are reduced in across ranks; null = the compute dtype "
+                          "(bf16/fp16 runs send 16-bit gradients, as DeepSpeed does).")
     prescale_gradients: bool = Field(False, description="Divide gradients by the world size before "
                                                         "reducing them instead of after.")
     gradient_predivide_factor: PosReal = Field(1.0, description="Divide gradients by this before "
@@ -660,8 +661,6 @@ NOT_YET_SUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("zero_optimization.zero_quantized_weights", _on, "ZeRO++ quantized weights"),
     Unsupported("zero_optimization.zero_quantized_gradients", _on, "ZeRO++ quantized gradients"),
     Unsupported("zero_optimization.mics_shard_size", lambda v: v > 0, "MiCS sharding", "set it to -1"),
-    Unsupported("communication_data_type", lambda v: v is not None, "a separate communication dtype",
-                "set it to null"),
     Unsupported("zero_optimization.offload_optimizer.device", lambda v: v != "none",
                 "optimizer offload", "set it to \"none\""),
     Unsupported("zero_optimization.offload_param.device", lambda v: v != "none",

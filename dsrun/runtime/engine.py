@@ -26,10 +26,11 @@ def build_strategy(cfg: DsConfig, module: torch.nn.Module, optimizer: torch.opti
                    topology: Topology) -> GradientStrategy:
     """The GradientStrategy for the config: the only switch on ZeRO stage and precision.
 
-    Stage 0 in fp32 is AllReduceStrategy; everything else is built by
-    `dsrun.runtime.zero.build_zero_strategy`.
+    Stage 0 in fp32 (fp32 communication) is AllReduceStrategy; everything
+    else is built by `dsrun.runtime.zero.build_zero_strategy`.
     """
-    if cfg.zero_optimization.stage > 0 or cfg.fp16.enabled or cfg.bf16.enabled:
+    if (cfg.zero_optimization.stage > 0 or cfg.fp16.enabled or cfg.bf16.enabled
+            or cfg.communication_data_type not in (None, "fp32")):
         return build_zero_strategy(cfg, module, optimizer, topology)
     return AllReduceStrategy(module, optimizer, topology,
                              bucket_size=int(cfg.zero_optimization.reduce_bucket_size))

@@ -127,12 +127,17 @@ class PrecisionPolicy:
     (data_types.grad_accum_dtype; fp32 by default, which is more accurate
     than DeepSpeed's default of the compute dtype).
     scaler: loss scaler; a static scale of 1 when not fp16.
+    comm_dtype: gradients are reduced across ranks in this dtype
+    (communication_data_type; DeepSpeed's default, the compute dtype, so a
+    bf16 run sends 2 bytes per gradient element, half of fp32). The shared-
+    memory transport sums 16-bit values in fp32 and rounds once.
     """
 
     compute_dtype: torch.dtype = torch.float32
     master_dtype: torch.dtype = torch.float32
     grad_accum_dtype: torch.dtype = torch.float32
     scaler: LossScaler = field(default_factory=LossScaler)
+    comm_dtype: torch.dtype = torch.float32
 
     @property
     def mixed(self) -> bool:
@@ -164,7 +169,8 @@ class PrecisionPolicy:
                     init_scale=2.0 ** fp16.initial_scale_power, window=fp16.loss_scale_window,
                     hysteresis=fp16.hysteresis, consecutive_hysteresis=fp16.consecutive_hysteresis,
                     min_scale=fp16.min_loss_scale)
-        return cls(compute, torch.float32, accum, scaler)
+        comm_name = getattr(cfg, "communication_data_type", None)
+        return cls(compute, torch.float32, accum, scaler, _DTYPES[comm_name] if comm_name else compute)
 
 
 def first_nonfinite(named_tensors) -> str | None:

@@ -20,6 +20,9 @@ Two kinds of regions (see flat_params.py for where gradients live):
   first gradient arrives and freed once reduced; the rank's averaged shard
   is added into `grad_partition`. At most the regions between the next one
   to launch and the ones whose hooks already fired hold staging memory.
+With a communication dtype other than the accumulation dtype
+(communication_data_type, by default the compute dtype) a cast copy of the
+region is what travels, and the result is cast back when it is averaged.
 """
 from __future__ import annotations
 
@@ -67,18 +70,17 @@ class Region:
                                        else self.fset.full.device)
         return self.staging
 
-    def output(self) -> torch.Tensor:
-        """Where this rank's summed shards land: its own shard of the staging
-        buffer when the region is one bucket (reduced in place), else a new
-        (region / N,) tensor."""
+    def own_shard(self, buffer: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of a region-shaped `buffer` when the region is
+        one bucket (where the reduction leaves it, in place), else a new
+        (region / N,) tensor of buffer's dtype."""
         world = self.fset.layout.world_size
         if world == 1:
-            return self.staging
+            return buffer
         if len(self.buckets) == 1:
             src, _, w = self.fset.layout.shard_spans(self.fset.rank, self.buckets)[0]
-            return self.staging[src - self.start:src - self.start + w]
-        return torch.empty((self.end - self.start) // world, dtype=self.staging.dtype,
-                           device=self.staging.device)
+            return buffer[src - self.start:src - self.start + w]
+        return torch.empty((self.end - self.start) // world, dtype=buffer.dtype, device=buffer.device)
 
     @property
     def complete(self) -> bool:
@@ -137,9 +139,14 @@ class OrderedReducer:
     def _launch(self, region: Region) -> None:
         # Issuing may block (synchronous transports such as shm): watched too.
         with self.watchdog.waiting(f"reduce-scatter of gradients of '{region.fset.name}'"):
-            full = region.buffer()
-            region.out = region.output()
-            region.handle = reduce_region(region.fset.layout, region.buckets, full, region.out,
+            staging = region.buffer()
+            comm_dtype = region.fset.precision.comm_dtype
+            # communication_data_type: send a 16-bit copy (region x 2 bytes, transient).
+            send = staging if staging.dtype == comm_dtype else staging.to(comm_dtype)
+            if send is not staging and not region.in_place:
+                region.staging = None  # the copy is all that is needed from here on
+            region.out = region.own_shard(send)
+            region.handle = reduce_region(region.fset.layout, region.buckets, send, region.out,
                                           self.groups, async_op=True)
         if self.on_launched is not None:
             self.on_launched(region)
@@ -157,11 +164,17 @@ class OrderedReducer:
         region.handle.wait()  # blocks until this region's sum arrived
         region.handle = None
         out, region.out = region.out, None
-        out.div_(self.groups.data_parallel_size)
-        if not region.in_place:
-            fset = region.fset
-            fset.grad_partition[region.part_lo:region.part_lo + out.numel()].add_(out)
-            region.staging = None
+        fset = region.fset
+        if region.in_place:
+            target = region.own_shard(region.staging)
+            if out.data_ptr() != target.data_ptr():
+                target.copy_(out)
+            target.div_(self.groups.data_parallel_size)
+            return
+        summed = out if out.dtype == fset.grad_partition.dtype else out.to(fset.grad_partition.dtype)
+        summed.div_(self.groups.data_parallel_size)
+        fset.grad_partition[region.part_lo:region.part_lo + summed.numel()].add_(summed)
+        region.staging = None
 
     def flush(self) -> None:
         """Launch what is left in order, finish everything and reset for the
