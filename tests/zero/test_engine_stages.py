@@ -149,6 +149,24 @@ def _gathered_and_init():
         comm.all_reduce(t)
         losses.append(t.item() / comm.get_world_size())
     out["init_losses"], out["ref_losses"] = losses, ref_losses
+    # Loading weights module by module into a zero.Init model, before initialize.
+    torch.manual_seed(1)
+    plain = TinyGPT()
+    with dsrun.zero.Init():
+        model = TinyGPT()
+    for name, module in model.named_modules():
+        own = list(module.parameters(recurse=False))
+        if own:
+            with dsrun.zero.GatheredParameters(own, modifier_rank=0):
+                if comm.get_rank() == 0:
+                    module.load_state_dict(plain.get_submodule(name).state_dict(), strict=False)
+    engine, *_ = dsrun.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()),
+                                  config=base_config(3, "bf16", stage3_param_persistence_threshold=0))
+    out["loaded_equal"] = all(torch.equal(dsrun.zero.safe_get_full_fp32_param(p), plain.get_parameter(n))
+                              for n, p in model.named_parameters())
+    block = engine.module.h[1]
+    with dsrun.zero.GatheredParameters(list(block.parameters())):
+        out["gathered_one_unit"] = engine.strategy.gathered_numel() == sum(p.numel() for p in block.parameters())
     return out
 
 
@@ -233,4 +251,5 @@ def test_gathered_parameters_and_zero_init(ws2):
     assert api["init_empty"]
     assert api["init_shard_numel"] < api["numel"]  # each rank holds about half
     assert api["ds_status"] == {"NOT_AVAILABLE"}
+    assert api["loaded_equal"] and api["gathered_one_unit"]
     assert api["init_losses"] == pytest.approx(api["ref_losses"], rel=1e-6)

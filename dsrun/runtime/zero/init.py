@@ -110,9 +110,12 @@ class Init:
 
     Accepts DeepSpeed's arguments; `data_parallel_group` selects the ranks
     (default all), `enabled=False` makes it a no-op, `dtype` casts the
-    parameters before partitioning. remote_device/pin_memory/config are
-    accepted for compatibility and ignored (no parameter offload yet).
-    Initialises torch.distributed when needed.
+    parameters before partitioning. Unlike DeepSpeed, a bf16/fp16 config
+    does not cast them: shards keep the constructor's dtype, so the fp32
+    master weights the strategy builds from them are the exact initial
+    values (the strategy casts its compute copy itself). remote_device,
+    pin_memory and config are accepted for compatibility and ignored (no
+    parameter offload yet). Initialises torch.distributed when needed.
     """
 
     def __init__(self, module=None, data_parallel_group=None, mem_efficient_linear=True,

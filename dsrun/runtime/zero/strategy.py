@@ -326,5 +326,5 @@ class ZeroStrategy(GradientStrategy):
 
         def read(fset, span):
             st = self.optimizer.state.get(views[(id(fset), span)], {})
-            return st[key] if key in st else torch.zeros(span.hi - span.lo)
+            return st[key] if key in st else torch.zeros(span.hi - span.lo, device=self.topology.device)
         return self._full_from_partition(param, lambda f: f.partition_of(lambda span: read(f, span)))
