@@ -120,10 +120,13 @@ class FlatParamSet:
         one parameter at a time, and point stage 0-2 parameters at `full`
         (their own storage is freed as it goes, so construction needs the
         model once plus the new buffers, not twice the model)."""
+        pieces: dict[int, list] = {}
+        for piece in self.layout.local_pieces(self.rank):
+            pieces.setdefault(piece.slot.index, []).append(piece)
         with torch.no_grad():
             for slot, p in zip(self.layout.slots, self.params):
                 bucket = self.layout.buckets[slot.bucket]
-                src, dst, w = spans_of[slot.bucket]
+                _, dst, w = spans_of[slot.bucket]
                 rec = record_of(p)
                 init_shard = rec.init_shard if rec is not None else None
                 if init_shard is not None:
@@ -132,27 +135,24 @@ class FlatParamSet:
                         raise ValueError(f"{slot.name}: its zero.Init shard ({init_shard.numel()} elements) "
                                          f"does not match this layout (shard of {w}); build the model under "
                                          "zero.Init with the same data-parallel group")
-                    self._store(slot, init_shard, dst, lo_in_shard=0, count=w)
+                    self._store(slot, init_shard, dst)
                     continue
                 flat = p.detach().reshape(-1)
-                # the rank's elements of this parameter: [src, src + w) ∩ [offset, offset + numel)
-                lo = max(src, slot.offset)
-                hi = min(src + w, slot.offset + slot.numel)
-                if lo < hi:
-                    self._store(slot, flat[lo - slot.offset:hi - slot.offset], dst + lo - src, 0, hi - lo)
+                for piece in pieces.get(slot.index, ()):
+                    self._store(slot, flat[piece.lo:piece.hi], piece.shard_offset)
                 if self.full is not None:
                     view = self.full[slot.offset:slot.offset + slot.numel]
                     view.copy_(flat)
                     p.data = view.view(slot.shape)
 
-    def _store(self, slot, values: torch.Tensor, dst: int, lo_in_shard: int, count: int) -> None:
-        """Write `count` elements of `values` at partition offset `dst` into the
-        master and (stage 3) the compute partition."""
-        values = values[lo_in_shard:lo_in_shard + count]
+    def _store(self, slot, values: torch.Tensor, dst: int) -> None:
+        """Write `values` at partition offset `dst` into the master and
+        (stage 3) the compute partition."""
+        n = values.numel()
         if self.partition is not None:
-            self.partition[dst:dst + count].copy_(values)
+            self.partition[dst:dst + n].copy_(values)
         if self.master is not None and self.key_of_bucket[slot.bucket] is not None:
-            self.master[dst:dst + count].copy_(values)
+            self.master[dst:dst + n].copy_(values)
 
     # ---- views the optimizer step uses ------------------------------------------
     def master_view(self, span: Span) -> torch.Tensor:

@@ -29,6 +29,7 @@ import torch
 from dsrun.runtime import comm
 from dsrun.runtime.dist import init_distributed
 from dsrun.runtime.zero.params import ZeroParam, ZeroParamStatus, record_of
+from dsrun.runtime.zero.partition import FlatLayout
 
 
 def _all_subclasses(cls):
@@ -47,18 +48,24 @@ def is_partitioned(param: torch.Tensor) -> bool:
     return rec is not None and rec.init_shard is not None
 
 
+def _layout(shape, world: int) -> FlatLayout:
+    """The one-parameter, one-bucket layout a zero.Init shard follows (the
+    same as the parameter's bucket in the stage-3 layout)."""
+    return FlatLayout.build([("", shape)], world, 1)
+
+
 def partition_param(param: torch.nn.Parameter, group=None) -> None:
     """Replace `param`'s data by this rank's shard of rank 0's value (collective)."""
     if is_partitioned(param):
         return
     world, rank = comm.get_world_size(group), comm.get_rank(group)
+    layout = _layout(param.shape, world)
     with torch.no_grad():
         comm.broadcast(param.data, src=_global_rank0(group), group=group)  # every rank starts from rank 0's init
-        n = param.numel()
-        w = -(-n // world)
-        shard = torch.zeros(w, dtype=param.dtype, device=param.device)
-        lo, hi = min(rank * w, n), min((rank + 1) * w, n)
-        shard[:hi - lo].copy_(param.data.reshape(-1)[lo:hi])
+        shard = torch.zeros(layout.shard_numel, dtype=param.dtype, device=param.device)
+        flat = param.data.reshape(-1)
+        for piece in layout.local_pieces(rank):
+            shard[piece.shard_offset:piece.shard_offset + piece.hi - piece.lo].copy_(flat[piece.lo:piece.hi])
     rec = ZeroParam(param, param.shape)
     rec.init_shard, rec.init_world_size = shard, world
     param.ds_tensor = shard
@@ -79,8 +86,8 @@ def gather_full(param: torch.nn.Parameter, group=None) -> torch.Tensor:
     if world != rec.init_world_size:
         raise ValueError(f"parameter was partitioned over {rec.init_world_size} ranks by zero.Init, "
                          f"now gathered over {world}; use the same data-parallel group")
-    flat = torch.empty(shard.numel() * world, dtype=shard.dtype, device=shard.device)
-    comm.all_gather_into_tensor(flat, shard, group=group)
+    flat = torch.empty(_layout(rec.shape, world).padded_numel, dtype=shard.dtype, device=shard.device)
+    comm.all_gather_into_tensor(flat, shard, group=group)  # one bucket: shards are rank-major
     return flat[:rec.numel].view(rec.shape)
 
 
@@ -97,12 +104,10 @@ def restore_full(param: torch.nn.Parameter, group=None) -> None:
 def write_shard(param: torch.nn.Parameter, full: torch.Tensor, group=None) -> None:
     """Store this rank's shard of `full` (param's full shape) as param's shard."""
     rec = record_of(param)
-    shard, n = rec.init_shard, rec.numel
-    rank, w = comm.get_rank(group), shard.numel()
     flat = full.reshape(-1)
-    lo, hi = min(rank * w, n), min((rank + 1) * w, n)
-    shard.zero_()
-    shard[:hi - lo].copy_(flat[lo:hi])
+    rec.init_shard.zero_()
+    for piece in _layout(rec.shape, rec.init_world_size).local_pieces(comm.get_rank(group)):
+        rec.init_shard[piece.shard_offset:piece.shard_offset + piece.hi - piece.lo].copy_(flat[piece.lo:piece.hi])
 
 
 class Init:
