@@ -79,7 +79,10 @@ def base_config(stage: int, precision: str = "fp32", gas: int = 1, world_size: i
 
 def train(config: dict, steps: int = 3, seed: int = 0, model_kwargs: dict | None = None,
           lr=1e-2, optimizer="adamw"):
-    """Train TinyGPT on this rank's data; returns (losses, {name: full fp32 param})."""
+    """Train TinyGPT on this rank's data; returns (losses, {name: full fp32 param}, engine).
+
+    optimizer: "adamw" or "sgd" (torch objects passed to initialize) or
+    "config" (ds_config's AdamW, dsrun's native Adam)."""
     import dsrun
     from dsrun.runtime import comm
 
@@ -87,9 +90,13 @@ def train(config: dict, steps: int = 3, seed: int = 0, model_kwargs: dict | None
     model = TinyGPT(**(model_kwargs or {}))
     names = {id(p): n for n, p in model.named_parameters()}
     groups = param_groups(model, lr)
-    opt = (torch.optim.AdamW(groups, lr=lr) if optimizer == "adamw"
-           else torch.optim.SGD(groups, lr=lr, momentum=0.9))
-    engine, *_ = dsrun.initialize(model=model, optimizer=opt, config=config)
+    if optimizer == "config":  # ds_config's AdamW: dsrun's native Adam, fused into the ZeRO step
+        config = {**config, "optimizer": {"type": "AdamW", "params": {"lr": lr}}}
+        engine, *_ = dsrun.initialize(model=model, model_parameters=groups, config=config)
+    else:
+        opt = (torch.optim.AdamW(groups, lr=lr) if optimizer == "adamw"
+               else torch.optim.SGD(groups, lr=lr, momentum=0.9))
+        engine, *_ = dsrun.initialize(model=model, optimizer=opt, config=config)
     rank = comm.get_rank()
     gas = engine.gradient_accumulation_steps()
     dtype_in = None

@@ -37,6 +37,27 @@ def _matrix(stages, precisions, model_kwargs):
     return out
 
 
+# Every stage-3 knob away from its default, tiny buckets and chunks.
+KNOBS = {"stage3_max_live_parameters": 1500, "stage3_max_reuse_distance": 300,
+         "stage3_prefetch_bucket_size": 600, "stage3_param_persistence_threshold": 40,
+         "stage3_model_persistence_threshold": 100, "sub_group_size": 100,
+         "reduce_bucket_size": 300, "allgather_bucket_size": 700}
+
+
+def _native_matrix():
+    """ds_config's AdamW (the native kernel fused into the ZeRO step) with KNOBS."""
+    out = {}
+    for prec in ("fp32", "bf16"):
+        for stage in (0, 1, 2, 3):
+            cfg = base_config(stage, prec, gas=2, **KNOBS)
+            cfg["gradient_clipping"] = 1.0
+            losses, full, engine = train(cfg, steps=3, model_kwargs=ODD, optimizer="config")
+            out[(stage, prec)] = (losses, full)
+            if stage == 3:
+                out[("live", prec)] = engine.strategy.schedule.trace  # the knobs ran on a real trace
+    return out
+
+
 def _comm_volume(stage, **zero):
     """Logical/actual elements sent in one optimizer step (the second), and padded Ψ."""
     from dsrun.runtime.comm import comms_logger
@@ -175,6 +196,7 @@ def _ws2():
             "comm": {s: _comm_volume(s, stage3_max_reuse_distance=0) for s in (1, 2, 3)},
             "comm_reuse": _comm_volume(3),
             "comm_dtype": _comm_dtype(),
+            "native": _native_matrix(),
             "memory": {(s, p): _memory(s, p) for s in (1, 2, 3) for p in ("fp32", "bf16")},
             "overflow": {s: _overflow(s) for s in (0, 1, 2, 3)},
             "api": _gathered_and_init()}
@@ -198,6 +220,15 @@ def _check_matrix(matrix):
             assert math.isclose(a, b, rel_tol=tol), (stage, prec, losses, ref_losses)
         for name in full:
             assert torch.allclose(full[name], ref_full[name], rtol=tol, atol=tol), (stage, prec, name)
+
+
+def test_native_adam_and_every_knob_match_stage0(ws2):
+    native = dict(ws2["native"])
+    assert native.pop(("live", "fp32")) and native.pop(("live", "bf16"))
+    _check_matrix(native)
+    # The fused kernel and torch's AdamW are the same update to float rounding.
+    for prec in PRECISIONS[:2]:
+        assert ws2["native"][(3, prec)][0] == pytest.approx(ws2["matrix"][(3, prec)][0], rel=TOL[prec] * 10)
 
 
 def test_stages_match_stage0_two_ranks(ws2):

@@ -46,6 +46,7 @@ def build_zero_strategy(cfg, module: torch.nn.Module, optimizer: torch.optim.Opt
             model_persistence_threshold=int(zero.stage3_model_persistence_threshold),
             max_live_numel=int(zero.stage3_max_live_parameters),
             max_reuse_distance=int(zero.stage3_max_reuse_distance),
+            reduce_bucket_size=int(zero.reduce_bucket_size),
             sub_group_size=int(zero.sub_group_size),
             unit_patterns=zero.stage3_unit_modules)
     raise ValueError(f"zero_optimization.stage={zero.stage} is not available")

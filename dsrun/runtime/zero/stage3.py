@@ -23,10 +23,11 @@ rebuilding full values.
 Forward pre-hook: fetch the unit (see schedule.py; gathers, prefetches).
 Forward post-hook: done with it (freed or kept), and hook the outputs so
 the first gradient reaching them fetches the unit again before its
-backward runs. Post-accumulate-grad hooks move gradients into the unit's
-staging buffer; when all of a unit's trainable parameters have their
-gradient, the unit is reduce-scattered (in the fixed order of [Note:
-ordered reduction], reverse unit order) and released. Per step: Ψ gathered
+backward runs. Post-accumulate-grad hooks move gradients into staging
+buffers; a unit's gradients are reduce-scattered in runs of at most
+reduce_bucket_size elements as each run completes (in the fixed order of
+[Note: ordered reduction], reverse unit order), and the unit is released
+once its last run is launched. Per step: Ψ gathered
 in forward, Ψ in backward, Ψ reduce-scattered = 3Ψ logical elements.
 """
 from __future__ import annotations
@@ -105,6 +106,8 @@ class PartitionedParamStrategy(ZeroStrategy):
         model_persistence_threshold: ... while their total stays within this.
         prefetch_numel, max_live_numel, max_reuse_distance: the schedule's
             knobs (see schedule.py), in elements.
+        reduce_bucket_size: most elements per gradient reduction (a unit's
+            gradients go in runs of parameters up to this size).
         sub_group_size: elements per fused optimizer chunk.
         unit_patterns: user-named units (see [Note: units]); None = default.
         watchdog_timeout: seconds a rank may wait on one collective before it
@@ -118,7 +121,8 @@ class PartitionedParamStrategy(ZeroStrategy):
                  topology: Topology, precision: PrecisionPolicy, persistence_threshold: int,
                  prefetch_numel: int, model_persistence_threshold: int = 2**63 - 1,
                  max_live_numel: int = 1_000_000_000, max_reuse_distance: int = 1_000_000_000,
-                 sub_group_size: int = 1_000_000_000, unit_patterns: list[str] | None = None,
+                 reduce_bucket_size: int = 500_000_000, sub_group_size: int = 1_000_000_000,
+                 unit_patterns: list[str] | None = None,
                  watchdog_timeout: float | None = None, group=None):
         groups = ZeroGroups.sharded(group)
         super().__init__(optimizer, topology, precision, groups, sub_group_size, watchdog_timeout)
@@ -157,11 +161,17 @@ class PartitionedParamStrategy(ZeroStrategy):
         self._bind_optimizer()
         self.schedule = GatherSchedule(self.units, int(prefetch_numel), int(max_live_numel),
                                        int(max_reuse_distance))
-        regions = [Region(u.fset, [b for b, k in zip(u.fset.layout.buckets, u.fset.key_of_bucket) if k is not None])
-                   for u in reversed(self.units) if not u.persistent and u.fset.trainable_numel]
-        regions += [Region(u.fset, [b for b, k in zip(u.fset.layout.buckets, u.fset.key_of_bucket) if k is not None])
-                    for u in self.units if u.persistent and u.fset.trainable_numel]
-        self._unit_of_set = {id(u.fset): u for u in self.units}
+        # Reduction order: units in reverse (backward runs them so), the persistent one last;
+        # within a unit, runs of at most reduce_bucket_size elements, last buckets first.
+        order = [u for u in reversed(self.units) if not u.persistent] + [u for u in self.units if u.persistent]
+        regions: list[Region] = []
+        self._last_region: dict[int, Unit] = {}  # id(region) -> the unit it completes
+        for unit in order:
+            runs = _runs(unit.fset, int(reduce_bucket_size))
+            for run in reversed(runs):
+                regions.append(Region(unit.fset, run))
+            if runs:
+                self._last_region[id(regions[-1])] = unit
         self.reducer = OrderedReducer(regions, groups, on_launched=self._on_reduced, watchdog=self.watchdog)
         self._hooks = []
         for unit in self.units:
@@ -195,7 +205,9 @@ class PartitionedParamStrategy(ZeroStrategy):
         self.schedule.fetch(unit, "backward")
 
     def _on_reduced(self, region: Region) -> None:
-        self.schedule.done(self._unit_of_set[id(region.fset)])
+        unit = self._last_region.get(id(region))
+        if unit is not None:  # the unit's last gradients are on their way: its values are not needed
+            self.schedule.done(unit)
 
     def _gather_persistent(self) -> None:
         for unit in self.units:
@@ -225,6 +237,22 @@ class PartitionedParamStrategy(ZeroStrategy):
     def gathered_numel(self) -> int:
         """Elements of non-persistent units currently gathered or being gathered."""
         return self.schedule.live_numel()
+
+
+def _runs(fset: FlatParamSet, limit: int) -> list[list]:
+    """The set's trainable buckets in consecutive runs of at most `limit`
+    elements (a larger bucket alone): its gradient reduction regions."""
+    runs: list[list] = []
+    size = 0
+    for b, key in zip(fset.layout.buckets, fset.key_of_bucket):
+        if key is None:
+            break  # frozen buckets come last
+        if not runs or size + b.padded_numel > limit:
+            runs.append([])
+            size = 0
+        runs[-1].append(b)
+        size += b.padded_numel
+    return runs
 
 
 def _numel(p: torch.nn.Parameter) -> int:
