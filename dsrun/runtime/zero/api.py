@@ -17,6 +17,7 @@ from dsrun.runtime import comm
 from dsrun.runtime.zero import init as zinit
 from dsrun.runtime.zero.params import record_of
 from dsrun.runtime.zero.strategy import owner_of
+from dsrun.runtime.zero.unit import UnitState
 
 
 def _as_list(params) -> list[torch.nn.Parameter]:
@@ -47,7 +48,8 @@ def GatheredParameters(params, modifier_rank: int | None = None, fwd_module=None
         rec = record_of(p)
         if rec is not None and rec.unit is not None:
             found[rec.unit.index] = rec.unit
-    units = [found[i] for i in sorted(found)]  # same order on every rank
+    # Same order on every rank; a unit already gathered (in use by forward) stays so afterwards.
+    units = [found[i] for i in sorted(found) if found[i].state is UnitState.SHARDED]
     init_only = [p for p in params if zinit.is_partitioned(p)]
     for unit in units:
         unit.wait("GatheredParameters")
