@@ -58,12 +58,30 @@ def _native_matrix():
     return out
 
 
+def _schedule_on_track():
+    """A root without parameters of its own (no root unit): every step still
+    follows the recorded fetch trace from its start."""
+    import dsrun
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(3)))
+    engine, *_ = dsrun.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()),
+                                  config=base_config(3, stage3_param_persistence_threshold=0))
+    on_track = []
+    for _ in range(4):
+        engine.backward(engine(torch.randn(2, 8)).square().mean())
+        engine.step()
+        on_track.append(engine.strategy.schedule.on_track)
+    return on_track
+
+
 def _comm_volume(stage, **zero):
-    """Logical/actual elements sent in one optimizer step (the second), and padded Ψ."""
+    """Logical/actual elements sent in one optimizer step (the third: the stage-3
+    schedule follows its trace step after step), and padded Ψ."""
     from dsrun.runtime.comm import comms_logger
     from dsrun.runtime.zero.collectives import LOGICAL_ALL_GATHER, LOGICAL_REDUCE_SCATTER
 
-    _, _, engine = train(base_config(stage, stage3_param_persistence_threshold=0, **zero), steps=1)
+    _, _, engine = train(base_config(stage, stage3_param_persistence_threshold=0, **zero), steps=2)
     idx, tgt = batches(0, 1, 2, 1)[0]
     comms_logger.reset()
     engine.backward(engine(idx, tgt))
@@ -197,6 +215,7 @@ def _ws2():
             "comm_reuse": _comm_volume(3),
             "comm_dtype": _comm_dtype(),
             "native": _native_matrix(),
+            "on_track": _schedule_on_track(),
             "memory": {(s, p): _memory(s, p) for s in (1, 2, 3) for p in ("fp32", "bf16")},
             "overflow": {s: _overflow(s) for s in (0, 1, 2, 3)},
             "api": _gathered_and_init()}
@@ -249,6 +268,7 @@ def test_logical_traffic_is_2psi_and_3psi(ws2):
         assert vol["logical"] == factor * vol["psi"], (stage, vol)
         assert vol["reduce_scatter"] == vol["psi"]
         assert vol["actual"] >= vol["logical"]  # carried by all_reduce (gloo) or the native ops (shm)
+    assert ws2["on_track"] == [True] * 4
     # Default stage3_max_reuse_distance (1e9): what forward gathered is kept for backward.
     assert ws2["comm_reuse"]["logical"] < 3 * ws2["comm_reuse"]["psi"]
 

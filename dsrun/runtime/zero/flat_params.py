@@ -82,10 +82,8 @@ class FlatParamSet:
                 seen.append(k)
         self.name = name
         self.params = [p for p, _, _ in members]
-        self.names = [n for _, n, _ in members]
         self.rank = shard.rank
         self.precision = precision
-        self.partition_params = partition_params
         self.layout = FlatLayout.build([(n, _full_shape(p)) for p, n, _ in members], shard.size,
                                        bucket_numel, keys=["frozen" if k is None else k for k in keys])
         self.key_of_bucket = [keys[self.layout.slots_of_bucket(b.index)[0].index] for b in self.layout.buckets]
@@ -95,7 +93,6 @@ class FlatParamSet:
         self.spans = _spans(self.layout, trainable, self.key_of_bucket, merge=partition_params)
         device = _device(self.params[0])
         compute, accum = precision.compute_dtype, precision.grad_accum_dtype
-        spans_of = self.layout.shard_spans(self.rank)
         if partition_params:
             self.full = None
             self.partition = torch.zeros(self.layout.shard_numel, dtype=compute, device=device)
@@ -108,18 +105,19 @@ class FlatParamSet:
             self.partition = None
         self.master = (torch.zeros(self.trainable_shard_numel, dtype=precision.master_dtype, device=device)
                        if precision.mixed else None)
-        self._load_initial_values(spans_of)
+        self._load_initial_values()
         self.grad_full = self.grad_partition = None
         if grad_in_full:
             self.grad_full = torch.zeros(self.trainable_numel, dtype=accum, device=device)
         else:
             self.grad_partition = torch.zeros(self.trainable_shard_numel, dtype=accum, device=device)
 
-    def _load_initial_values(self, spans_of) -> None:
+    def _load_initial_values(self) -> None:
         """Copy each parameter's value into the compute copy and the master,
         one parameter at a time, and point stage 0-2 parameters at `full`
         (their own storage is freed as it goes, so construction needs the
         model once plus the new buffers, not twice the model)."""
+        spans_of = self.layout.shard_spans(self.rank)
         pieces: dict[int, list] = {}
         for piece in self.layout.local_pieces(self.rank):
             pieces.setdefault(piece.slot.index, []).append(piece)
@@ -222,7 +220,7 @@ class FlatParamSet:
 
     def partition_of(self, view) -> torch.Tensor:
         """`view(span)` of every span assembled into one partition-shaped
-        tensor (trainable_shard_numel,), fp32 (a copy)."""
+        tensor (shard_numel,), fp32 (a copy; zero outside the spans)."""
         out = torch.zeros(self.layout.shard_numel, dtype=torch.float32, device=_device(self.params[0]))
         for span in self.spans:
             out[span.lo:span.hi].copy_(view(span))

@@ -173,7 +173,9 @@ class PartitionedParamStrategy(ZeroStrategy):
             if runs:
                 self._last_region[id(regions[-1])] = unit
         self.reducer = OrderedReducer(regions, groups, on_launched=self._on_reduced, watchdog=self.watchdog)
-        self._hooks = []
+        # First pre-hook of the root: a new forward follows the trace from its start
+        # (registered before the units' hooks, so it runs before the root unit's fetch).
+        self._hooks = [module.register_forward_pre_hook(lambda mod, a: self.schedule.start_step())]
         for unit in self.units:
             for m in unit.modules:
                 self._hooks.append(m.register_forward_pre_hook(
@@ -187,8 +189,6 @@ class PartitionedParamStrategy(ZeroStrategy):
 
     # ---- hooks ---------------------------------------------------------------
     def _pre_forward(self, unit: Unit) -> None:
-        if self.module in unit.modules:
-            self.schedule.start_step()  # a new forward starts (e.g. after an eval pass)
         self.schedule.fetch(unit, "forward")
 
     def _post_forward(self, unit: Unit, output) -> None:
