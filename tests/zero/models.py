@@ -102,7 +102,7 @@ def train(config: dict, steps: int = 3, seed: int = 0, model_kwargs: dict | None
     dtype_in = None
     losses = []
     for i, (idx, tgt) in enumerate(batches(rank, steps, 2, gas)):
-        loss = engine(idx, tgt)
+        loss = engine(idx.to(engine.device), tgt.to(engine.device))
         engine.backward(loss)
         engine.step()
         if engine.is_gradient_accumulation_boundary() or (i + 1) % gas == 0:
@@ -122,5 +122,5 @@ def full_param(engine, p):
     if getter is not None:
         v = getter(p)
         if v is not None:
-            return v.clone()
-    return p.detach().float().clone()
+            return v.cpu().clone()
+    return p.detach().float().cpu().clone()

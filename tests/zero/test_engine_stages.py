@@ -257,6 +257,18 @@ def test_stages_match_stage0_two_ranks(ws2):
     assert losses[0] != losses[-1]
 
 
+def _cuda_matrix():
+    return {"matrix": _matrix((0, 1, 2, 3), ("fp32", "bf16"), ODD), "native": _native_matrix()}
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)")
+def test_stages_match_stage0_on_nccl():
+    """The same strategies on CUDA tensors over NCCL (one rank per GPU)."""
+    out = run_ranks(_cuda_matrix, 2, timeout=600)[0]
+    _check_matrix(out["matrix"])
+    _check_matrix({k: v for k, v in out["native"].items() if k[0] != "live"})
+
+
 @pytest.mark.parametrize("world_size", [1, 4])
 def test_stages_match_stage0_other_world_sizes(world_size):
     _check_matrix(run_ranks(_ws_small, world_size, world_size, timeout=300)[0]["matrix"])
