@@ -96,6 +96,10 @@ class OrderedReducer:
     watchdog: reports a launch that blocks too long (see watchdog.py).
     """
 
+    # Regions reduced but not yet finished: each holds its staging buffer and
+    # output until finished, so this bounds the gradient working set.
+    MAX_INFLIGHT = 1
+
     def __init__(self, regions: list[Region], groups: ZeroGroups,
                  on_launched: Callable[[Region], None] | None = None, watchdog: Watchdog | None = None):
         self.regions = regions
@@ -153,10 +157,6 @@ class OrderedReducer:
         self.inflight.append(region)
         while len(self.inflight) > self.MAX_INFLIGHT:
             self._finish(self.inflight.pop(0))
-
-    # Regions reduced but not yet finished: each holds its staging buffer and
-    # output until finished, so this bounds the gradient working set.
-    MAX_INFLIGHT = 1
 
     def _finish(self, region: Region) -> None:
         """Wait for `region`'s reduction, average it into the gradient shards,
