@@ -13,6 +13,7 @@ from typing import Any, Iterator
 
 import torch
 
+from dsrun.runtime.checkpoint import checkpointer
 from dsrun.runtime.comm import OpStats, comms_logger
 from dsrun.runtime.config import DsConfig
 from dsrun.runtime.data_parallel import AllReduceStrategy, GradientStrategy
@@ -284,3 +285,50 @@ class Engine(torch.nn.Module):
     def comm_stats(self) -> dict[str, OpStats]:
         """Collective counters of this process (calls/elements/bytes per op name)."""
         return comms_logger.snapshot()
+
+    # -- checkpoints (dsrun.runtime.checkpoint) -----------------------------------------------
+    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
+        """Save the full training state under save_dir/<tag>/ (call on every rank).
+
+        Every rank writes its own shard in parallel; the tag is committed
+        (index.json, then `latest`) only once all succeeded, so a crash
+        leaves the previous checkpoint intact. Loadable on any world size,
+        stage and precision.
+
+        Args:
+            tag: directory name; default "global_step<global_steps>".
+            client_state: JSON-able dict (tensors inside are stored as
+                tensors) returned by load_checkpoint.
+            save_latest: point save_dir/latest at this tag.
+            exclude_frozen_parameters: leave parameters with
+                requires_grad=False out.
+
+        Returns:
+            True (DeepSpeed's return value).
+
+        Raises:
+            dsrun.runtime.checkpoint.CheckpointError: on every rank, when any
+                rank failed, a state is not JSON-able, or not every rank called.
+        """
+        checkpointer.save(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+        return True
+
+    def load_checkpoint(self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False):
+        """Load a checkpoint saved by save_checkpoint (call on every rank).
+
+        tag None: the tag in load_dir/latest, else the newest complete one
+        (incomplete tags are skipped and named in a warning).
+
+        Returns:
+            (path of the tag directory, client_state), or (None, None) when
+            load_dir holds no complete checkpoint.
+
+        Raises:
+            dsrun.runtime.checkpoint.CheckpointError: naming the file or key
+                (missing/incomplete tag, corrupted file, another model).
+        """
+        return checkpointer.load(self, load_dir, tag, load_module_strict, load_optimizer_states,
+                                 load_lr_scheduler_states, load_module_only)

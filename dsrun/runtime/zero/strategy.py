@@ -38,6 +38,7 @@ import torch
 from dsrun.ops import adam as native_adam
 from dsrun.ops import cuda_adam
 from dsrun.runtime import comm
+from dsrun.runtime.checkpoint.pieces import HeldPiece, even_part
 from dsrun.runtime.data_parallel import GradientStrategy, StepOutcome
 from dsrun.runtime.dist import Topology
 from dsrun.runtime.memory import tensor_breakdown
@@ -328,3 +329,43 @@ class ZeroStrategy(GradientStrategy):
             st = self.optimizer.state.get(views[(id(fset), span)], {})
             return st[key] if key in st else torch.zeros(span.hi - span.lo, device=self.topology.device)
         return self._full_from_partition(param, lambda f: f.partition_of(lambda span: read(f, span)))
+
+    # ---- checkpoints (see dsrun/runtime/checkpoint) --------------------------
+    def checkpoint_pieces(self) -> list[HeldPiece]:
+        """This rank's pieces of every parameter it manages, as
+        `dsrun.runtime.checkpoint.pieces.HeldPiece`s: trainable ones point at
+        the fp32 master and their span's optimizer state, frozen ones (stage
+        3) at the compute partition. Replicas split what they write evenly."""
+        rep = self.groups.replicate
+        pieces = []
+        for fset in self.sets:
+            views = [(span, view) for f, span, view in self._views if f is fset]
+            for piece in fset.layout.local_pieces(fset.rank):
+                slot, n, so = piece.slot, piece.hi - piece.lo, piece.shard_offset
+                trainable = fset.key_of_bucket[slot.bucket] is not None
+                if fset.master is not None and trainable:
+                    value = fset.master[so:so + n]
+                elif fset.partition is not None:
+                    value = fset.partition[so:so + n]
+                else:  # stages 0-2 in fp32: the master is the own shard of `full`
+                    value = fset.full[slot.offset + piece.lo:slot.offset + piece.hi]
+                key, offset = None, 0
+                if trainable:
+                    span, key = next((s, v) for s, v in views if s.lo <= so < s.hi)
+                    offset = so - span.lo
+                wlo, whi = even_part(piece.lo, piece.hi, rep.rank, rep.size)
+                pieces.append(HeldPiece(slot.name, slot.shape, "param", piece.lo, piece.hi, wlo, whi,
+                                        value, trainable, key, offset))
+        return pieces
+
+    def managed_params(self) -> list[torch.nn.Parameter]:
+        """Every parameter this strategy manages (its FlatParamSets')."""
+        return [p for fset in self.sets for p in fset.params]
+
+    def after_checkpoint_load(self) -> None:
+        """The masters (and stage-3 frozen partitions) were overwritten by a
+        load: cast them into the compute copy and bring every rank's full
+        parameters back (collective, like the end of a step)."""
+        for fset in self.sets:
+            fset.write_back_master()
+        self._after_step()

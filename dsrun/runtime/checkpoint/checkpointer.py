@@ -1,0 +1,467 @@
+"""Save and load an engine's complete training state (engine.save_checkpoint / load_checkpoint).
+
+What is saved: the module (fp32 master values of trainable ZeRO parameters,
+every other parameter and persistent buffer in its own dtype), optimizer
+states (element-wise ones as tensor slices, 0-dim ones as JSON), optimizer
+hyperparameters, the loss scaler, engine counters, the LR scheduler's
+state_dict, client_state and every rank's RNG states. See store.py for the
+format and [Note: commit protocol].
+
+[Note: resharding on load]
+The loader knows nothing about the layout that wrote a checkpoint. Under its
+own current layout each rank lists the pieces it holds ([lo, hi) of the
+flattened parameter `name`, see pieces.py: its ZeRO shards at stages 1-3,
+whole tensors for replicated ones). For each piece it walks the stored
+slices of "module/<name>" (and of "optim/<name>/<key>"), reads exactly the
+overlap [max(lo, s.lo), min(hi, s.hi)) of each through safetensors'
+`get_slice` (no whole-file load) and copies it, casting, into the master
+(or the tensor itself). Any world size and any stage 0-3 or precision
+therefore loads any other: a piece may come from one stored slice or from
+several files. Masters are then cast into the compute copy and every rank's
+full parameters re-gathered (`ZeroStrategy.after_checkpoint_load`).
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import random
+from typing import Any, Callable
+
+import torch
+
+import dsrun
+from dsrun.runtime import comm
+from dsrun.runtime.checkpoint.pieces import HeldPiece, plain_pieces
+from dsrun.runtime.checkpoint.store import (INDEX, LATEST, CheckpointError, FileEntry, Index, SliceReader,
+                                            StoredSlice, TensorEntry, atomic_write, dtype_name, dtype_of,
+                                            fsync_dir, load_index, read_shard_metadata, resolve_tag,
+                                            safetensors_chunks, shard_name, write_json_atomic)
+from dsrun.runtime.zero.params import record_of
+from dsrun.runtime.zero.strategy import ZeroStrategy
+
+log = logging.getLogger("dsrun.checkpoint")
+
+# Seconds a save/load waits for every rank to arrive before it fails (instead
+# of hanging when called on some ranks only). DSRUN_CKPT_BARRIER_TIMEOUT overrides.
+ARRIVAL_TIMEOUT_S = float(os.environ.get("DSRUN_CKPT_BARRIER_TIMEOUT", "120"))
+
+# Tests set this to a function called with a point name ("before_shard",
+# "after_shard", "before_index", "before_latest") to inject failures.
+fault_hook: Callable[[str], None] | None = None
+
+
+def _fault(point: str) -> None:
+    if fault_hook is not None:
+        fault_hook(point)
+
+
+# ---- pieces of the engine ------------------------------------------------------
+def held_pieces(engine) -> list[HeldPiece]:
+    """Every piece of the module this rank holds (ZeRO-managed and plain)."""
+    strategy, topo = engine.strategy, engine.topology
+    pieces: list[HeldPiece] = []
+    managed: set[int] = set()
+    if isinstance(strategy, ZeroStrategy):  # the one switch: ZeRO pieces come from the strategy
+        pieces = strategy.checkpoint_pieces()
+        managed = {id(p) for p in strategy.managed_params()}
+    return pieces + plain_pieces(engine.module, engine.optimizer, managed, topo.rank, topo.world_size)
+
+
+def _global_names(engine) -> dict[str, tuple[int, ...]]:
+    """Name -> global shape of every parameter and persistent buffer, and
+    whether it is frozen (all ranks agree: read from the module)."""
+    out = {}
+    for name, p in engine.module.named_parameters():
+        rec = record_of(p)
+        out[name] = (tuple(rec.shape) if rec is not None else tuple(p.shape), not p.requires_grad)
+    for mod_name, mod in engine.module.named_modules():
+        for bname, buf in mod._buffers.items():
+            if buf is not None and bname not in mod._non_persistent_buffers_set:
+                out[f"{mod_name}.{bname}" if mod_name else bname] = (tuple(buf.shape), False)
+    return out
+
+
+# ---- collectives ---------------------------------------------------------------
+def _check_arrival(engine, what: str) -> None:
+    """Fail fast when `what` was called on some ranks only.
+
+    gloo: torch.distributed.monitored_barrier with ARRIVAL_TIMEOUT_S (a
+    bounded barrier that names the missing ranks). Other backends have no
+    bounded barrier; there the call proceeds and may block like any
+    collective. Raises CheckpointError."""
+    if engine.topology.world_size == 1 or not comm.is_initialized():
+        return
+    import torch.distributed as dist
+
+    if dist.get_backend() != "gloo":
+        return
+    try:
+        dist.monitored_barrier(timeout=datetime.timedelta(seconds=ARRIVAL_TIMEOUT_S), wait_all_ranks=True)
+    except RuntimeError as e:
+        raise CheckpointError(f"{what} must be called on every rank; not every rank arrived within "
+                              f"{ARRIVAL_TIMEOUT_S:g} s ({str(e).splitlines()[0]})") from None
+
+
+def _agree(engine, ok: bool, digest: str = "") -> list[tuple[bool, str]]:
+    """Every rank's (success, sha256 hex) in rank order: one all-gather of 33
+    small numbers per rank (exact in fp32)."""
+    mine = torch.zeros(33, dtype=torch.float32, device=engine.device)
+    mine[0] = float(ok)
+    if digest:
+        mine[1:] = torch.tensor(list(bytes.fromhex(digest)), dtype=torch.float32)
+    world = engine.topology.world_size
+    if world == 1 or not comm.is_initialized():
+        rows = mine.view(1, 33).cpu()
+    else:
+        out = torch.empty(world * 33, dtype=torch.float32, device=engine.device)
+        comm.all_gather_into_tensor(out, mine)
+        rows = out.view(world, 33).cpu()
+    return [(bool(r[0] > 0.5), bytes(int(v) for v in r[1:].tolist()).hex()) for r in rows]
+
+
+def _raise_unless_all(results: list[tuple[bool, str]], error: BaseException | None, what: str) -> None:
+    if error is not None:
+        raise error
+    bad = [r for r, (ok, _) in enumerate(results) if not ok]
+    if bad:
+        raise CheckpointError(f"{what} failed on rank(s) {bad} (their own error is raised there)")
+
+
+# ---- JSON helpers ----------------------------------------------------------------
+def _json_checked(value: Any, what: str) -> Any:
+    """`value` round-tripped through JSON; CheckpointError naming the path of
+    the first value JSON cannot hold (tuples become lists)."""
+    def bad(obj):
+        raise TypeError(type(obj).__name__)
+    try:
+        return json.loads(json.dumps(value, default=bad, allow_nan=True))
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{what} is not JSON-serialisable ({e}); dsrun checkpoints hold no "
+                              "pickles: use numbers, strings, lists and dicts with string keys") from None
+
+
+def _encode_client(value: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
+    """client_state with every tensor replaced by {"__tensor__": key,
+    "shape": [...]} and stored (1-D) in `tensors`."""
+    if isinstance(value, torch.Tensor):
+        key = f"client/{path}"
+        tensors[key] = value.detach().reshape(-1)
+        return {"__tensor__": key, "shape": list(value.shape), "dtype": dtype_name(value.dtype)}
+    if isinstance(value, dict):
+        for k in value:
+            if not isinstance(k, str):
+                raise CheckpointError(f"client_state key {k!r} at {path or '<root>'} is not a string "
+                                      "(JSON holds string keys only)")
+        return {k: _encode_client(v, f"{path}.{k}" if path else k, tensors) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_encode_client(v, f"{path}[{i}]", tensors) for i, v in enumerate(value)]
+    return _json_checked(value, f"client_state at {path or '<root>'}")
+
+
+def _decode_client(value: Any, reader: SliceReader) -> Any:
+    if isinstance(value, dict):
+        if "__tensor__" in value:
+            return reader.read_full(value["__tensor__"]).view(value["shape"])
+        return {k: _decode_client(v, reader) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_decode_client(v, reader) for v in value]
+    return value
+
+
+def _python_rng() -> dict[str, Any]:
+    version, state, gauss = random.getstate()
+    out: dict[str, Any] = {"python": [version, list(state), gauss]}
+    try:
+        import numpy as np
+        name, keys, pos, has_gauss, cached = np.random.get_state()
+        out["numpy"] = [name, keys.tolist(), int(pos), int(has_gauss), float(cached)]
+    except ImportError:
+        pass
+    return out
+
+
+# ---- save ----------------------------------------------------------------------
+def _rank_payload(engine, pieces: list[HeldPiece], client_state, exclude_frozen: bool):
+    """This rank's tensors (key -> 1-D tensor) and its description (JSON)."""
+    rank = engine.topology.rank
+    tensors: dict[str, torch.Tensor] = {}
+    entries: dict[str, dict] = {}
+    scalars: dict[str, dict] = {}
+
+    def put(gname: str, shape, t: torch.Tensor, lo: int, hi: int) -> None:
+        if hi > lo:
+            tensors[gname] = t
+            entries[gname] = {"shape": list(shape), "dtype": dtype_name(t.dtype), "lo": lo, "hi": hi}
+
+    for p in pieces:
+        if exclude_frozen and p.kind == "param" and not p.trainable:
+            continue
+        a, b = p.write_lo - p.lo, p.write_hi - p.lo
+        put(f"module/{p.name}", p.shape, p.value[a:b], p.write_lo, p.write_hi)
+        if p.state_key is None:
+            continue
+        for k, v in engine.optimizer.state.get(p.state_key, {}).items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.numel() == p.state_key.numel():
+                flat = v.reshape(-1)
+                put(f"optim/{p.name}/{k}", p.shape, flat[p.state_offset + a:p.state_offset + b],
+                    p.write_lo, p.write_hi)
+            elif isinstance(v, torch.Tensor) and v.dim() == 0:
+                scalars.setdefault(p.name, {})[k] = {"value": v.item(), "dtype": dtype_name(v.dtype)}
+            elif isinstance(v, (int, float, bool)):
+                scalars.setdefault(p.name, {})[k] = {"value": v, "dtype": None}
+            else:
+                raise CheckpointError(f"optimizer state {k!r} of parameter {p.name} "
+                                      f"({type(v).__name__}{list(v.shape) if isinstance(v, torch.Tensor) else ''}) "
+                                      "is neither element-wise nor a scalar; dsrun cannot checkpoint it yet")
+    rng_key = f"rng/rank{rank}/torch_cpu"
+    put(rng_key, [torch.get_rng_state().numel()], torch.get_rng_state(), 0, torch.get_rng_state().numel())
+    if torch.cuda.is_available() and engine.device.type == "cuda":
+        state = torch.cuda.get_rng_state(engine.device)
+        put(f"rng/rank{rank}/cuda", [state.numel()], state, 0, state.numel())
+    client = None
+    if rank == 0:
+        client_tensors: dict[str, torch.Tensor] = {}
+        client = _encode_client(client_state, "", client_tensors)
+        for key, t in client_tensors.items():
+            put(key, [t.numel()], t, 0, t.numel())
+    meta = {"rank": rank, "tensors": entries, "scalars": scalars, "rng": _python_rng(), "client_state": client}
+    return tensors, meta
+
+
+def save(engine, save_dir: str, tag: str | None = None, client_state: dict | None = None,
+         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> str:
+    """Save the engine's state under save_dir/<tag>/ (collective: every rank).
+
+    tag: default "global_step<N>" (engine.global_steps). Returns the tag
+    directory. Raises CheckpointError (on every rank) when a rank cannot
+    write, state is not JSON-able (LR scheduler, client_state), or not every
+    rank called save; `latest` and any earlier tag are then untouched.
+    See [Note: commit protocol] in store.py.
+    """
+    topo = engine.topology
+    rank, world = topo.rank, topo.world_size
+    tag = f"global_step{engine.global_steps}" if tag is None else str(tag)
+    if not tag or "/" in tag or tag in (".", "..", LATEST):
+        raise CheckpointError(f"invalid checkpoint tag {tag!r}")
+    tag_dir = os.path.join(save_dir, tag)
+    if rank == 0:
+        os.makedirs(tag_dir, exist_ok=True)
+        if os.path.exists(os.path.join(tag_dir, INDEX)):
+            os.unlink(os.path.join(tag_dir, INDEX))  # overwriting: incomplete first, never mixed
+            fsync_dir(tag_dir)
+    _check_arrival(engine, "save_checkpoint")
+    file = shard_name(rank, world)
+    error, digest = None, ""
+    try:
+        os.makedirs(tag_dir, exist_ok=True)
+        scheduler = None
+        if engine.lr_scheduler is not None:
+            scheduler = _json_checked(engine.lr_scheduler.state_dict(), "the LR scheduler's state_dict")
+        param_groups = _json_checked([{k: v for k, v in g.items() if k != "params"}
+                                      for g in engine.optimizer.param_groups], "optimizer param_groups")
+        tensors, meta = _rank_payload(engine, held_pieces(engine), client_state or {},
+                                      exclude_frozen_parameters)
+        _fault("before_shard")
+        digest, _ = atomic_write(os.path.join(tag_dir, file),
+                                 safetensors_chunks(tensors, {"dsrun": json.dumps(meta)}))
+        _fault("after_shard")
+    except Exception as e:  # reported to every rank below, then raised here
+        error = e
+    results = _agree(engine, error is None, digest)
+    _raise_unless_all(results, error, f"saving checkpoint {tag_dir}")
+    error = None
+    if rank == 0:
+        try:
+            fsync_dir(tag_dir)
+            index = _build_index(engine, tag, tag_dir, results, scheduler, param_groups,
+                                 exclude_frozen_parameters)
+            _fault("before_index")
+            write_json_atomic(os.path.join(tag_dir, INDEX), index.model_dump(mode="json"))
+            if save_latest:
+                _fault("before_latest")
+                atomic_write(os.path.join(save_dir, LATEST), [tag.encode()])
+                fsync_dir(save_dir)
+        except Exception as e:
+            error = e
+    _raise_unless_all(_agree(engine, error is None), error, f"committing checkpoint {tag_dir}")
+    if rank == 0:
+        log.info("saved checkpoint %s (%d rank files)", tag_dir, world)
+    return tag_dir
+
+
+def _build_index(engine, tag: str, tag_dir: str, results, scheduler, param_groups,
+                 exclude_frozen: bool) -> Index:
+    """Rank 0: merge every shard's header description into the index."""
+    world = engine.topology.world_size
+    tensors: dict[str, TensorEntry] = {}
+    scalars: dict[str, dict] = {}
+    rng, client = [], None
+    files = {}
+    for r in range(world):
+        file = shard_name(r, world)
+        path = os.path.join(tag_dir, file)
+        files[file] = FileEntry(sha256=results[r][1], bytes=os.path.getsize(path))
+        meta = read_shard_metadata(path)
+        for gname, e in meta["tensors"].items():
+            entry = tensors.setdefault(gname, TensorEntry(shape=e["shape"], dtype=e["dtype"]))
+            entry.slices.append(StoredSlice(file=file, key=gname, lo=e["lo"], hi=e["hi"]))
+        for name, st in meta["scalars"].items():
+            scalars.setdefault(name, {}).update(st)
+        rng.append(meta["rng"])
+        if r == 0:
+            client = meta["client_state"]
+    for entry in tensors.values():
+        entry.slices.sort(key=lambda s: s.lo)
+    frozen = [n for n, (_, is_frozen) in _global_names(engine).items() if is_frozen] if exclude_frozen else []
+    strategy = engine.strategy
+    precision = strategy.precision.name if isinstance(strategy, ZeroStrategy) else "fp32"
+    scaler = strategy.precision.scaler.state_dict() if isinstance(strategy, ZeroStrategy) else None
+    return Index(tag=tag, dsrun_version=dsrun.__version__, torch_version=torch.__version__,
+                 world_size=world, stage=engine.config.zero_optimization.stage, precision=precision,
+                 config=engine.config.model_dump(mode="json"), tensors=tensors, optimizer_scalars=scalars,
+                 param_groups=param_groups, scaler=scaler,
+                 counters={"global_steps": engine.global_steps, "global_samples": engine.global_samples,
+                           "skipped_steps": engine.skipped_steps, "micro_steps": engine.micro_steps},
+                 lr_scheduler=scheduler, client_state=client, rng=rng, excluded_frozen=frozen, files=files)
+
+
+# ---- load ----------------------------------------------------------------------
+def _check_names(engine, index: Index, strict: bool, tag_dir: str) -> set[str]:
+    """Missing / unexpected / mismatched-shape module tensors (strict: errors;
+    shapes always). Returns the names to load."""
+    current = _global_names(engine)
+    stored = {n[len("module/"):]: e for n, e in index.tensors.items() if n.startswith("module/")}
+    problems = []
+    for name, (shape, _) in current.items():
+        if name in stored and list(shape) != stored[name].shape:
+            problems.append(f"size mismatch for {name}: checkpoint has shape {tuple(stored[name].shape)}, "
+                            f"the model {shape}")
+    if strict:
+        missing = [n for n in current if n not in stored and n not in index.excluded_frozen]
+        unexpected = [n for n in stored if n not in current]
+        if missing:
+            problems.append(f"missing key(s) in checkpoint: {', '.join('module/' + n for n in missing[:10])}"
+                            + (f" and {len(missing) - 10} more" if len(missing) > 10 else ""))
+        if unexpected:
+            problems.append("unexpected key(s) in checkpoint: "
+                            f"{', '.join('module/' + n for n in unexpected[:10])}"
+                            + (f" and {len(unexpected) - 10} more" if len(unexpected) > 10 else ""))
+    if problems:
+        raise CheckpointError(f"checkpoint {tag_dir} does not match the model (load_module_strict="
+                              f"{strict}): " + "; ".join(problems))
+    return {n for n in current if n in stored}
+
+
+def _load_tensors(engine, index: Index, reader: SliceReader, names: set[str], optimizer_states: bool) -> None:
+    """See [Note: resharding on load]."""
+    optim_keys: dict[str, list[str]] = {}
+    for gname in index.tensors:
+        if gname.startswith("optim/"):
+            name, key = gname[len("optim/"):].rsplit("/", 1)
+            optim_keys.setdefault(name, []).append(key)
+    with torch.no_grad():
+        for p in held_pieces(engine):
+            if p.name not in names:
+                continue
+            reader.read_into(f"module/{p.name}", p.lo, p.hi, p.value)
+            if not optimizer_states or p.state_key is None:
+                continue
+            state = engine.optimizer.state[p.state_key]
+            for key in optim_keys.get(p.name, ()):
+                if key not in state:  # as the optimizer's first step would create it
+                    state[key] = torch.zeros_like(p.state_key, memory_format=torch.contiguous_format)
+                flat = state[key].view(-1)
+                reader.read_into(f"optim/{p.name}/{key}", p.lo, p.hi,
+                                 flat[p.state_offset:p.state_offset + p.hi - p.lo])
+            for key, rec in index.optimizer_scalars.get(p.name, {}).items():
+                value = rec["value"]
+                state[key] = value if rec["dtype"] is None else torch.tensor(value, dtype=dtype_of(rec["dtype"]))
+
+
+def _restore_param_groups(optimizer: torch.optim.Optimizer, saved: list[dict], tag_dir: str) -> None:
+    if len(saved) != len(optimizer.param_groups):
+        raise CheckpointError(f"checkpoint {tag_dir} has {len(saved)} optimizer param groups, the optimizer "
+                              f"{len(optimizer.param_groups)}")
+    for group, values in zip(optimizer.param_groups, saved):
+        for k, v in values.items():
+            group[k] = tuple(v) if isinstance(group.get(k), tuple) and isinstance(v, list) else v
+
+
+def _restore_rng(engine, index: Index, reader: SliceReader) -> None:
+    rank, world = engine.topology.rank, engine.topology.world_size
+    if index.world_size != world:
+        if rank == 0:
+            log.warning("checkpoint written by %d ranks, loaded on %d: RNG states are not restored",
+                        index.world_size, world)
+        return
+    torch.set_rng_state(reader.read_full(f"rng/rank{rank}/torch_cpu"))
+    cuda_key = f"rng/rank{rank}/cuda"
+    if cuda_key in index.tensors and engine.device.type == "cuda":
+        torch.cuda.set_rng_state(reader.read_full(cuda_key), engine.device)
+    saved = index.rng[rank]
+    version, state, gauss = saved["python"]
+    random.setstate((version, tuple(state), gauss))
+    if "numpy" in saved:
+        try:
+            import numpy as np
+            name, keys, pos, has_gauss, cached = saved["numpy"]
+            np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+        except ImportError:
+            pass
+
+
+def load(engine, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
+         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+         load_module_only: bool = False) -> tuple[str | None, Any]:
+    """Load a checkpoint into the engine, on any world size, stage and precision
+    (collective: every rank). Returns (tag directory, client_state), or
+    (None, None) when load_dir holds no complete checkpoint.
+
+    Raises CheckpointError (on every rank) naming the file or key: missing
+    tag, incomplete tag, corrupted/truncated file, a checkpoint of another
+    model (missing/unexpected keys under load_module_strict, shape mismatch
+    always). A failure while reading may leave some tensors loaded.
+    """
+    topo = engine.topology
+    tag, skipped = resolve_tag(load_dir, tag)
+    if skipped and topo.rank == 0:
+        log.warning("skipped incomplete checkpoint tag(s) in %s (no %s): %s", load_dir, INDEX, ", ".join(skipped))
+    if tag is None:
+        if topo.rank == 0:
+            log.warning("no complete checkpoint in %s; nothing loaded", load_dir)
+        return None, None
+    tag_dir = os.path.join(load_dir, tag)
+    _check_arrival(engine, "load_checkpoint")
+    error, index, reader = None, None, None
+    try:
+        index = load_index(tag_dir)
+        names = _check_names(engine, index, load_module_strict, tag_dir)
+        reader = SliceReader(tag_dir, index)
+        optim = load_optimizer_states and not load_module_only
+        _load_tensors(engine, index, reader, names, optim)
+        if optim:
+            _restore_param_groups(engine.optimizer, index.param_groups, tag_dir)
+    except Exception as e:
+        error = e
+    _raise_unless_all(_agree(engine, error is None), error, f"loading checkpoint {tag_dir}")
+    strategy = engine.strategy
+    if isinstance(strategy, ZeroStrategy):
+        strategy.after_checkpoint_load()  # collective: masters -> compute copies -> full parameters
+    client_state = None
+    if not load_module_only:
+        if isinstance(strategy, ZeroStrategy) and index.scaler is not None and optim:
+            scaler = strategy.precision.scaler
+            if set(index.scaler) == set(scaler.state_dict()):  # same kind of scaler (fp16 -> fp16)
+                scaler.load_state_dict(index.scaler)
+        for k, v in index.counters.items():
+            setattr(engine, k, int(v))
+        if load_lr_scheduler_states and engine.lr_scheduler is not None and index.lr_scheduler is not None:
+            engine.lr_scheduler.load_state_dict(index.lr_scheduler)
+        _restore_rng(engine, index, reader)
+        client_state = _decode_client(index.client_state, reader) if index.client_state is not None else {}
+    if topo.rank == 0:
+        log.info("loaded checkpoint %s (written by %d ranks at stage %d, %s)", tag_dir, index.world_size,
+                 index.stage, index.precision)
+    return tag_dir, client_state if client_state is not None else {}

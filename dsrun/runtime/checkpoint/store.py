@@ -1,0 +1,304 @@
+"""The on-disk format of a dsrun checkpoint: files, index, tags, atomic writes.
+
+    save_dir/
+      latest                              text: the tag of the last committed save
+      <tag>/rank00000-of-00002.safetensors  rank 0's slices (1-D tensors)
+      <tag>/rank00001-of-00002.safetensors
+      <tag>/index.json                    the Index below; written last
+
+No pickle anywhere: tensors are safetensors, everything else is JSON. A
+shard holds 1-D slices keyed by global name ("module/h.0.fc.weight",
+"optim/h.0.fc.weight/exp_avg", "rng/torch_cpu", "client/<path>"); the index
+says, for each global tensor, its shape, dtype and which [lo, hi) of its
+flattened elements each (file, key) holds. Each rank also stores its own
+description in its shard's safetensors header (`__metadata__["dsrun"]`), so
+rank 0 builds the index from the headers without moving any data.
+
+[Note: commit protocol]
+1. Rank 0 removes `<tag>/index.json` if the tag exists (overwriting a tag
+   makes it incomplete first, never inconsistent).
+2. Every rank writes its shard to a temporary name in the tag directory,
+   fsyncs and renames it (`atomic_write`), hashing it as it goes.
+3. All ranks exchange (success, sha256) in one all-gather; if any rank
+   failed, every rank raises and nothing else happens: the tag stays without
+   an index and `latest` unchanged.
+4. Rank 0 reads the shard headers, writes index.json (temporary name,
+   fsync, rename, directory fsync), then replaces `latest` the same way.
+5. A final barrier: save returns on every rank only once the tag is
+   committed.
+A tag directory without index.json is never loaded; loading without a tag
+follows `latest`, or else takes the complete tag with the newest index, and
+names every incomplete tag it skipped. A crash at any point leaves either the
+old state or the new one under the final names, never a half-written file.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from typing import Any, Iterable
+
+import torch
+from pydantic import BaseModel, Field
+
+FORMAT_VERSION = 1
+INDEX = "index.json"
+LATEST = "latest"
+
+_ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+              torch.uint8: "U8", torch.int8: "I8", torch.int32: "I32", torch.int64: "I64",
+              torch.int16: "I16", torch.bool: "BOOL"}
+_NAMES = {v: k for k, v in _ST_DTYPES.items()}
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be saved or loaded; the message names the file/key."""
+
+
+class StoredSlice(BaseModel):
+    """Elements [lo, hi) of a flattened global tensor, stored as `key` in `file`."""
+
+    file: str = Field(description="Shard file name inside the tag directory.")
+    key: str = Field(description="safetensors key of the 1-D slice.")
+    lo: int = Field(description="First element (of the flattened global tensor).")
+    hi: int = Field(description="One past the last element.")
+
+
+class TensorEntry(BaseModel):
+    """One global tensor: its shape and dtype and where its elements are."""
+
+    shape: list[int] = Field(description="Global shape.")
+    dtype: str = Field(description="Stored dtype: torch name without 'torch.' (float32, bfloat16, ...).")
+    slices: list[StoredSlice] = Field(default_factory=list, description="Disjoint slices, any order.")
+
+
+class FileEntry(BaseModel):
+    sha256: str = Field(description="Hex digest of the whole file.")
+    bytes: int = Field(description="File size.")
+
+
+class Index(BaseModel):
+    """index.json: everything a load needs besides the tensor bytes."""
+
+    format_version: int = FORMAT_VERSION
+    tag: str
+    dsrun_version: str
+    torch_version: str
+    world_size: int = Field(description="Ranks that wrote the checkpoint.")
+    stage: int = Field(description="ZeRO stage it was written at.")
+    precision: str = Field(description="fp32, bf16 or fp16 (compute dtype).")
+    config: dict[str, Any] = Field(description="The resolved ds_config.")
+    tensors: dict[str, TensorEntry] = Field(description="Global name -> shape, dtype, slices.")
+    optimizer_scalars: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="Parameter name -> {state key: {'value', 'dtype' (None: a "
+        "Python number)}} for 0-dim optimizer states (Adam's step).")
+    param_groups: list[dict[str, Any]] = Field(default_factory=list,
+                                               description="Optimizer hyperparameters per group, no 'params'.")
+    group_of: dict[str, int] = Field(default_factory=dict, description="Parameter name -> optimizer group.")
+    scaler: dict[str, Any] | None = None
+    counters: dict[str, int] = Field(default_factory=dict)
+    lr_scheduler: dict[str, Any] | None = None
+    client_state: Any = None
+    rng: list[dict[str, Any]] = Field(default_factory=list, description="Per rank: python/numpy states.")
+    excluded_frozen: list[str] = Field(default_factory=list,
+                                       description="Frozen parameters left out (exclude_frozen_parameters).")
+    files: dict[str, FileEntry] = Field(default_factory=dict)
+
+
+def shard_name(rank: int, world_size: int) -> str:
+    return f"rank{rank:05d}-of-{world_size:05d}.safetensors"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_of(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointError(f"unknown dtype {name!r} in checkpoint index")
+    return dtype
+
+
+# ---- atomic writes -------------------------------------------------------------
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: str, chunks: Iterable[bytes | memoryview]) -> tuple[str, int]:
+    """Write `chunks` to `path` through a temporary name: write, fsync,
+    rename (the directory is not fsynced here; see fsync_dir). Returns
+    (sha256 hex, bytes). On error the temporary file is removed."""
+    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp{os.getpid()}")
+    digest, size = hashlib.sha256(), 0
+    try:
+        with open(tmp, "wb") as f:
+            for chunk in chunks:
+                f.write(chunk)
+                digest.update(chunk)
+                size += len(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return digest.hexdigest(), size
+
+
+def safetensors_chunks(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> Iterable[memoryview]:
+    """The safetensors encoding of 1-D CPU-copyable `tensors`, streamed one
+    tensor at a time (views of shared storage are fine: nothing is copied
+    but a device tensor's bytes)."""
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for key, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        header[key] = {"dtype": _ST_DTYPES[t.dtype], "shape": [t.numel()], "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the format aligns the data to 8 bytes
+    yield memoryview(struct.pack("<Q", len(raw)) + raw)
+    for t in tensors.values():
+        if t.numel():
+            yield memoryview(t.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy())
+
+
+def write_json_atomic(path: str, data: Any) -> None:
+    atomic_write(path, [json.dumps(data, indent=1).encode()])
+    fsync_dir(os.path.dirname(path) or ".")
+
+
+def read_shard_metadata(path: str) -> dict[str, Any]:
+    """This rank's description stored in a shard's safetensors header."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    return json.loads(header["__metadata__"]["dsrun"])
+
+
+def file_sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+# ---- tags ----------------------------------------------------------------------
+def tag_is_complete(tag_dir: str) -> bool:
+    return os.path.isfile(os.path.join(tag_dir, INDEX))
+
+
+def resolve_tag(load_dir: str, tag: str | None) -> tuple[str | None, list[str]]:
+    """(tag to load or None when there is none, incomplete tags skipped).
+
+    With `tag` given it is returned as is (load_index reports a missing or
+    incomplete one). Without: the tag named by `latest` if complete, else the
+    complete tag whose index is newest.
+    """
+    if tag is not None:
+        return tag, []
+    if not os.path.isdir(load_dir):
+        return None, []
+    tags = sorted(d for d in os.listdir(load_dir) if os.path.isdir(os.path.join(load_dir, d)))
+    incomplete = [t for t in tags if not tag_is_complete(os.path.join(load_dir, t))]
+    latest = os.path.join(load_dir, LATEST)
+    if os.path.isfile(latest):
+        with open(latest) as f:
+            named = f.read().strip()
+        if named and tag_is_complete(os.path.join(load_dir, named)):
+            return named, incomplete
+    complete = [t for t in tags if t not in incomplete]
+    if not complete:
+        return None, incomplete
+    newest = max(complete, key=lambda t: os.stat(os.path.join(load_dir, t, INDEX)).st_mtime_ns)
+    return newest, incomplete
+
+
+def load_index(tag_dir: str) -> Index:
+    """The parsed index of a tag. Raises CheckpointError for a missing tag,
+    a tag without index (incomplete save) or an unreadable index."""
+    if not os.path.isdir(tag_dir):
+        raise CheckpointError(f"checkpoint tag directory {tag_dir} does not exist")
+    path = os.path.join(tag_dir, INDEX)
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{tag_dir} has no {INDEX}: its save did not complete; it cannot be loaded")
+    try:
+        with open(path) as f:
+            index = Index.model_validate_json(f.read())
+    except ValueError as e:
+        raise CheckpointError(f"{path} is not a valid dsrun checkpoint index: {e}") from None
+    if index.format_version != FORMAT_VERSION:
+        raise CheckpointError(f"{path}: format version {index.format_version}, this dsrun reads "
+                              f"{FORMAT_VERSION}")
+    return index
+
+
+class SliceReader:
+    """Reads element ranges of global tensors from a tag's shards.
+
+    Each shard is verified (size, then sha256 streamed) the first time it is
+    opened, then opened with safetensors' `safe_open`, which reads only the
+    requested slice. Raises CheckpointError naming the file on a missing,
+    truncated or corrupted shard.
+    """
+
+    def __init__(self, tag_dir: str, index: Index, verify: bool = True):
+        self.tag_dir, self.index, self.verify = tag_dir, index, verify
+        self._open: dict[str, Any] = {}
+
+    def _handle(self, file: str):
+        if file not in self._open:
+            from safetensors import safe_open
+
+            path = os.path.join(self.tag_dir, file)
+            meta = self.index.files.get(file)
+            if not os.path.isfile(path):
+                raise CheckpointError(f"checkpoint file {path} is missing")
+            if meta is not None and self.verify:
+                size = os.path.getsize(path)
+                if size != meta.bytes:
+                    raise CheckpointError(f"checkpoint file {path} is truncated or altered: {size} bytes, "
+                                          f"the index recorded {meta.bytes}")
+                if file_sha256(path) != meta.sha256:
+                    raise CheckpointError(f"checkpoint file {path} is corrupted: its sha256 does not match "
+                                          "the index")
+            try:
+                self._open[file] = safe_open(path, framework="pt")
+            except Exception as e:  # safetensors raises its own error types
+                raise CheckpointError(f"checkpoint file {path} cannot be read: {e}") from None
+        return self._open[file]
+
+    def read_into(self, name: str, lo: int, hi: int, out: torch.Tensor) -> None:
+        """Copy elements [lo, hi) of global tensor `name` into 1-D `out`
+        (hi - lo,), casting to its dtype. Raises CheckpointError when the
+        stored slices do not cover [lo, hi)."""
+        entry = self.index.tensors[name]
+        covered = 0
+        for s in entry.slices:
+            a, b = max(lo, s.lo), min(hi, s.hi)
+            if a >= b:
+                continue
+            part = self._handle(s.file).get_slice(s.key)[a - s.lo:b - s.lo]
+            out[a - lo:b - lo].copy_(part)
+            covered += b - a
+        if covered != hi - lo:
+            raise CheckpointError(f"checkpoint tensor {name!r} stores {covered} of elements [{lo}, {hi}) "
+                                  "(the index's slices do not cover it)")
+
+    def read_full(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The whole global tensor `name` with its shape (stored dtype unless `dtype`)."""
+        entry = self.index.tensors[name]
+        numel = 1
+        for d in entry.shape:
+            numel *= d
+        out = torch.empty(numel, dtype=dtype or dtype_of(entry.dtype))
+        self.read_into(name, 0, numel, out)
+        return out.view(entry.shape)

@@ -1,0 +1,251 @@
+"""engine.save_checkpoint / load_checkpoint on real gloo ranks.
+
+One spawn saves every case on 2 ranks (and checks same-size resume, the
+failed save and the errors); one spawn per world size (1, 2, 4) then loads
+every checkpoint at another stage and returns the full fp32 parameters and
+Adam states, which must equal the saved ones exactly.
+"""
+import json
+import os
+
+import pytest
+import torch
+
+from tests.dist_helpers import run_ranks
+from tests.zero.models import TinyGPT, base_config, batches, param_groups
+
+# (name, stage, precision, model kwargs) saved on 2 ranks.
+CASES = [
+    ("s0_fp32", 0, "fp32", {}),
+    ("s1_fp32", 1, "fp32", {}),
+    ("s2_fp32", 2, "fp32", {}),
+    ("s3_fp32", 3, "fp32", {"freeze": True}),
+    ("s3_bf16", 3, "bf16", {"freeze": True}),
+    ("s2_fp16", 2, "fp16", {}),
+]
+SMALL = {"reduce_bucket_size": 300, "allgather_bucket_size": 700, "stage3_param_persistence_threshold": 40}
+
+
+def _engine(stage, precision, model_kwargs, seed=0, native=False):
+    import dsrun
+
+    torch.manual_seed(seed)
+    model = TinyGPT(**model_kwargs)
+    cfg = base_config(stage, precision, **SMALL)
+    if native:
+        cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-2}}
+        engine, *_ = dsrun.initialize(model=model, model_parameters=param_groups(model), config=cfg)
+    else:
+        engine, *_ = dsrun.initialize(model=model, optimizer=torch.optim.AdamW(param_groups(model), lr=1e-2),
+                                      config=cfg)
+    return engine
+
+
+def _run(engine, data):
+    from dsrun.runtime import comm
+
+    losses = []
+    for idx, tgt in data:
+        loss = engine(idx, tgt)
+        engine.backward(loss)
+        engine.step()
+        t = loss.detach().float().clone()
+        comm.all_reduce(t)
+        losses.append(t.item())
+    return losses
+
+
+def _full_state(engine):
+    """{name: fp32 value}, {name/key: fp32 Adam state} over all ranks (collective)."""
+    from dsrun.runtime.zero.strategy import ZeroStrategy
+
+    strategy = engine.strategy
+    params, states = {}, {}
+    for n, p in engine.module.named_parameters():
+        full = strategy.full_fp32_param(p) if isinstance(strategy, ZeroStrategy) else None
+        if full is not None:  # managed by ZeRO
+            params[n] = full.cpu().clone()
+            if p.requires_grad:
+                for k in ("exp_avg", "exp_avg_sq"):
+                    states[f"{n}/{k}"] = strategy.full_optimizer_state(p, k).cpu().clone()
+        else:
+            params[n] = p.detach().float().cpu().clone()
+            st = engine.optimizer.state.get(p, {})
+            for k in ("exp_avg", "exp_avg_sq"):
+                if k in st:
+                    states[f"{n}/{k}"] = st[k].float().cpu().clone()
+    return params, states
+
+
+def _save_rank(root):
+    """2 ranks: save every case after 2 steps; resume on the same size; failures."""
+    from dsrun.runtime import comm
+    from dsrun.runtime.checkpoint import CheckpointError, checkpointer
+
+    rank = comm.get_rank() if comm.is_initialized() else int(os.environ["RANK"])
+    data = batches(rank, 4, 2, 1)
+    out = {}
+    for name, stage, prec, kw in CASES:
+        engine = _engine(stage, prec, kw)
+        first = _run(engine, data[:2])
+        engine.save_checkpoint(os.path.join(root, name), client_state={"epoch": 3, "t": torch.arange(4.0)})
+        ref = _full_state(engine)
+        rest = _run(engine, data[2:])
+        # Same world size, same stage: a fresh engine (other init) resumes bitwise.
+        resumed = _engine(stage, prec, kw, seed=123)
+        path, client = resumed.load_checkpoint(os.path.join(root, name))
+        assert path.endswith("global_step2") and client["epoch"] == 3
+        assert torch.equal(client["t"], torch.arange(4.0))
+        assert resumed.global_steps == 2 and resumed.global_samples == engine.global_samples // 2
+        out[name] = {"ref": ref, "first": first, "rest": rest, "resumed": _run(resumed, data[2:])}
+    # A save that fails on rank 1 after its shard leaves `latest` and the old tag alone.
+    engine = _engine(1, "fp32", {})
+    _run(engine, data[:1])
+    root2 = os.path.join(root, "crash")
+    engine.save_checkpoint(root2, tag="good")
+    good = _full_state(engine)
+    _run(engine, data[1:2])
+    checkpointer.fault_hook = (lambda point: (_ for _ in ()).throw(OSError("injected")) if
+                               point == "after_shard" and rank == 1 else None)
+    try:
+        engine.save_checkpoint(root2, tag="bad")
+        raise AssertionError("the failed save did not raise")
+    except (CheckpointError, OSError) as e:
+        out["crash_error"] = str(e)
+    finally:
+        checkpointer.fault_hook = None
+    fresh = _engine(1, "fp32", {}, seed=5)
+    path, _ = fresh.load_checkpoint(root2)
+    out["crash_loaded"] = os.path.basename(path)
+    out["crash_equal"] = all(torch.equal(a, b) for a, b in zip(good[0].values(), _full_state(fresh)[0].values()))
+    # A checkpoint of another model: precise key errors.
+    other = _engine(2, "fp32", {"layers": 3})
+    try:
+        other.load_checkpoint(os.path.join(root, "s2_fp32"))
+        raise AssertionError("another model loaded")
+    except CheckpointError as e:
+        out["other_error"] = str(e)
+    wide = _engine(2, "fp32", {"d": 8})
+    try:
+        wide.load_checkpoint(os.path.join(root, "s2_fp32"))
+        raise AssertionError("another shape loaded")
+    except CheckpointError as e:
+        out["shape_error"] = str(e)
+    return out
+
+
+# Where each saved case is loaded, per world size: (stage, precision).
+TARGETS = {1: {"*": (0, "fp32")}, 2: {"s0_fp32": (3, "fp32"), "s1_fp32": (2, "bf16"), "s2_fp32": (3, "bf16"),
+                                     "s3_fp32": (1, "fp32"), "s3_bf16": (0, "fp32"), "s2_fp16": (3, "fp32")},
+           4: {"*": (3, "fp32")}}
+
+
+def _load_rank(root, world):
+    out = {}
+    data = batches(0, 1, 2, 1)
+    for name, stage, prec, kw in CASES:
+        s, p = TARGETS[world].get(name, TARGETS[world].get("*"))
+        engine = _engine(s, p, kw, seed=77)
+        engine.load_checkpoint(os.path.join(root, name))
+        out[name] = _full_state(engine)
+        _run(engine, data)  # training continues
+    return out
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("ckpt"))
+    return root, run_ranks(_save_rank, 2, root, timeout=300)[0]
+
+
+@pytest.mark.parametrize("name", [c[0] for c in CASES])
+def test_same_size_resume_is_bitwise(saved, name):
+    _, out = saved
+    r = out[name]
+    if name.endswith("fp32"):
+        assert r["resumed"] == r["rest"]
+    else:
+        assert r["resumed"] == pytest.approx(r["rest"], rel=1e-6)
+
+
+def test_index_records_format(saved):
+    root, _ = saved
+    tag_dir = os.path.join(root, "s3_bf16", "global_step2")
+    with open(os.path.join(root, "s3_bf16", "latest")) as f:
+        assert f.read() == "global_step2"
+    files = sorted(os.listdir(tag_dir))
+    assert files == ["index.json", "rank00000-of-00002.safetensors", "rank00001-of-00002.safetensors"]
+    with open(os.path.join(tag_dir, "index.json")) as f:
+        index = json.load(f)
+    assert index["world_size"] == 2 and index["stage"] == 3 and index["precision"] == "bf16"
+    assert index["counters"]["global_steps"] == 2
+    w = index["tensors"]["module/h.1.fc.weight"]
+    assert w["shape"] == [32, 16] and w["dtype"] == "float32"
+    assert sorted((s["lo"], s["hi"]) for s in w["slices"]) == [(0, 256), (256, 512)]
+    frozen = index["tensors"]["module/h.0.fc.weight"]
+    assert frozen["dtype"] == "bfloat16" and "optim/h.0.fc.weight/exp_avg" not in index["tensors"]
+    assert index["optimizer_scalars"]["h.1.fc.weight"]["step"]["value"] == 2.0
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_load_on_other_world_size_and_stage(saved, world):
+    root, out = saved
+    loaded = run_ranks(_load_rank, world, root, world, timeout=300)[0]
+    for name, stage, prec, kw in CASES:
+        ref_params, ref_states = out[name]["ref"]
+        params, states = loaded[name]
+        s, p = TARGETS[world].get(name, TARGETS[world].get("*"))
+        assert params.keys() == ref_params.keys()
+        for n, v in params.items():
+            frozen = kw.get("freeze") and n.startswith("h.0.")
+            if frozen and (p != "fp32" or prec != "fp32"):
+                torch.testing.assert_close(v, ref_params[n], rtol=1e-2, atol=1e-2, msg=f"{name} {n}")
+            else:
+                assert torch.equal(v, ref_params[n]), f"{name}: {n} differs after loading on {world} ranks"
+        assert states.keys() == ref_states.keys()
+        for k, v in states.items():
+            assert torch.equal(v, ref_states[k]), f"{name}: optimizer state {k} differs on {world} ranks"
+
+
+def test_failed_save_keeps_latest(saved):
+    root, out = saved
+    assert "injected" in out["crash_error"] or "rank(s) [1]" in out["crash_error"]
+    assert out["crash_loaded"] == "good" and out["crash_equal"]
+    crash = os.path.join(root, "crash")
+    with open(os.path.join(crash, "latest")) as f:
+        assert f.read() == "good"
+    assert not os.path.exists(os.path.join(crash, "bad", "index.json"))
+    assert not [f for f in os.listdir(os.path.join(crash, "bad")) if f.startswith(".")]  # no temp files left
+    from dsrun.runtime.checkpoint import resolve_tag
+    assert resolve_tag(crash, None) == ("good", ["bad"])
+    os.unlink(os.path.join(crash, "latest"))  # no `latest`: the newest complete tag, "bad" reported
+    assert resolve_tag(crash, None) == ("good", ["bad"])
+
+
+def test_other_model_names_the_key(saved):
+    _, out = saved
+    assert "missing key(s) in checkpoint: module/h.2.ln.weight" in out["other_error"]
+    assert "size mismatch for wte.weight" in out["shape_error"]
+
+
+def _load_corrupt(root):
+    engine = _engine(2, "fp32", {})
+    return engine.load_checkpoint(root)
+
+
+def test_corrupted_shard_names_the_file(saved, tmp_path):
+    import shutil
+
+    from tests.dist_helpers import RankFailed
+    root, _ = saved
+    copy = tmp_path / "s2"
+    shutil.copytree(os.path.join(root, "s2_fp32"), copy)
+    shard = copy / "global_step2" / "rank00001-of-00002.safetensors"
+    raw = bytearray(shard.read_bytes())
+    raw[-5] ^= 0xFF
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(RankFailed, match="rank00001-of-00002.safetensors is corrupted"):
+        run_ranks(_load_corrupt, 1, str(copy), timeout=120)
+    shard.write_bytes(bytes(raw[:-100]))
+    with pytest.raises(RankFailed, match="rank00001-of-00002.safetensors is truncated"):
+        run_ranks(_load_corrupt, 1, str(copy), timeout=120)
