@@ -174,7 +174,8 @@ class AioHandle:
     def _python_io(write: bool, tensor: torch.Tensor, path: str, offset: int, nbytes: int) -> None:
         # The fallback: buffered pread/pwrite, same results and errors as the engines.
         what = "pwrite" if write else "pread"
-        mv = memoryview(tensor.view(-1).view(torch.uint8).numpy()) if nbytes else memoryview(b"")
+        # A ctypes view of the tensor's bytes, not tensor.numpy(): NumPy is no install requirement.
+        mv = memoryview((ctypes.c_ubyte * nbytes).from_address(tensor.data_ptr())) if nbytes else memoryview(b"")
         fd = os.open(path, (os.O_WRONLY | os.O_CREAT) if write else os.O_RDONLY, 0o644)
         done = 0
         try:

@@ -8,11 +8,16 @@ from __future__ import annotations
 import platform
 import shutil
 import subprocess
+import warnings
 
 import click
-import torch
 from rich.console import Console
 from rich.table import Table
+
+with warnings.catch_warnings():
+    # torch warns at import when NumPy is missing; dsrun does not need NumPy (only the tests' extra has it).
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
+    import torch
 
 from dsrun.ops import builder
 
