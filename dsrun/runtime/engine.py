@@ -332,3 +332,13 @@ class Engine(torch.nn.Module):
         """
         return checkpointer.load(self, load_dir, tag, load_module_strict, load_optimizer_states,
                                  load_lr_scheduler_states, load_module_only)
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "model.safetensors",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """Write the full model in the compute dtype as one safetensors file
+        from rank 0 (call on every rank); loadable with
+        `safetensors.torch.load_file` / `model.load_state_dict`. A "*.bin"
+        name becomes "*.safetensors" (with a warning): dsrun writes no
+        pickles. Returns True. Raises CheckpointError when rank 0 cannot write."""
+        checkpointer.save_16bit(self, save_dir, save_filename, exclude_frozen_parameters)
+        return True

@@ -22,11 +22,11 @@ full parameters re-gathered (`ZeroStrategy.after_checkpoint_load`).
 """
 from __future__ import annotations
 
-import datetime
 import json
 import logging
 import os
 import random
+import time
 from typing import Any, Callable
 
 import torch
@@ -37,7 +37,8 @@ from dsrun.runtime.checkpoint.pieces import HeldPiece, plain_pieces
 from dsrun.runtime.checkpoint.store import (INDEX, LATEST, CheckpointError, FileEntry, Index, SliceReader,
                                             StoredSlice, TensorEntry, atomic_write, dtype_name, dtype_of,
                                             fsync_dir, load_index, read_shard_metadata, resolve_tag,
-                                            safetensors_chunks, shard_name, write_json_atomic)
+                                            safetensors_chunks, shard_name, stream_safetensors,
+                                            write_json_atomic)
 from dsrun.runtime.zero.params import record_of
 from dsrun.runtime.zero.strategy import ZeroStrategy
 
@@ -84,24 +85,45 @@ def _global_names(engine) -> dict[str, tuple[int, ...]]:
 
 
 # ---- collectives ---------------------------------------------------------------
-def _check_arrival(engine, what: str) -> None:
-    """Fail fast when `what` was called on some ranks only.
+_arrivals: dict[str, int] = {}
 
-    gloo: torch.distributed.monitored_barrier with ARRIVAL_TIMEOUT_S (a
-    bounded barrier that names the missing ranks). Other backends have no
-    bounded barrier; there the call proceeds and may block like any
-    collective. Raises CheckpointError."""
-    if engine.topology.world_size == 1 or not comm.is_initialized():
-        return
-    import torch.distributed as dist
 
-    if dist.get_backend() != "gloo":
+def _check_arrival(engine, what: str, tag: str) -> None:
+    """Fail fast when `what` was called on some ranks only, instead of hanging.
+
+    [Note: arrival check]
+    A collective cannot time out on every rank (gloo's monitored_barrier
+    bounds the wait on rank 0 only; NCCL has nothing). So every rank adds 1
+    to a counter in the rendezvous store (the TCPStore torch.distributed was
+    initialised with) under a key naming the call, its tag and the step,
+    and polls it until it reaches the world size. After ARRIVAL_TIMEOUT_S a
+    rank takes its 1 back (so a later, matched call is not miscounted) and
+    raises; if the count was complete at that moment, it proceeds. A
+    per-process generation counter per key keeps repeated calls with the
+    same tag and step apart. Raises CheckpointError."""
+    world = engine.topology.world_size
+    if world == 1 or not comm.is_initialized():
         return
-    try:
-        dist.monitored_barrier(timeout=datetime.timedelta(seconds=ARRIVAL_TIMEOUT_S), wait_all_ranks=True)
-    except RuntimeError as e:
-        raise CheckpointError(f"{what} must be called on every rank; not every rank arrived within "
-                              f"{ARRIVAL_TIMEOUT_S:g} s ({str(e).splitlines()[0]})") from None
+    from torch.distributed import distributed_c10d
+
+    store = distributed_c10d._get_default_store()
+    base = f"dsrun/ckpt/{what}/{tag}/{engine.global_steps}"
+    generation = _arrivals.get(base, 0)
+    _arrivals[base] = generation + 1
+    key = f"{base}/{generation}"
+    count = store.add(key, 1)
+    deadline = time.monotonic() + ARRIVAL_TIMEOUT_S
+    while count < world:
+        if time.monotonic() > deadline:
+            count = store.add(key, -1)
+            if count + 1 >= world:  # the last rank arrived just now: go on
+                store.add(key, 1)
+                return
+            raise CheckpointError(f"{what} must be called on every rank: only {count + 1} of {world} ranks "
+                                  f"called it (tag {tag!r}, step {engine.global_steps}) within "
+                                  f"{ARRIVAL_TIMEOUT_S:g} s")
+        time.sleep(0.005)
+        count = store.add(key, 0)
 
 
 def _agree(engine, ok: bool, digest: str = "") -> list[tuple[bool, str]]:
@@ -246,12 +268,17 @@ def save(engine, save_dir: str, tag: str | None = None, client_state: dict | Non
     if not tag or "/" in tag or tag in (".", "..", LATEST):
         raise CheckpointError(f"invalid checkpoint tag {tag!r}")
     tag_dir = os.path.join(save_dir, tag)
+    _check_arrival(engine, "save_checkpoint", tag)
+    error = None
     if rank == 0:
-        os.makedirs(tag_dir, exist_ok=True)
-        if os.path.exists(os.path.join(tag_dir, INDEX)):
-            os.unlink(os.path.join(tag_dir, INDEX))  # overwriting: incomplete first, never mixed
-            fsync_dir(tag_dir)
-    _check_arrival(engine, "save_checkpoint")
+        try:
+            os.makedirs(tag_dir, exist_ok=True)
+            if os.path.exists(os.path.join(tag_dir, INDEX)):
+                os.unlink(os.path.join(tag_dir, INDEX))  # overwriting: incomplete first, never mixed
+                fsync_dir(tag_dir)
+        except OSError as e:
+            error = e
+    _raise_unless_all(_agree(engine, error is None), error, f"preparing checkpoint directory {tag_dir}")
     file = shard_name(rank, world)
     error, digest = None, ""
     try:
@@ -314,7 +341,7 @@ def _build_index(engine, tag: str, tag_dir: str, results, scheduler, param_group
             client = meta["client_state"]
     for entry in tensors.values():
         entry.slices.sort(key=lambda s: s.lo)
-    frozen = [n for n, (_, is_frozen) in _global_names(engine).items() if is_frozen] if exclude_frozen else []
+    frozen = [n for n, (_, is_frozen) in _global_names(engine).items() if is_frozen]
     strategy = engine.strategy
     precision = strategy.precision.name if isinstance(strategy, ZeroStrategy) else "fp32"
     scaler = strategy.precision.scaler.state_dict() if isinstance(strategy, ZeroStrategy) else None
@@ -324,7 +351,8 @@ def _build_index(engine, tag: str, tag_dir: str, results, scheduler, param_group
                  param_groups=param_groups, scaler=scaler,
                  counters={"global_steps": engine.global_steps, "global_samples": engine.global_samples,
                            "skipped_steps": engine.skipped_steps, "micro_steps": engine.micro_steps},
-                 lr_scheduler=scheduler, client_state=client, rng=rng, excluded_frozen=frozen, files=files)
+                 lr_scheduler=scheduler, client_state=client, rng=rng, frozen=frozen,
+                 excluded_frozen=frozen if exclude_frozen else [], files=files)
 
 
 # ---- load ----------------------------------------------------------------------
@@ -433,7 +461,7 @@ def load(engine, load_dir: str, tag: str | None = None, load_module_strict: bool
             log.warning("no complete checkpoint in %s; nothing loaded", load_dir)
         return None, None
     tag_dir = os.path.join(load_dir, tag)
-    _check_arrival(engine, "load_checkpoint")
+    _check_arrival(engine, "load_checkpoint", tag)
     error, index, reader = None, None, None
     try:
         index = load_index(tag_dir)
@@ -465,3 +493,67 @@ def load(engine, load_dir: str, tag: str | None = None, load_module_strict: bool
         log.info("loaded checkpoint %s (written by %d ranks at stage %d, %s)", tag_dir, index.world_size,
                  index.stage, index.precision)
     return tag_dir, client_state if client_state is not None else {}
+
+
+# ---- 16-bit model export ---------------------------------------------------------
+_warned_bin = False
+
+
+def save_16bit(engine, save_dir: str, save_filename: str = "model.safetensors",
+               exclude_frozen_parameters: bool = False) -> str:
+    """Write the module's full state dict in the compute dtype (parameters;
+    persistent buffers in their own dtype) as ONE safetensors file from
+    rank 0 (collective: every rank).
+
+    Parameters are gathered one at a time (an all-reduce of the fp32 master
+    pieces at stages 1-3) and streamed into the file, so rank 0 holds one
+    full parameter at a time, not the model. Tied parameters appear once,
+    under their first name. A DeepSpeed-style "*.bin" name is replaced by
+    its safetensors equivalent ("pytorch_model.bin" -> "model.safetensors"),
+    with a warning. Returns the file's path. Raises CheckpointError on every
+    rank when rank 0 cannot write.
+    """
+    global _warned_bin
+    if save_filename.endswith(".bin"):
+        new = ("model.safetensors" if save_filename == "pytorch_model.bin"
+               else save_filename[:-len(".bin")] + ".safetensors")
+        if not _warned_bin and engine.topology.rank == 0:
+            log.warning("save_16bit_model writes safetensors, never pickles: %s becomes %s", save_filename, new)
+        _warned_bin = True
+        save_filename = new
+    _check_arrival(engine, "save_16bit_model", save_filename)
+    strategy = engine.strategy
+    zero = isinstance(strategy, ZeroStrategy)
+    compute = strategy.precision.compute_dtype if zero else None
+    entries = []  # (name, tensor, full shape, dtype in the file)
+    for name, p in engine.module.named_parameters():
+        if exclude_frozen_parameters and not p.requires_grad:
+            continue
+        rec = record_of(p) if zero else None
+        managed = rec is not None and rec.strategy is strategy
+        shape = tuple(rec.shape) if managed else tuple(p.shape)
+        entries.append((name, p, shape, compute if managed else p.dtype, managed))
+    for mod_name, mod in engine.module.named_modules():
+        for bname, buf in mod._buffers.items():
+            if buf is not None and bname not in mod._non_persistent_buffers_set:
+                entries.append((f"{mod_name}.{bname}" if mod_name else bname, buf, tuple(buf.shape), buf.dtype, False))
+
+    def values():
+        for name, t, shape, dtype, managed in entries:
+            full = strategy.full_fp32_param(t) if managed else t.detach()  # collective when managed
+            yield full.to(dtype).reshape(shape)
+
+    path = os.path.join(save_dir, save_filename)
+    gen, error = values(), None
+    if engine.topology.rank == 0:
+        try:
+            os.makedirs(save_dir, exist_ok=True)
+            specs = [(name, shape, dtype) for name, _, shape, dtype, _ in entries]
+            atomic_write(path, stream_safetensors(specs, gen, {"format": "pt"}))
+            fsync_dir(save_dir)
+        except Exception as e:
+            error = e
+    for _ in gen:  # the other ranks (and rank 0 after a failure) still join every gather
+        pass
+    _raise_unless_all(_agree(engine, error is None), error, f"saving the 16-bit model to {path}")
+    return path

@@ -15,8 +15,10 @@ description in its shard's safetensors header (`__metadata__["dsrun"]`), so
 rank 0 builds the index from the headers without moving any data.
 
 [Note: commit protocol]
-1. Rank 0 removes `<tag>/index.json` if the tag exists (overwriting a tag
-   makes it incomplete first, never inconsistent).
+1. Every rank checks that every rank called save (see [Note: arrival
+   check] in checkpointer.py); rank 0 then removes `<tag>/index.json` if the
+   tag exists (overwriting a tag makes it incomplete first, never
+   inconsistent) before any rank writes.
 2. Every rank writes its shard to a temporary name in the tag directory,
    fsyncs and renames it (`atomic_write`), hashing it as it goes.
 3. All ranks exchange (success, sha256) in one all-gather; if any rank
@@ -101,6 +103,7 @@ class Index(BaseModel):
     lr_scheduler: dict[str, Any] | None = None
     client_state: Any = None
     rng: list[dict[str, Any]] = Field(default_factory=list, description="Per rank: python/numpy states.")
+    frozen: list[str] = Field(default_factory=list, description="Parameters with requires_grad=False.")
     excluded_frozen: list[str] = Field(default_factory=list,
                                        description="Frozen parameters left out (exclude_frozen_parameters).")
     files: dict[str, FileEntry] = Field(default_factory=dict)
@@ -153,21 +156,36 @@ def atomic_write(path: str, chunks: Iterable[bytes | memoryview]) -> tuple[str, 
 
 
 def safetensors_chunks(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> Iterable[memoryview]:
-    """The safetensors encoding of 1-D CPU-copyable `tensors`, streamed one
-    tensor at a time (views of shared storage are fine: nothing is copied
-    but a device tensor's bytes)."""
-    header: dict[str, Any] = {"__metadata__": metadata}
+    """The safetensors encoding of `tensors` (any shape), streamed one tensor
+    at a time (views of shared storage are fine: nothing is copied but a
+    non-contiguous or device tensor's bytes)."""
+    specs = [(key, tuple(t.shape), t.dtype) for key, t in tensors.items()]
+    return stream_safetensors(specs, iter(tensors.values()), metadata)
+
+
+def stream_safetensors(specs: list[tuple[str, tuple[int, ...], torch.dtype]], values: Iterable[torch.Tensor],
+                       metadata: dict[str, str] | None = None) -> Iterable[memoryview]:
+    """safetensors bytes for tensors described up front by `specs` (key,
+    shape, dtype) whose values arrive one at a time from `values` (same
+    order): the header needs only the shapes, so at most one tensor is in
+    memory at a time. Raises ValueError when a value does not match its spec."""
+    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
     offset = 0
-    for key, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        header[key] = {"dtype": _ST_DTYPES[t.dtype], "shape": [t.numel()], "data_offsets": [offset, offset + nbytes]}
+    for key, shape, dtype in specs:
+        numel = 1
+        for d in shape:
+            numel *= d
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        header[key] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the format aligns the data to 8 bytes
     yield memoryview(struct.pack("<Q", len(raw)) + raw)
-    for t in tensors.values():
+    for (key, shape, dtype), t in zip(specs, values, strict=True):
+        if tuple(t.shape) != shape or t.dtype != dtype:
+            raise ValueError(f"tensor {key}: got {tuple(t.shape)} {t.dtype}, announced {shape} {dtype}")
         if t.numel():
-            yield memoryview(t.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy())
+            yield memoryview(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy())
 
 
 def write_json_atomic(path: str, data: Any) -> None:
@@ -208,7 +226,11 @@ def resolve_tag(load_dir: str, tag: str | None) -> tuple[str | None, list[str]]:
     if not os.path.isdir(load_dir):
         return None, []
     tags = sorted(d for d in os.listdir(load_dir) if os.path.isdir(os.path.join(load_dir, d)))
-    incomplete = [t for t in tags if not tag_is_complete(os.path.join(load_dir, t))]
+    # A directory without an index is an incomplete tag when a save started in
+    # it (shards or their temporaries); anything else there is not ours.
+    incomplete = [t for t in tags if not tag_is_complete(os.path.join(load_dir, t))
+                  and any(f.startswith(("rank", ".rank")) for f in os.listdir(os.path.join(load_dir, t)))]
+    tags = [t for t in tags if t in incomplete or tag_is_complete(os.path.join(load_dir, t))]
     latest = os.path.join(load_dir, LATEST)
     if os.path.isfile(latest):
         with open(latest) as f:

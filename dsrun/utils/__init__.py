@@ -1,0 +1,1 @@
+"""Offline tools (DeepSpeed's `deepspeed.utils` names)."""
