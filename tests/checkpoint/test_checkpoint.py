@@ -124,6 +124,7 @@ def _save_rank(root):
     path, _ = fresh.load_checkpoint(root2)
     out["crash_loaded"] = os.path.basename(path)
     out["crash_equal"] = all(torch.equal(a, b) for a, b in zip(good[0].values(), _full_state(fresh)[0].values()))
+    out["api"] = _api_cases(root, data)
     # A checkpoint of another model: precise key errors.
     other = _engine(2, "fp32", {"layers": 3})
     try:
@@ -138,6 +139,45 @@ def _save_rank(root):
     except CheckpointError as e:
         out["shape_error"] = str(e)
     return out
+
+
+def _api_cases(root, data):
+    """DeepSpeed's load/save options and their errors (2 ranks, stage 3, frozen block)."""
+    from dsrun.runtime.checkpoint import CheckpointError
+
+    res = {"empty": _engine(3, "fp32", {"freeze": True}).load_checkpoint(os.path.join(root, "nothing"))}
+    src = os.path.join(root, "s3_fp32")
+    engine = _engine(3, "fp32", {"freeze": True}, seed=9)
+    try:
+        engine.load_checkpoint(src, tag="global_step7")
+    except CheckpointError as e:
+        res["missing_tag"] = str(e)
+    path, client = engine.load_checkpoint(src, load_module_only=True)
+    res["module_only"] = (engine.global_steps, len(engine.optimizer.state), client)
+    res["module_only_params"] = _full_state(engine)[0]
+    # exclude_frozen_parameters: the frozen block is not saved; strict loading accepts that.
+    engine = _engine(3, "fp32", {"freeze": True}, seed=9)
+    _run(engine, data[:1])
+    frozen_before = _full_state(engine)[0]["h.0.fc.weight"]
+    engine.save_checkpoint(os.path.join(root, "nofrozen"), exclude_frozen_parameters=True)
+    other = _engine(3, "fp32", {"freeze": True}, seed=10)
+    other.load_checkpoint(os.path.join(root, "nofrozen"))
+    after = _full_state(other)[0]
+    res["frozen_kept"] = not torch.equal(after["h.0.fc.weight"], frozen_before)  # the new model's own
+    res["trained_loaded"] = torch.equal(after["h.1.fc.weight"], _full_state(engine)[0]["h.1.fc.weight"])
+
+    class Opaque:  # an LR scheduler whose state JSON cannot hold
+        def state_dict(self):
+            return {"fn": object()}
+
+    engine.lr_scheduler = Opaque()
+    try:
+        engine.save_checkpoint(os.path.join(root, "nofrozen"), tag="opaque")
+    except CheckpointError as e:
+        res["scheduler_error"] = str(e)
+    with open(os.path.join(root, "nofrozen", "latest")) as f:
+        res["latest_after_error"] = f.read()
+    return res
 
 
 # Where each saved case is loaded, per world size: (stage, precision).
@@ -311,3 +351,16 @@ def test_save_or_load_on_one_rank_fails_fast(saved):
     assert "load_checkpoint must be called on every rank: only 1 of 2" in load_err
     assert "save_checkpoint must be called on every rank: only 1 of 2" in save_err
     assert t0 < 30 and t1 < 30
+
+
+def test_load_options_and_errors(saved):
+    _, out = saved
+    api = out["api"]
+    assert api["empty"] == (None, None)
+    assert "global_step7 does not exist" in api["missing_tag"]
+    assert api["module_only"] == (0, 0, {})  # no counters, no optimizer state, no client_state
+    ref = out["s3_fp32"]["ref"][0]
+    assert all(torch.equal(v, ref[n]) for n, v in api["module_only_params"].items())
+    assert api["frozen_kept"] and api["trained_loaded"]
+    assert "LR scheduler's state_dict is not JSON-serialisable (object)" in api["scheduler_error"]
+    assert api["latest_after_error"] == "global_step1"
