@@ -364,3 +364,44 @@ def test_load_options_and_errors(saved):
     assert api["frozen_kept"] and api["trained_loaded"]
     assert "LR scheduler's state_dict is not JSON-serialisable (object)" in api["scheduler_error"]
     assert api["latest_after_error"] == "global_step1"
+
+
+def test_cli_inspect_verify_export(saved, tmp_path):
+    import shutil
+
+    from click.testing import CliRunner
+    from safetensors.torch import load_file
+
+    from dsrun.runtime.checkpoint.cli import main
+    root, out = saved
+    runner = CliRunner()
+    res = runner.invoke(main, ["inspect", os.path.join(root, "crash")])
+    assert res.exit_code == 0, res.output
+    assert "good" in res.output and "bad" in res.output
+    res = runner.invoke(main, ["verify", os.path.join(root, "s2_fp32")])
+    assert res.exit_code == 0 and "2 files OK" in res.output, res.output
+    copy = tmp_path / "s2"
+    shutil.copytree(os.path.join(root, "s2_fp32"), copy)
+    shard = copy / "global_step2" / "rank00000-of-00002.safetensors"
+    raw = bytearray(shard.read_bytes())
+    raw[-1] ^= 1
+    shard.write_bytes(bytes(raw))
+    res = runner.invoke(main, ["verify", str(copy)])
+    assert res.exit_code == 1 and "rank00000-of-00002.safetensors is corrupted" in res.output
+    ref = out["s3_bf16"]["ref"][0]
+    for size, dtype in (("5GB", "fp32"), ("2KB", "bf16")):
+        dest = tmp_path / f"hf_{size}"
+        res = runner.invoke(main, ["export", os.path.join(root, "s3_bf16"), str(dest), "--dtype", dtype,
+                                   "--max-shard-size", size])
+        assert res.exit_code == 0, res.output
+        if size == "5GB":
+            files = ["model.safetensors"]
+        else:
+            with open(dest / "model.safetensors.index.json") as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+            assert len(files) > 1
+        tensors = {k: v for f in files for k, v in load_file(str(dest / f)).items()}
+        assert tensors.keys() == ref.keys()
+        for n, v in tensors.items():
+            want = ref[n].to(torch.bfloat16) if (dtype == "bf16" or n.startswith("h.0.")) else ref[n]
+            assert torch.equal(v.float(), want.float()), n
