@@ -57,7 +57,8 @@ class Engine(torch.nn.Module):
     Attributes:
         module, optimizer, lr_scheduler, global_steps (optimizer steps
         attempted), global_samples (samples consumed by those steps),
-        skipped_steps (steps skipped on overflow), micro_steps.
+        skipped_steps (steps skipped on overflow), micro_steps,
+        training_dataloader (the loader initialize built, or None).
 
     Memory profiling (config "memory_breakdown": true, or
     `enable_memory_profile()`) measures forward, backward and step as
@@ -77,6 +78,7 @@ class Engine(torch.nn.Module):
         self.global_samples = 0
         self.skipped_steps = 0
         self.micro_steps = 0
+        self.training_dataloader = None  # set by initialize(training_data=...); checkpointed
         self._boundary_override: bool | None = None
         self._in_no_sync = False
         self._grad_norm: float | None = None

@@ -171,4 +171,5 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
             loader = DistributedDataLoader(training_data, cfg.train_micro_batch_size_per_gpu,
                                            topology, collate_fn=collate_fn)
         engine = Engine(model, strategy, scheduler, cfg, topology)
+        engine.training_dataloader = loader  # its position is checkpointed
     return engine, engine.optimizer, loader, engine.lr_scheduler

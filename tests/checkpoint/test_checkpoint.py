@@ -166,6 +166,24 @@ def _api_cases(root, data):
     res["frozen_kept"] = not torch.equal(after["h.0.fc.weight"], frozen_before)  # the new model's own
     res["trained_loaded"] = torch.equal(after["h.1.fc.weight"], _full_state(engine)[0]["h.1.fc.weight"])
 
+    # The engine's data loader resumes at the next micro-batch.
+    from torch.utils.data import TensorDataset
+
+    from dsrun.runtime.dataloader import DistributedDataLoader
+    dataset = TensorDataset(torch.arange(40.0))
+    engine.training_dataloader = DistributedDataLoader(dataset, 2, engine.topology, seed=4)
+    next(iter(engine.training_dataloader))  # epoch 0 done (only its first batch used)
+    it = iter(engine.training_dataloader)
+    seen = [next(it)[0] for _ in range(3)]  # epoch 1, batches 0-2
+    engine.save_checkpoint(os.path.join(root, "loader"))
+    expected = next(it)[0]
+    other = _engine(3, "fp32", {"freeze": True}, seed=10)
+    other.training_dataloader = DistributedDataLoader(dataset, 2, other.topology, seed=4)
+    other.load_checkpoint(os.path.join(root, "loader"))
+    resumed = next(iter(other.training_dataloader))[0]
+    res["loader"] = (torch.equal(resumed, expected), not any(torch.equal(resumed, s) for s in seen),
+                     other.training_dataloader.epoch)
+
     class Opaque:  # an LR scheduler whose state JSON cannot hold
         def state_dict(self):
             return {"fn": object()}
@@ -362,6 +380,7 @@ def test_load_options_and_errors(saved):
     ref = out["s3_fp32"]["ref"][0]
     assert all(torch.equal(v, ref[n]) for n, v in api["module_only_params"].items())
     assert api["frozen_kept"] and api["trained_loaded"]
+    assert api["loader"] == (True, True, 2)
     assert "LR scheduler's state_dict is not JSON-serialisable (object)" in api["scheduler_error"]
     assert api["latest_after_error"] == "global_step1"
 
@@ -405,3 +424,26 @@ def test_cli_inspect_verify_export(saved, tmp_path):
         for n, v in tensors.items():
             want = ref[n].to(torch.bfloat16) if (dtype == "bf16" or n.startswith("h.0.")) else ref[n]
             assert torch.equal(v.float(), want.float()), n
+
+
+def test_dataloader_position_round_trip():
+    from torch.utils.data import TensorDataset
+
+    from dsrun.runtime.dataloader import DistributedDataLoader
+    from dsrun.runtime.dist import Topology
+    topo = Topology(0, 1, 0, 1, torch.device("cpu"), "gloo")
+    data = TensorDataset(torch.arange(10.0))
+    a = DistributedDataLoader(data, 3, topo, seed=1)
+    assert a.state_dict() == {"epoch": 0, "batches": 0}
+    full = [b[0] for b in a]  # 4 batches (3, 3, 3, 1)
+    assert len(full) == len(a) == 4 and a.state_dict() == {"epoch": 1, "batches": 0}
+    it = iter(a)
+    first = [next(it)[0] for _ in range(2)]
+    state = a.state_dict()
+    assert state == {"epoch": 1, "batches": 2}
+    rest = [b[0] for b in it]
+    b = DistributedDataLoader(data, 3, topo, seed=1)
+    b.load_state_dict(state)
+    assert [x[0].tolist() for x in b] == [r.tolist() for r in rest] and len(b) == 4
+    assert b.state_dict() == {"epoch": 2, "batches": 0}
+    assert sorted(torch.cat(first + rest).tolist()) == list(range(10))

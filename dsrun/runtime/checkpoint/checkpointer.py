@@ -342,6 +342,7 @@ def _build_index(engine, tag: str, tag_dir: str, results, scheduler, param_group
     for entry in tensors.values():
         entry.slices.sort(key=lambda s: s.lo)
     frozen = [n for n, (_, is_frozen) in _global_names(engine).items() if is_frozen]
+    loader = engine.training_dataloader.state_dict() if engine.training_dataloader is not None else None
     strategy = engine.strategy
     precision = strategy.precision.name if isinstance(strategy, ZeroStrategy) else "fp32"
     scaler = strategy.precision.scaler.state_dict() if isinstance(strategy, ZeroStrategy) else None
@@ -351,7 +352,7 @@ def _build_index(engine, tag: str, tag_dir: str, results, scheduler, param_group
                  param_groups=param_groups, scaler=scaler,
                  counters={"global_steps": engine.global_steps, "global_samples": engine.global_samples,
                            "skipped_steps": engine.skipped_steps, "micro_steps": engine.micro_steps},
-                 lr_scheduler=scheduler, client_state=client, rng=rng, frozen=frozen,
+                 lr_scheduler=scheduler, client_state=client, dataloader=loader, rng=rng, frozen=frozen,
                  excluded_frozen=frozen if exclude_frozen else [], files=files)
 
 
@@ -488,6 +489,15 @@ def load(engine, load_dir: str, tag: str | None = None, load_module_strict: bool
         if load_lr_scheduler_states and engine.lr_scheduler is not None and index.lr_scheduler is not None:
             engine.lr_scheduler.load_state_dict(index.lr_scheduler)
         _restore_rng(engine, index, reader)
+        if engine.training_dataloader is not None and index.dataloader is not None:
+            if index.world_size == topo.world_size:
+                engine.training_dataloader.load_state_dict(index.dataloader)
+            else:
+                if topo.rank == 0:
+                    log.warning("checkpoint written by %d ranks, loaded on %d: the data loader starts its "
+                                "epoch %d from the beginning (per-rank shards differ)", index.world_size,
+                                topo.world_size, index.dataloader["epoch"])
+                engine.training_dataloader.load_state_dict({"epoch": index.dataloader["epoch"], "batches": 0})
         client_state = _decode_client(index.client_state, reader) if index.client_state is not None else {}
     if topo.rank == 0:
         log.info("loaded checkpoint %s (written by %d ranks at stage %d, %s)", tag_dir, index.world_size,

@@ -101,6 +101,8 @@ class Index(BaseModel):
     scaler: dict[str, Any] | None = None
     counters: dict[str, int] = Field(default_factory=dict)
     lr_scheduler: dict[str, Any] | None = None
+    dataloader: dict[str, int] | None = Field(None, description="The engine's loader position "
+                                              "({'epoch', 'batches'}), if it has one.")
     client_state: Any = None
     rng: list[dict[str, Any]] = Field(default_factory=list, description="Per rank: python/numpy states.")
     frozen: list[str] = Field(default_factory=list, description="Parameters with requires_grad=False.")
