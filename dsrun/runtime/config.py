@@ -466,6 +466,20 @@ class CommsLoggerConfig(_Section):
     debug: bool = Field(False, description="Also record the caller of each collective.")
 
 
+class CheckpointConfig(_Section):
+    """`checkpoint`: engine.save_checkpoint / load_checkpoint (dsrun.runtime.checkpoint)."""
+
+    keep_last: Optional[PosInt] = Field(None, description="dsrun: after a committed save, delete the "
+                                        "oldest complete tags of the save directory so that this many "
+                                        "remain (null = keep all). Incomplete tags are left alone.")
+    tag_validation: Literal["Warn", "Ignore", "Fail"] = Field(
+        "Warn", description="What to do when ranks save under different tags; dsrun always fails "
+                            "(a save waits for every rank under the same tag).")
+    load_universal: bool = Field(False, description="Load a DeepSpeed universal checkpoint; every dsrun "
+                                 "checkpoint loads on any world size and stage, so this has no effect.")
+    use_node_local_storage: bool = Field(False, description="Each node writes to its own storage.")
+
+
 class _BatchTriple(_Section):
     """The three batch keys, validated on their own (see [Note: order of the checks])."""
 
@@ -490,7 +504,6 @@ _DEEPSPEED_ONLY_KEYS = {
     "compression_training": "compression training",
     "curriculum_learning": "curriculum learning",
     "data_efficiency": "data efficiency",
-    "checkpoint": "DeepSpeed checkpoint options (dsrun checkpoints always reshard)",
     "nebula": "Nebula checkpointing",
     "hybrid_engine": "the hybrid engine",
     "sparse_attention": "sparse attention",
@@ -535,6 +548,8 @@ class DsConfig(_BatchTriple):
     zero_force_ds_cpu_optimizer: bool = Field(True, description="With optimizer offload, require the "
                                               "native CPU optimizer.")
     aio: AioConfig = Field(default_factory=AioConfig, description="Asynchronous I/O for NVMe offload.")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig,
+                                         description="Checkpoint saving and loading.")
     activation_checkpointing: ActivationCheckpointingConfig = Field(
         default_factory=ActivationCheckpointingConfig, description="Activation checkpointing options.")
     steps_per_print: PosInt = Field(10, description="Log progress every this many optimizer steps.")
@@ -670,6 +685,8 @@ NOT_YET_SUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("activation_checkpointing.contiguous_memory_optimization", _on,
                 "contiguous activation checkpoints"),
     Unsupported("sparse_gradients", _on, "sparse gradients"),
+    Unsupported("checkpoint.use_node_local_storage", _on, "node-local checkpoint storage (dsrun needs "
+                "one directory every rank can read)"),
     Unsupported("prescale_gradients", _on, "gradient prescaling"),
     Unsupported("gradient_predivide_factor", lambda v: v != 1.0, "a gradient predivide factor",
                 "set it to 1.0"),
@@ -708,17 +725,19 @@ NO_EFFECT_YET: dict[str, Any] = {
     "zero_optimization.reduce_scatter": True,
     "zero_optimization.allgather_partitions": True,
     "zero_optimization.contiguous_gradients": True,
-    "zero_optimization.stage3_gather_16bit_weights_on_model_save": False,
+    "zero_optimization.stage3_gather_16bit_weights_on_model_save": True,  # save_16bit_model always gathers
     "zero_optimization.ignore_unused_parameters": True,
     "zero_optimization.round_robin_gradients": False,
     "zero_optimization.elastic_checkpoint": False,
-    "zero_optimization.load_from_fp32_weights": True,  # no checkpoint loading yet
+    "zero_optimization.load_from_fp32_weights": True,  # checkpoints always restore the fp32 masters
     "zero_optimization.memory_efficient_linear": True,
     "zero_allow_untested_optimizer": True,
     "activation_checkpointing.number_checkpoints": None,
     "activation_checkpointing.synchronize_checkpoint_boundary": False,
     "activation_checkpointing.profile": False,
     "wall_clock_breakdown": False,
+    "checkpoint.tag_validation": "Fail",
+    "checkpoint.load_universal": True,
     "comms_logger.debug": False,  # callers of collectives are not recorded
 }
 

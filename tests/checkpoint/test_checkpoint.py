@@ -184,6 +184,13 @@ def _api_cases(root, data):
     res["loader"] = (torch.equal(resumed, expected), not any(torch.equal(resumed, s) for s in seen),
                      other.training_dataloader.epoch)
 
+    # checkpoint.keep_last: the oldest complete tags go.
+    engine.config.checkpoint.keep_last = 2
+    for step in range(3):
+        engine.save_checkpoint(os.path.join(root, "keep"), tag=f"t{step}")
+    engine.config.checkpoint.keep_last = None
+    res["kept"] = sorted(os.listdir(os.path.join(root, "keep")))
+
     class Opaque:  # an LR scheduler whose state JSON cannot hold
         def state_dict(self):
             return {"fn": object()}
@@ -381,6 +388,7 @@ def test_load_options_and_errors(saved):
     assert all(torch.equal(v, ref[n]) for n, v in api["module_only_params"].items())
     assert api["frozen_kept"] and api["trained_loaded"]
     assert api["loader"] == (True, True, 2)
+    assert api["kept"] == ["latest", "t1", "t2"]
     assert "LR scheduler's state_dict is not JSON-serialisable (object)" in api["scheduler_error"]
     assert api["latest_after_error"] == "global_step1"
 

@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import random
+import shutil
 import time
 from typing import Any, Callable
 
@@ -310,12 +311,33 @@ def save(engine, save_dir: str, tag: str | None = None, client_state: dict | Non
                 _fault("before_latest")
                 atomic_write(os.path.join(save_dir, LATEST), [tag.encode()])
                 fsync_dir(save_dir)
+            keep = engine.config.checkpoint.keep_last
+            if keep is not None:
+                _prune(save_dir, keep, tag)
         except Exception as e:
             error = e
     _raise_unless_all(_agree(engine, error is None), error, f"committing checkpoint {tag_dir}")
     if rank == 0:
         log.info("saved checkpoint %s (%d rank files)", tag_dir, world)
     return tag_dir
+
+
+def _prune(save_dir: str, keep: int, just_saved: str) -> None:
+    """Delete the oldest complete tags (by index time) beyond `keep`, never
+    the one just saved nor the one `latest` names; incomplete tags stay (a
+    save may be running in them, and they are never loaded anyway)."""
+    named = None
+    if os.path.isfile(os.path.join(save_dir, LATEST)):
+        with open(os.path.join(save_dir, LATEST)) as f:
+            named = f.read().strip()
+    complete = [t for t in os.listdir(save_dir) if os.path.isfile(os.path.join(save_dir, t, INDEX))]
+    complete.sort(key=lambda t: os.stat(os.path.join(save_dir, t, INDEX)).st_mtime_ns)
+    for tag in complete[:max(len(complete) - keep, 0)]:
+        if tag not in (just_saved, named):
+            # The index goes first: a crash half-way leaves an incomplete tag, never a broken one.
+            os.unlink(os.path.join(save_dir, tag, INDEX))
+            shutil.rmtree(os.path.join(save_dir, tag))
+            log.info("checkpoint.keep_last=%d: deleted %s", keep, os.path.join(save_dir, tag))
 
 
 def _build_index(engine, tag: str, tag_dir: str, results, scheduler, param_groups,
