@@ -86,7 +86,7 @@ def _save_rank(root):
     from dsrun.runtime import comm
     from dsrun.runtime.checkpoint import CheckpointError, checkpointer
 
-    rank = comm.get_rank() if comm.is_initialized() else int(os.environ["RANK"])
+    rank = int(os.environ["RANK"])  # before initialize
     data = batches(rank, 4, 2, 1)
     out = {}
     for name, stage, prec, kw in CASES:
@@ -455,3 +455,50 @@ def test_dataloader_position_round_trip():
     assert [x[0].tolist() for x in b] == [r.tolist() for r in rest] and len(b) == 4
     assert b.state_dict() == {"epoch": 2, "batches": 0}
     assert sorted(torch.cat(first + rest).tolist()) == list(range(10))
+
+
+def _killed_in_save(root, point, victim):
+    import signal
+
+    from dsrun.runtime.checkpoint import checkpointer
+
+    rank = int(os.environ["RANK"])  # before initialize
+    data = batches(rank, 2, 2, 1)
+    engine = _engine(2, "fp32", {})
+    _run(engine, data[:1])
+    engine.save_checkpoint(root, tag="good")
+    _run(engine, data[1:])
+    if rank == victim:
+        checkpointer.fault_hook = lambda p: os.kill(os.getpid(), signal.SIGKILL) if p == point else None
+    engine.save_checkpoint(root, tag="bad")
+    return "saved"
+
+
+@pytest.mark.parametrize("point,victim", [("before_shard", 1), ("after_shard", 1), ("before_index", 0),
+                                          ("before_latest", 0)])
+def test_rank_killed_during_save(tmp_path, point, victim):
+    """SIGKILL at each point of the commit protocol: `latest` and the previous
+    tag survive, and no file under a final name is half-written."""
+    from safetensors import safe_open
+
+    from dsrun.runtime.checkpoint import resolve_tag
+    from dsrun.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from tests.dist_helpers import RankFailed
+    root = str(tmp_path)
+    with pytest.raises(RankFailed):  # the victim died, or the survivor noticed it
+        run_ranks(_killed_in_save, 2, root, point, victim, timeout=120)
+    with open(os.path.join(root, "latest")) as f:
+        assert f.read() == "good"
+    tag, skipped = resolve_tag(root, None)
+    assert tag == "good" and set(skipped) <= {"bad"}
+    assert get_fp32_state_dict_from_zero_checkpoint(root).keys()  # checksums verified on the way
+    bad = os.path.join(root, "bad")
+    for name in os.listdir(bad) if os.path.isdir(bad) else ():
+        if name.startswith("rank"):  # a final name: complete
+            with safe_open(os.path.join(bad, name), framework="pt") as f:
+                for key in f.keys():
+                    f.get_tensor(key)
+        elif name == "index.json":  # only when killed before `latest`
+            assert point == "before_latest"
+            with open(os.path.join(bad, name)) as f:
+                json.load(f)
