@@ -79,6 +79,7 @@ class Engine(torch.nn.Module):
         self.skipped_steps = 0
         self.micro_steps = 0
         self.training_dataloader = None  # set by initialize(training_data=...); checkpointed
+        self._pending_checkpoint = None  # a running asynchronous save (checkpoint.async_save)
         self._boundary_override: bool | None = None
         self._in_no_sync = False
         self._grad_norm: float | None = None
@@ -334,6 +335,12 @@ class Engine(torch.nn.Module):
         """
         return checkpointer.load(self, load_dir, tag, load_module_strict, load_optimizer_states,
                                  load_lr_scheduler_states, load_module_only)
+
+    def wait_checkpoint(self) -> None:
+        """Block until a running asynchronous save (config checkpoint.async_save)
+        is committed. Raises CheckpointError if it failed (save, load and
+        save_16bit_model call this first)."""
+        checkpointer.wait_pending(self)
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "model.safetensors",
                          exclude_frozen_parameters: bool = False) -> bool:

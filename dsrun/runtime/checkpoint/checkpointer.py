@@ -27,6 +27,7 @@ import logging
 import os
 import random
 import shutil
+import threading
 import time
 from typing import Any, Callable
 
@@ -48,6 +49,9 @@ log = logging.getLogger("dsrun.checkpoint")
 # Seconds a save/load waits for every rank to arrive before it fails (instead
 # of hanging when called on some ranks only). DSRUN_CKPT_BARRIER_TIMEOUT overrides.
 ARRIVAL_TIMEOUT_S = float(os.environ.get("DSRUN_CKPT_BARRIER_TIMEOUT", "120"))
+# Seconds a rank waits for the others to finish writing (a dead rank makes the
+# others fail after this). DSRUN_CKPT_TIMEOUT overrides.
+COMMIT_TIMEOUT_S = float(os.environ.get("DSRUN_CKPT_TIMEOUT", "1800"))
 
 # Tests set this to a function called with a point name ("before_shard",
 # "after_shard", "before_index", "before_latest") to inject failures.
@@ -85,63 +89,84 @@ def _global_names(engine) -> dict[str, tuple[int, ...]]:
     return out
 
 
-# ---- collectives ---------------------------------------------------------------
-_arrivals: dict[str, int] = {}
+# ---- agreement among ranks -------------------------------------------------------
+_generations: dict[str, int] = {}
 
 
-def _check_arrival(engine, what: str, tag: str) -> None:
-    """Fail fast when `what` was called on some ranks only, instead of hanging.
+class Rendezvous:
+    """Agreement among the ranks of one checkpoint call, through the rendezvous
+    store, never through a collective.
 
     [Note: arrival check]
     A collective cannot time out on every rank (gloo's monitored_barrier
-    bounds the wait on rank 0 only; NCCL has nothing). So every rank adds 1
-    to a counter in the rendezvous store (the TCPStore torch.distributed was
-    initialised with) under a key naming the call, its tag and the step,
-    and polls it until it reaches the world size. After ARRIVAL_TIMEOUT_S a
-    rank takes its 1 back (so a later, matched call is not miscounted) and
-    raises; if the count was complete at that moment, it proceeds. A
-    per-process generation counter per key keeps repeated calls with the
-    same tag and step apart. Raises CheckpointError."""
-    world = engine.topology.world_size
-    if world == 1 or not comm.is_initialized():
-        return
-    from torch.distributed import distributed_c10d
+    bounds the wait on rank 0 only; NCCL has nothing), and an asynchronous
+    save must not issue collectives from its thread while training issues
+    its own. So ranks agree through the key-value store torch.distributed was
+    initialised with (its TCPStore), under keys naming the call, its tag, the
+    step and a per-process generation (repeated calls stay apart):
 
-    store = distributed_c10d._get_default_store()
-    base = f"dsrun/ckpt/{what}/{tag}/{engine.global_steps}"
-    generation = _arrivals.get(base, 0)
-    _arrivals[base] = generation + 1
-    key = f"{base}/{generation}"
-    count = store.add(key, 1)
-    deadline = time.monotonic() + ARRIVAL_TIMEOUT_S
-    while count < world:
-        if time.monotonic() > deadline:
-            count = store.add(key, -1)
-            if count + 1 >= world:  # the last rank arrived just now: go on
-                store.add(key, 1)
-                return
-            raise CheckpointError(f"{what} must be called on every rank: only {count + 1} of {world} ranks "
-                                  f"called it (tag {tag!r}, step {engine.global_steps}) within "
-                                  f"{ARRIVAL_TIMEOUT_S:g} s")
-        time.sleep(0.005)
-        count = store.add(key, 0)
+    - arrival: every rank adds 1 to a counter and polls it until it reaches
+      the world size. After ARRIVAL_TIMEOUT_S a rank takes its 1 back (so a
+      later, matched call is not miscounted) and raises; if the count was
+      complete at that moment, it proceeds.
+    - `agree(step, ok, digest)`: every rank publishes (success, sha256) and
+      waits up to COMMIT_TIMEOUT_S for all the others: a rank that died (or
+      hangs in I/O) makes the others raise, naming it, instead of waiting
+      forever.
 
+    A single process (world size 1, or torch.distributed not initialised)
+    agrees with itself. Raises CheckpointError.
+    """
 
-def _agree(engine, ok: bool, digest: str = "") -> list[tuple[bool, str]]:
-    """Every rank's (success, sha256 hex) in rank order: one all-gather of 33
-    small numbers per rank (exact in fp32)."""
-    mine = torch.zeros(33, dtype=torch.float32, device=engine.device)
-    mine[0] = float(ok)
-    if digest:
-        mine[1:] = torch.tensor(list(bytes.fromhex(digest)), dtype=torch.float32)
-    world = engine.topology.world_size
-    if world == 1 or not comm.is_initialized():
-        rows = mine.view(1, 33).cpu()
-    else:
-        out = torch.empty(world * 33, dtype=torch.float32, device=engine.device)
-        comm.all_gather_into_tensor(out, mine)
-        rows = out.view(world, 33).cpu()
-    return [(bool(r[0] > 0.5), bytes(int(v) for v in r[1:].tolist()).hex()) for r in rows]
+    def __init__(self, engine, what: str, tag: str):
+        self.what = what
+        self.rank, self.world = engine.topology.rank, engine.topology.world_size
+        self.store = None
+        if self.world == 1 or not comm.is_initialized():
+            return
+        from torch.distributed import distributed_c10d
+
+        self.store = distributed_c10d._get_default_store()
+        base = f"dsrun/ckpt/{what}/{tag}/{engine.global_steps}"
+        generation = _generations.get(base, 0)
+        _generations[base] = generation + 1
+        self.base = f"{base}/{generation}"
+        self._arrive(tag, engine.global_steps)
+
+    def _arrive(self, tag: str, step: int) -> None:
+        key = f"{self.base}/arrived"
+        count = self.store.add(key, 1)
+        deadline = time.monotonic() + ARRIVAL_TIMEOUT_S
+        while count < self.world:
+            if time.monotonic() > deadline:
+                count = self.store.add(key, -1)
+                if count + 1 >= self.world:  # the last rank arrived just now: go on
+                    self.store.add(key, 1)
+                    return
+                raise CheckpointError(f"{self.what} must be called on every rank: only {count + 1} of "
+                                      f"{self.world} ranks called it (tag {tag!r}, step {step}) within "
+                                      f"{ARRIVAL_TIMEOUT_S:g} s")
+            time.sleep(0.005)
+            count = self.store.add(key, 0)
+
+    def agree(self, step: str, ok: bool, digest: str = "") -> list[tuple[bool, str]]:
+        """Every rank's (success, sha256 hex or "") for `step`, in rank order."""
+        if self.store is None:
+            return [(ok, digest)]
+        keys = [f"{self.base}/{step}/{r}" for r in range(self.world)]
+        self.store.set(keys[self.rank], f"{int(ok)}:{digest}")
+        deadline = time.monotonic() + COMMIT_TIMEOUT_S
+        while not self.store.check(keys):
+            if time.monotonic() > deadline:
+                missing = [r for r, k in enumerate(keys) if not self.store.check([k])]
+                raise CheckpointError(f"{self.what}: rank(s) {missing} did not report within "
+                                      f"{COMMIT_TIMEOUT_S:g} s ({step}); did they die?")
+            time.sleep(0.005)
+        out = []
+        for key in keys:
+            flag, _, digest = self.store.get(key).decode().partition(":")
+            out.append((flag == "1", digest))
+        return out
 
 
 def _raise_unless_all(results: list[tuple[bool, str]], error: BaseException | None, what: str) -> None:
@@ -258,32 +283,29 @@ def save(engine, save_dir: str, tag: str | None = None, client_state: dict | Non
     """Save the engine's state under save_dir/<tag>/ (collective: every rank).
 
     tag: default "global_step<N>" (engine.global_steps). Returns the tag
-    directory. Raises CheckpointError (on every rank) when a rank cannot
-    write, state is not JSON-able (LR scheduler, client_state), or not every
-    rank called save; `latest` and any earlier tag are then untouched.
-    See [Note: commit protocol] in store.py.
+    directory. With `checkpoint.async_save` the state is copied to host
+    memory and written by a background thread; the call returns at once and
+    the next save, load or `wait_pending` waits for it (and raises its error).
+    Raises CheckpointError (on every rank) when a rank cannot write, state is
+    not JSON-able (LR scheduler, client_state), or not every rank called
+    save; `latest` and any earlier tag are then untouched. See [Note: commit
+    protocol] in store.py.
     """
+    wait_pending(engine)
     topo = engine.topology
     rank, world = topo.rank, topo.world_size
     tag = f"global_step{engine.global_steps}" if tag is None else str(tag)
     if not tag or "/" in tag or tag in (".", "..", LATEST):
         raise CheckpointError(f"invalid checkpoint tag {tag!r}")
     tag_dir = os.path.join(save_dir, tag)
-    _check_arrival(engine, "save_checkpoint", tag)
+    rdv = Rendezvous(engine, "save_checkpoint", tag)
     error = None
-    if rank == 0:
-        try:
+    try:
+        if rank == 0:
             os.makedirs(tag_dir, exist_ok=True)
             if os.path.exists(os.path.join(tag_dir, INDEX)):
                 os.unlink(os.path.join(tag_dir, INDEX))  # overwriting: incomplete first, never mixed
                 fsync_dir(tag_dir)
-        except OSError as e:
-            error = e
-    _raise_unless_all(_agree(engine, error is None), error, f"preparing checkpoint directory {tag_dir}")
-    file = shard_name(rank, world)
-    error, digest = None, ""
-    try:
-        os.makedirs(tag_dir, exist_ok=True)
         scheduler = None
         if engine.lr_scheduler is not None:
             scheduler = _json_checked(engine.lr_scheduler.state_dict(), "the LR scheduler's state_dict")
@@ -291,35 +313,106 @@ def save(engine, save_dir: str, tag: str | None = None, client_state: dict | Non
                                       for g in engine.optimizer.param_groups], "optimizer param_groups")
         tensors, meta = _rank_payload(engine, held_pieces(engine), client_state or {},
                                       exclude_frozen_parameters)
-        _fault("before_shard")
-        digest, _ = atomic_write(os.path.join(tag_dir, file),
-                                 safetensors_chunks(tensors, {"dsrun": json.dumps(meta)}))
-        _fault("after_shard")
-    except Exception as e:  # reported to every rank below, then raised here
+        fields = _index_fields(engine, scheduler, param_groups, exclude_frozen_parameters) if rank == 0 else None
+    except Exception as e:  # reported to every rank, then raised here
         error = e
-    results = _agree(engine, error is None, digest)
-    _raise_unless_all(results, error, f"saving checkpoint {tag_dir}")
-    error = None
-    if rank == 0:
+    _raise_unless_all(rdv.agree("prepared", error is None), error, f"preparing checkpoint {tag_dir}")
+    job = _SaveJob(rdv, save_dir, tag, tensors, meta, fields, save_latest, engine.config.checkpoint.keep_last)
+    if engine.config.checkpoint.async_save:
+        job.snapshot()  # the only stall: a host copy of this rank's slices
+        engine._pending_checkpoint = job.start()
+    else:
+        job.run()
+    return tag_dir
+
+
+class _SaveJob:
+    """Write one rank's shard and commit the tag (see [Note: commit protocol]);
+    holds no reference to the engine, so it can run in a background thread."""
+
+    def __init__(self, rdv: Rendezvous, save_dir: str, tag: str, tensors: dict[str, torch.Tensor],
+                 meta: dict, fields: dict | None, save_latest: bool, keep_last: int | None):
+        self.rdv, self.save_dir, self.tag = rdv, save_dir, tag
+        self.tag_dir = os.path.join(save_dir, tag)
+        self.tensors, self.meta, self.fields = tensors, meta, fields
+        self.save_latest, self.keep_last = save_latest, keep_last
+        self.error: BaseException | None = None
+        self.thread: threading.Thread | None = None
+
+    def snapshot(self) -> None:
+        """Copy every slice to host memory (pinned when it lives on a GPU), so
+        training may change the originals while the thread writes."""
+        copies = {}
+        for key, t in self.tensors.items():
+            t = t.detach()
+            if t.device.type == "cuda":
+                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                host.copy_(t, non_blocking=True)
+            else:
+                host = t.clone()
+            copies[key] = host
+        if any(t.device.type == "cuda" for t in self.tensors.values()):
+            torch.cuda.synchronize()  # the non-blocking copies are complete
+        self.tensors = copies
+
+    def start(self) -> "_SaveJob":
+        def body():
+            try:
+                self.run()
+            except BaseException as e:  # kept for the next call (wait_pending) to raise
+                self.error = e
+        self.thread = threading.Thread(target=body, name=f"dsrun-ckpt-{self.tag}", daemon=False)
+        self.thread.start()
+        return self
+
+    def wait(self) -> None:
+        """Block until the background save ended; raise its error if it failed."""
+        if self.thread is not None:
+            self.thread.join()
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise CheckpointError(f"the asynchronous save of {self.tag_dir} failed: {error}") from error
+
+    def run(self) -> None:
+        rank, world = self.rdv.rank, self.rdv.world
+        error, digest = None, ""
         try:
-            fsync_dir(tag_dir)
-            index = _build_index(engine, tag, tag_dir, results, scheduler, param_groups,
-                                 exclude_frozen_parameters)
-            _fault("before_index")
-            write_json_atomic(os.path.join(tag_dir, INDEX), index.model_dump(mode="json"))
-            if save_latest:
-                _fault("before_latest")
-                atomic_write(os.path.join(save_dir, LATEST), [tag.encode()])
-                fsync_dir(save_dir)
-            keep = engine.config.checkpoint.keep_last
-            if keep is not None:
-                _prune(save_dir, keep, tag)
+            os.makedirs(self.tag_dir, exist_ok=True)
+            _fault("before_shard")
+            digest, _ = atomic_write(os.path.join(self.tag_dir, shard_name(rank, world)),
+                                     safetensors_chunks(self.tensors, {"dsrun": json.dumps(self.meta)}))
+            _fault("after_shard")
         except Exception as e:
             error = e
-    _raise_unless_all(_agree(engine, error is None), error, f"committing checkpoint {tag_dir}")
-    if rank == 0:
-        log.info("saved checkpoint %s (%d rank files)", tag_dir, world)
-    return tag_dir
+        self.tensors = {}  # host copies can go
+        results = self.rdv.agree("written", error is None, digest)
+        _raise_unless_all(results, error, f"saving checkpoint {self.tag_dir}")
+        error = None
+        if rank == 0:
+            try:
+                fsync_dir(self.tag_dir)
+                index = _build_index(self.fields, self.tag, self.tag_dir, world, [d for _, d in results])
+                _fault("before_index")
+                write_json_atomic(os.path.join(self.tag_dir, INDEX), index.model_dump(mode="json"))
+                if self.save_latest:
+                    _fault("before_latest")
+                    atomic_write(os.path.join(self.save_dir, LATEST), [self.tag.encode()])
+                    fsync_dir(self.save_dir)
+                if self.keep_last is not None:
+                    _prune(self.save_dir, self.keep_last, self.tag)
+            except Exception as e:
+                error = e
+        _raise_unless_all(self.rdv.agree("committed", error is None), error, f"committing checkpoint {self.tag_dir}")
+        if rank == 0:
+            log.info("saved checkpoint %s (%d rank files)", self.tag_dir, world)
+
+
+def wait_pending(engine) -> None:
+    """Wait for the engine's asynchronous save, if one is running; raise its
+    error (CheckpointError) if it failed. Called by every save and load."""
+    job, engine._pending_checkpoint = engine._pending_checkpoint, None
+    if job is not None:
+        job.wait()
 
 
 def _prune(save_dir: str, keep: int, just_saved: str) -> None:
@@ -340,10 +433,26 @@ def _prune(save_dir: str, keep: int, just_saved: str) -> None:
             log.info("checkpoint.keep_last=%d: deleted %s", keep, os.path.join(save_dir, tag))
 
 
-def _build_index(engine, tag: str, tag_dir: str, results, scheduler, param_groups,
-                 exclude_frozen: bool) -> Index:
-    """Rank 0: merge every shard's header description into the index."""
-    world = engine.topology.world_size
+def _index_fields(engine, scheduler, param_groups, exclude_frozen: bool) -> dict:
+    """Rank 0: everything of the index that comes from the engine, taken at
+    save time (JSON-ready)."""
+    loader = engine.training_dataloader.state_dict() if engine.training_dataloader is not None else None
+    strategy = engine.strategy
+    zero = isinstance(strategy, ZeroStrategy)
+    frozen = [n for n, (_, is_frozen) in _global_names(engine).items() if is_frozen]
+    return dict(dsrun_version=dsrun.__version__, torch_version=torch.__version__,
+                world_size=engine.topology.world_size, stage=engine.config.zero_optimization.stage,
+                precision=strategy.precision.name if zero else "fp32",
+                config=engine.config.model_dump(mode="json"), param_groups=param_groups,
+                scaler=strategy.precision.scaler.state_dict() if zero else None,
+                counters={"global_steps": engine.global_steps, "global_samples": engine.global_samples,
+                          "skipped_steps": engine.skipped_steps, "micro_steps": engine.micro_steps},
+                lr_scheduler=scheduler, dataloader=loader, frozen=frozen,
+                excluded_frozen=frozen if exclude_frozen else [])
+
+
+def _build_index(fields: dict, tag: str, tag_dir: str, world: int, digests: list[str]) -> Index:
+    """Rank 0: `fields` plus every shard's header description merged into the index."""
     tensors: dict[str, TensorEntry] = {}
     scalars: dict[str, dict] = {}
     rng, client = [], None
@@ -351,7 +460,7 @@ def _build_index(engine, tag: str, tag_dir: str, results, scheduler, param_group
     for r in range(world):
         file = shard_name(r, world)
         path = os.path.join(tag_dir, file)
-        files[file] = FileEntry(sha256=results[r][1], bytes=os.path.getsize(path))
+        files[file] = FileEntry(sha256=digests[r], bytes=os.path.getsize(path))
         meta = read_shard_metadata(path)
         for gname, e in meta["tensors"].items():
             entry = tensors.setdefault(gname, TensorEntry(shape=e["shape"], dtype=e["dtype"]))
@@ -363,19 +472,8 @@ def _build_index(engine, tag: str, tag_dir: str, results, scheduler, param_group
             client = meta["client_state"]
     for entry in tensors.values():
         entry.slices.sort(key=lambda s: s.lo)
-    frozen = [n for n, (_, is_frozen) in _global_names(engine).items() if is_frozen]
-    loader = engine.training_dataloader.state_dict() if engine.training_dataloader is not None else None
-    strategy = engine.strategy
-    precision = strategy.precision.name if isinstance(strategy, ZeroStrategy) else "fp32"
-    scaler = strategy.precision.scaler.state_dict() if isinstance(strategy, ZeroStrategy) else None
-    return Index(tag=tag, dsrun_version=dsrun.__version__, torch_version=torch.__version__,
-                 world_size=world, stage=engine.config.zero_optimization.stage, precision=precision,
-                 config=engine.config.model_dump(mode="json"), tensors=tensors, optimizer_scalars=scalars,
-                 param_groups=param_groups, scaler=scaler,
-                 counters={"global_steps": engine.global_steps, "global_samples": engine.global_samples,
-                           "skipped_steps": engine.skipped_steps, "micro_steps": engine.micro_steps},
-                 lr_scheduler=scheduler, client_state=client, dataloader=loader, rng=rng, frozen=frozen,
-                 excluded_frozen=frozen if exclude_frozen else [], files=files)
+    return Index(tag=tag, tensors=tensors, optimizer_scalars=scalars, client_state=client, rng=rng,
+                 files=files, **fields)
 
 
 # ---- load ----------------------------------------------------------------------
@@ -475,6 +573,7 @@ def load(engine, load_dir: str, tag: str | None = None, load_module_strict: bool
     model (missing/unexpected keys under load_module_strict, shape mismatch
     always). A failure while reading may leave some tensors loaded.
     """
+    wait_pending(engine)
     topo = engine.topology
     tag, skipped = resolve_tag(load_dir, tag)
     if skipped and topo.rank == 0:
@@ -484,7 +583,7 @@ def load(engine, load_dir: str, tag: str | None = None, load_module_strict: bool
             log.warning("no complete checkpoint in %s; nothing loaded", load_dir)
         return None, None
     tag_dir = os.path.join(load_dir, tag)
-    _check_arrival(engine, "load_checkpoint", tag)
+    rdv = Rendezvous(engine, "load_checkpoint", tag)
     error, index, reader = None, None, None
     try:
         index = load_index(tag_dir)
@@ -496,7 +595,7 @@ def load(engine, load_dir: str, tag: str | None = None, load_module_strict: bool
             _restore_param_groups(engine.optimizer, index.param_groups, tag_dir)
     except Exception as e:
         error = e
-    _raise_unless_all(_agree(engine, error is None), error, f"loading checkpoint {tag_dir}")
+    _raise_unless_all(rdv.agree("read", error is None), error, f"loading checkpoint {tag_dir}")
     strategy = engine.strategy
     if isinstance(strategy, ZeroStrategy):
         strategy.after_checkpoint_load()  # collective: masters -> compute copies -> full parameters
@@ -546,6 +645,7 @@ def save_16bit(engine, save_dir: str, save_filename: str = "model.safetensors",
     rank when rank 0 cannot write.
     """
     global _warned_bin
+    wait_pending(engine)
     if save_filename.endswith(".bin"):
         new = ("model.safetensors" if save_filename == "pytorch_model.bin"
                else save_filename[:-len(".bin")] + ".safetensors")
@@ -553,7 +653,7 @@ def save_16bit(engine, save_dir: str, save_filename: str = "model.safetensors",
             log.warning("save_16bit_model writes safetensors, never pickles: %s becomes %s", save_filename, new)
         _warned_bin = True
         save_filename = new
-    _check_arrival(engine, "save_16bit_model", save_filename)
+    rdv = Rendezvous(engine, "save_16bit_model", save_filename)
     strategy = engine.strategy
     zero = isinstance(strategy, ZeroStrategy)
     compute = strategy.precision.compute_dtype if zero else None
@@ -587,5 +687,5 @@ def save_16bit(engine, save_dir: str, save_filename: str = "model.safetensors",
             error = e
     for _ in gen:  # the other ranks (and rank 0 after a failure) still join every gather
         pass
-    _raise_unless_all(_agree(engine, error is None), error, f"saving the 16-bit model to {path}")
+    _raise_unless_all(rdv.agree("written", error is None), error, f"saving the 16-bit model to {path}")
     return path
