@@ -502,3 +502,50 @@ def test_rank_killed_during_save(tmp_path, point, victim):
             assert point == "before_latest"
             with open(os.path.join(bad, name)) as f:
                 json.load(f)
+
+
+def _async_rank(root):
+    from dsrun.runtime.checkpoint import CheckpointError, checkpointer
+
+    rank = int(os.environ["RANK"])  # before initialize
+    data = batches(rank, 4, 2, 1)
+    out = {}
+    engine = _engine(3, "bf16", {"freeze": True})
+    engine.config.checkpoint.async_save = True
+    _run(engine, data[:2])
+    engine.save_checkpoint(os.path.join(root, "async"))
+    ref = _full_state(engine)  # the state at the save...
+    rest = _run(engine, data[2:])  # ... which training changes while the thread writes
+    engine.wait_checkpoint()
+    resumed = _engine(3, "bf16", {"freeze": True}, seed=4)
+    resumed.load_checkpoint(os.path.join(root, "async"))
+    got = _full_state(resumed)
+    out["state_equal"] = all(torch.equal(ref[i][k], got[i][k]) for i in (0, 1) for k in ref[i])
+    out["losses"] = (_run(resumed, data[2:]), rest)
+    # A failure in the background thread surfaces at the next call, on every rank.
+    def fail(point):
+        if point == "after_shard" and rank == 1:
+            raise OSError(28, "No space left on device")
+    checkpointer.fault_hook = fail
+    engine.save_checkpoint(os.path.join(root, "async"), tag="full")
+    try:
+        engine.save_checkpoint(os.path.join(root, "async"), tag="next")
+        out["error"] = "no error"
+    except (CheckpointError, OSError) as e:
+        out["error"] = str(e)
+    finally:
+        checkpointer.fault_hook = None
+    engine.wait_checkpoint()  # nothing pending any more
+    with open(os.path.join(root, "async", "latest")) as f:
+        out["latest"] = f.read()
+    return out
+
+
+def test_async_save(tmp_path):
+    for rank, out in enumerate(run_ranks(_async_rank, 2, str(tmp_path), timeout=180)):
+        assert out["state_equal"]
+        assert out["losses"][0] == out["losses"][1]
+        assert "asynchronous save" in out["error"] and "full" in out["error"]
+        if rank == 1:
+            assert "No space left on device" in out["error"]
+        assert out["latest"] == "global_step2"
