@@ -15,19 +15,22 @@ description in its shard's safetensors header (`__metadata__["dsrun"]`), so
 rank 0 builds the index from the headers without moving any data.
 
 [Note: commit protocol]
-1. Every rank checks that every rank called save (see [Note: arrival
-   check] in checkpointer.py); rank 0 then removes `<tag>/index.json` if the
-   tag exists (overwriting a tag makes it incomplete first, never
-   inconsistent) before any rank writes.
+1. Every rank checks that every rank called save, and ranks agree at each
+   step below, through the rendezvous store with bounded waits (see [Note:
+   arrival check] in checkpointer.py): a dead rank makes the others fail
+   instead of hanging. Rank 0 removes `<tag>/index.json` if the tag exists
+   (overwriting a tag makes it incomplete first, never inconsistent) before
+   any rank writes.
 2. Every rank writes its shard to a temporary name in the tag directory,
    fsyncs and renames it (`atomic_write`), hashing it as it goes.
-3. All ranks exchange (success, sha256) in one all-gather; if any rank
-   failed, every rank raises and nothing else happens: the tag stays without
-   an index and `latest` unchanged.
+3. All ranks publish (success, sha256); if any rank failed, every rank
+   raises and nothing else happens: the tag stays without an index and
+   `latest` unchanged.
 4. Rank 0 reads the shard headers, writes index.json (temporary name,
-   fsync, rename, directory fsync), then replaces `latest` the same way.
-5. A final barrier: save returns on every rank only once the tag is
-   committed.
+   fsync, rename, directory fsync), then replaces `latest` the same way
+   (and prunes old tags for checkpoint.keep_last).
+5. A final agreement: save returns (or, with async_save, the background
+   job ends) on every rank only once the tag is committed.
 A tag directory without index.json is never loaded; loading without a tag
 follows `latest`, or else takes the complete tag with the newest index, and
 names every incomplete tag it skipped. A crash at any point leaves either the
