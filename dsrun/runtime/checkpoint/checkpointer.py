@@ -38,8 +38,8 @@ from dsrun.runtime import comm
 from dsrun.runtime.checkpoint.pieces import HeldPiece, plain_pieces
 from dsrun.runtime.checkpoint.store import (INDEX, LATEST, CheckpointError, FileEntry, Index, SliceReader,
                                             StoredSlice, TensorEntry, atomic_write, dtype_name, dtype_of,
-                                            fsync_dir, load_index, read_shard_metadata, resolve_tag,
-                                            safetensors_chunks, shard_name, stream_safetensors,
+                                            fsync_dir, index_time, load_index, read_shard_metadata,
+                                            resolve_tag, safetensors_chunks, shard_name, stream_safetensors,
                                             write_json_atomic)
 from dsrun.runtime.zero.params import record_of
 from dsrun.runtime.zero.strategy import ZeroStrategy
@@ -424,7 +424,7 @@ def _prune(save_dir: str, keep: int, just_saved: str) -> None:
         with open(os.path.join(save_dir, LATEST)) as f:
             named = f.read().strip()
     complete = [t for t in os.listdir(save_dir) if os.path.isfile(os.path.join(save_dir, t, INDEX))]
-    complete.sort(key=lambda t: os.stat(os.path.join(save_dir, t, INDEX)).st_mtime_ns)
+    complete.sort(key=lambda t: index_time(os.path.join(save_dir, t)))
     for tag in complete[:max(len(complete) - keep, 0)]:
         if tag not in (just_saved, named):
             # The index goes first: a crash half-way leaves an incomplete tag, never a broken one.
@@ -472,7 +472,7 @@ def _build_index(fields: dict, tag: str, tag_dir: str, world: int, digests: list
             client = meta["client_state"]
     for entry in tensors.values():
         entry.slices.sort(key=lambda s: s.lo)
-    return Index(tag=tag, tensors=tensors, optimizer_scalars=scalars, client_state=client, rng=rng,
+    return Index(tag=tag, saved_at_ns=time.time_ns(), tensors=tensors, optimizer_scalars=scalars, client_state=client, rng=rng,
                  files=files, **fields)
 
 

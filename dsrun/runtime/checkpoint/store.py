@@ -88,6 +88,7 @@ class Index(BaseModel):
 
     format_version: int = FORMAT_VERSION
     tag: str
+    saved_at_ns: int = Field(0, description="time.time_ns() when rank 0 wrote the index: orders tags.")
     dsrun_version: str
     torch_version: str
     world_size: int = Field(description="Ranks that wrote the checkpoint.")
@@ -245,8 +246,18 @@ def resolve_tag(load_dir: str, tag: str | None) -> tuple[str | None, list[str]]:
     complete = [t for t in tags if t not in incomplete]
     if not complete:
         return None, incomplete
-    newest = max(complete, key=lambda t: os.stat(os.path.join(load_dir, t, INDEX)).st_mtime_ns)
-    return newest, incomplete
+    return max(complete, key=lambda t: index_time(os.path.join(load_dir, t))), incomplete
+
+
+def index_time(tag_dir: str) -> int:
+    """When a complete tag was committed (ns): its index's saved_at_ns, else
+    the index file's mtime (an index that cannot be read counts as oldest)."""
+    path = os.path.join(tag_dir, INDEX)
+    try:
+        with open(path) as f:
+            return int(json.load(f).get("saved_at_ns") or os.stat(path).st_mtime_ns)
+    except (OSError, ValueError):
+        return -1
 
 
 def load_index(tag_dir: str) -> Index:
