@@ -206,7 +206,8 @@ def _api_cases(root, data):
 
 
 # Where each saved case is loaded, per world size: (stage, precision).
-TARGETS = {1: {"*": (0, "fp32")}, 2: {"s0_fp32": (3, "fp32"), "s1_fp32": (2, "bf16"), "s1_native": (0, "bf16"), "s2_fp32": (3, "bf16"),
+TARGETS = {1: {"*": (0, "fp32")}, 2: {"s0_fp32": (3, "fp32"), "s1_fp32": (2, "bf16"), "s1_native": (0, "bf16"),
+                                     "s2_fp32": (3, "bf16"),
                                      "s3_fp32": (1, "fp32"), "s3_bf16": (0, "fp32"), "s2_fp16": (3, "fp32")},
            4: {"*": (3, "fp32")}}
 

@@ -261,7 +261,8 @@ def _rank_payload(engine, pieces: list[HeldPiece], client_state, exclude_frozen:
                 scalars.setdefault(p.name, {})[k] = {"value": v, "dtype": None}
             else:
                 raise CheckpointError(f"optimizer state {k!r} of parameter {p.name} "
-                                      f"({type(v).__name__}{list(v.shape) if isinstance(v, torch.Tensor) else ''}) "
+                                      f"({type(v).__name__}"
+                                      f"{list(v.shape) if isinstance(v, torch.Tensor) else ''}) "
                                       "is neither element-wise nor a scalar; dsrun cannot checkpoint it yet")
     rng_key = f"rng/rank{rank}/torch_cpu"
     put(rng_key, [torch.get_rng_state().numel()], torch.get_rng_state(), 0, torch.get_rng_state().numel())
@@ -402,7 +403,8 @@ class _SaveJob:
                     _prune(self.save_dir, self.keep_last, self.tag)
             except Exception as e:
                 error = e
-        _raise_unless_all(self.rdv.agree("committed", error is None), error, f"committing checkpoint {self.tag_dir}")
+        _raise_unless_all(self.rdv.agree("committed", error is None), error,
+                          f"committing checkpoint {self.tag_dir}")
         if rank == 0:
             log.info("saved checkpoint %s (%d rank files)", self.tag_dir, world)
 
@@ -472,7 +474,8 @@ def _build_index(fields: dict, tag: str, tag_dir: str, world: int, digests: list
             client = meta["client_state"]
     for entry in tensors.values():
         entry.slices.sort(key=lambda s: s.lo)
-    return Index(tag=tag, saved_at_ns=time.time_ns(), tensors=tensors, optimizer_scalars=scalars, client_state=client, rng=rng,
+    return Index(tag=tag, saved_at_ns=time.time_ns(), tensors=tensors, optimizer_scalars=scalars,
+                 client_state=client, rng=rng,
                  files=files, **fields)
 
 
@@ -668,7 +671,8 @@ def save_16bit(engine, save_dir: str, save_filename: str = "model.safetensors",
     for mod_name, mod in engine.module.named_modules():
         for bname, buf in mod._buffers.items():
             if buf is not None and bname not in mod._non_persistent_buffers_set:
-                entries.append((f"{mod_name}.{bname}" if mod_name else bname, buf, tuple(buf.shape), buf.dtype, False))
+                name = f"{mod_name}.{bname}" if mod_name else bname
+                entries.append((name, buf, tuple(buf.shape), buf.dtype, False))
 
     def values():
         for name, t, shape, dtype, managed in entries:

@@ -140,7 +140,8 @@ def export_hf(tag_dir: str, out: str, dtype: torch.dtype, max_shard_bytes: int) 
     for gname, entry in index.tensors.items():
         if gname.startswith("module/"):
             stored = dtype_of(entry.dtype)
-            specs.append((gname[len("module/"):], tuple(entry.shape), dtype if stored.is_floating_point else stored))
+            out_dtype = dtype if stored.is_floating_point else stored
+            specs.append((gname[len("module/"):], tuple(entry.shape), out_dtype))
     shards: list[list] = [[]]
     size = 0
     for spec in specs:
@@ -161,8 +162,8 @@ def export_hf(tag_dir: str, out: str, dtype: torch.dtype, max_shard_bytes: int) 
                      for _, shape, dt in shard)
     if len(shards) > 1:
         weight_map = {key: name for name, shard in zip(names, shards) for key, _, _ in shard}
-        atomic_write(os.path.join(out, "model.safetensors.index.json"),
-                     [json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1).encode()])
+        text = json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1)
+        atomic_write(os.path.join(out, "model.safetensors.index.json"), [text.encode()])
     fsync_dir(out)
     return names
 
