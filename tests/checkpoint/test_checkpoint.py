@@ -24,6 +24,7 @@ CASES = [
     ("s3_fp32", 3, "fp32", {"freeze": True}),
     ("s3_bf16", 3, "bf16", {"freeze": True}),
     ("s2_fp16", 2, "fp16", {}),
+    ("s0_bf16", 0, "bf16", {}),  # replicated 16-bit: each rank writes half of every slice
 ]
 SMALL = {"reduce_bucket_size": 300, "allgather_bucket_size": 700, "stage3_param_persistence_threshold": 40}
 
@@ -208,7 +209,8 @@ def _api_cases(root, data):
 # Where each saved case is loaded, per world size: (stage, precision).
 TARGETS = {1: {"*": (0, "fp32")}, 2: {"s0_fp32": (3, "fp32"), "s1_fp32": (2, "bf16"), "s1_native": (0, "bf16"),
                                      "s2_fp32": (3, "bf16"),
-                                     "s3_fp32": (1, "fp32"), "s3_bf16": (0, "fp32"), "s2_fp16": (3, "fp32")},
+                                     "s3_fp32": (1, "fp32"), "s3_bf16": (0, "fp32"), "s2_fp16": (3, "fp32"),
+                                     "s0_bf16": (2, "fp32")},
            4: {"*": (3, "fp32")}}
 
 
@@ -254,6 +256,10 @@ def test_index_records_format(saved):
     frozen = index["tensors"]["module/h.0.fc.weight"]
     assert frozen["dtype"] == "bfloat16" and "optim/h.0.fc.weight/exp_avg" not in index["tensors"]
     assert index["optimizer_scalars"]["h.1.fc.weight"]["step"]["value"] == 2.0
+    with open(os.path.join(root, "s0_bf16", "global_step2", "index.json")) as f:
+        replicated = json.load(f)["tensors"]["optim/h.1.fc.weight/exp_avg"]  # every rank holds it all
+    assert sorted((s["lo"], s["hi"], s["file"][:9]) for s in replicated["slices"]) == [
+        (0, 256, "rank00000"), (256, 512, "rank00001")]
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
