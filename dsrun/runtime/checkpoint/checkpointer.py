@@ -541,17 +541,30 @@ def _restore_param_groups(optimizer: torch.optim.Optimizer, saved: list[dict], t
             group[k] = tuple(v) if isinstance(group.get(k), tuple) and isinstance(v, list) else v
 
 
-def _restore_rng(engine, index: Index, reader: SliceReader) -> None:
+def _read_rng(engine, index: Index, reader: SliceReader) -> dict[str, torch.Tensor] | None:
+    """This rank's saved torch RNG states ({"cpu", "cuda"?}), or None when
+    the world size changed (the states are per rank)."""
+    rank = engine.topology.rank
+    if index.world_size != engine.topology.world_size:
+        return None
+    out = {"cpu": reader.read_full(f"rng/rank{rank}/torch_cpu")}
+    if f"rng/rank{rank}/cuda" in index.tensors and engine.device.type == "cuda":
+        out["cuda"] = reader.read_full(f"rng/rank{rank}/cuda")
+    return out
+
+
+def _restore_rng(engine, index: Index, states: dict[str, torch.Tensor] | None) -> None:
+    """Every RNG state of this rank (torch CPU and CUDA, Python, NumPy), when
+    the world size is the one that saved; else a warning."""
     rank, world = engine.topology.rank, engine.topology.world_size
-    if index.world_size != world:
+    if states is None:
         if rank == 0:
             log.warning("checkpoint written by %d ranks, loaded on %d: RNG states are not restored",
                         index.world_size, world)
         return
-    torch.set_rng_state(reader.read_full(f"rng/rank{rank}/torch_cpu"))
-    cuda_key = f"rng/rank{rank}/cuda"
-    if cuda_key in index.tensors and engine.device.type == "cuda":
-        torch.cuda.set_rng_state(reader.read_full(cuda_key), engine.device)
+    torch.set_rng_state(states["cpu"])
+    if "cuda" in states:
+        torch.cuda.set_rng_state(states["cuda"], engine.device)
     saved = index.rng[rank]
     version, state, gauss = saved["python"]
     random.setstate((version, tuple(state), gauss))
@@ -587,7 +600,7 @@ def load(engine, load_dir: str, tag: str | None = None, load_module_strict: bool
         return None, None
     tag_dir = os.path.join(load_dir, tag)
     rdv = Rendezvous(engine, "load_checkpoint", tag)
-    error, index, reader = None, None, None
+    error, index, reader, rng, client_state = None, None, None, None, None
     try:
         index = load_index(tag_dir)
         names = _check_names(engine, index, load_module_strict, tag_dir)
@@ -596,13 +609,15 @@ def load(engine, load_dir: str, tag: str | None = None, load_module_strict: bool
         _load_tensors(engine, index, reader, names, optim)
         if optim:
             _restore_param_groups(engine.optimizer, index.param_groups, tag_dir)
+        if not load_module_only:  # read now, so that a bad file fails every rank together
+            rng = _read_rng(engine, index, reader)
+            client_state = _decode_client(index.client_state, reader) if index.client_state is not None else {}
     except Exception as e:
         error = e
     _raise_unless_all(rdv.agree("read", error is None), error, f"loading checkpoint {tag_dir}")
     strategy = engine.strategy
     if isinstance(strategy, ZeroStrategy):
         strategy.after_checkpoint_load()  # collective: masters -> compute copies -> full parameters
-    client_state = None
     if not load_module_only:
         if isinstance(strategy, ZeroStrategy) and index.scaler is not None and optim:
             scaler = strategy.precision.scaler
@@ -612,7 +627,7 @@ def load(engine, load_dir: str, tag: str | None = None, load_module_strict: bool
             setattr(engine, k, int(v))
         if load_lr_scheduler_states and engine.lr_scheduler is not None and index.lr_scheduler is not None:
             engine.lr_scheduler.load_state_dict(index.lr_scheduler)
-        _restore_rng(engine, index, reader)
+        _restore_rng(engine, index, rng)
         if engine.training_dataloader is not None and index.dataloader is not None:
             if index.world_size == topo.world_size:
                 engine.training_dataloader.load_state_dict(index.dataloader)
@@ -622,11 +637,10 @@ def load(engine, load_dir: str, tag: str | None = None, load_module_strict: bool
                                 "epoch %d from the beginning (per-rank shards differ)", index.world_size,
                                 topo.world_size, index.dataloader["epoch"])
                 engine.training_dataloader.load_state_dict({"epoch": index.dataloader["epoch"], "batches": 0})
-        client_state = _decode_client(index.client_state, reader) if index.client_state is not None else {}
     if topo.rank == 0:
         log.info("loaded checkpoint %s (written by %d ranks at stage %d, %s)", tag_dir, index.world_size,
                  index.stage, index.precision)
-    return tag_dir, client_state if client_state is not None else {}
+    return tag_dir, {} if load_module_only else client_state
 
 
 # ---- 16-bit model export ---------------------------------------------------------
