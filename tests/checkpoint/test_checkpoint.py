@@ -185,6 +185,28 @@ def _api_cases(root, data):
     res["loader"] = (torch.equal(resumed, expected), not any(torch.equal(resumed, s) for s in seen),
                      other.training_dataloader.epoch)
 
+    # LR schedulers: ds_config's WarmupLR and a torch StepLR object continue where they were.
+    import dsrun
+    for kind in ("warmup", "steplr"):
+        runs = []
+        for seed in (0, 1):
+            torch.manual_seed(seed)
+            model = TinyGPT()
+            cfg = base_config(1)
+            opt = torch.optim.AdamW(param_groups(model), lr=1e-2)
+            sched = None
+            if kind == "warmup":
+                cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_num_steps": 10}}
+            else:
+                sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+            e, *_ = dsrun.initialize(model=model, optimizer=opt, lr_scheduler=sched, config=cfg)
+            runs.append(e)
+        _run(runs[0], data[:2])
+        runs[0].save_checkpoint(os.path.join(root, f"sched_{kind}"))
+        runs[1].load_checkpoint(os.path.join(root, f"sched_{kind}"))
+        res[f"sched_{kind}"] = (runs[0].get_lr() == runs[1].get_lr(),
+                                runs[0].lr_scheduler.state_dict() == runs[1].lr_scheduler.state_dict(),
+                                _run(runs[0], data[2:3]) == _run(runs[1], data[2:3]), runs[1].get_lr())
     # checkpoint.keep_last: the oldest complete tags go.
     engine.config.checkpoint.keep_last = 2
     for step in range(3):
@@ -396,6 +418,10 @@ def test_load_options_and_errors(saved):
     assert api["frozen_kept"] and api["trained_loaded"]
     assert api["loader"] == (True, True, 2)
     assert api["kept"] == ["latest", "t1", "t2"]
+    for kind, lr in (("warmup", None), ("steplr", [0.00125, 0.00125])):
+        same_lr, same_state, same_loss, lrs = api[f"sched_{kind}"]
+        assert same_lr and same_state and same_loss, kind
+        assert lr is None or lrs == lr  # 3 steps of StepLR(gamma=0.5) from 1e-2
     assert "LR scheduler's state_dict is not JSON-serialisable (object)" in api["scheduler_error"]
     assert api["latest_after_error"] == "global_step1"
 
