@@ -13,8 +13,7 @@ install of a clean copy of this tree, without extras; then, from that venv:
   and the next step is applied (tests/install/fp16_overflow.py);
 - `dsrun-report`: exit 0, and no NumPy warning from torch;
 - the aio Python fallback (AioHandle's engine when liburing is missing);
-- a checkpoint save and load on 2 ranks (xfail until
-  dsrun/runtime/checkpoint/store.py stops calling tensor.numpy()).
+- a checkpoint save and load on 2 ranks.
 
 Takes about 45 s here (35 s of it the two pip installs).
 """
@@ -115,9 +114,6 @@ def test_plain_install_aio_python_fallback(plain_venv):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="checkpoint/store.py streams tensor bytes through tensor.numpy(): "
-                   "'RuntimeError: Numpy is not available' on a plain install. Once fixed (a ctypes view of the "
-                   "bytes, as in dsrun/ops/aio.py), this test passes: remove this marker.")
 def test_plain_install_checkpoint_save_and_load(plain_venv):
     venv, env, run_dir = plain_venv
     shutil.copy(HERE / "checkpoint_roundtrip.py", run_dir / "checkpoint_roundtrip.py")

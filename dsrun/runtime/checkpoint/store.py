@@ -39,6 +39,7 @@ old state or the new one under the final names, never a half-written file.
 from __future__ import annotations
 
 import hashlib
+import ctypes
 import json
 import os
 import struct
@@ -191,7 +192,10 @@ def stream_safetensors(specs: list[tuple[str, tuple[int, ...], torch.dtype]], va
         if tuple(t.shape) != shape or t.dtype != dtype:
             raise ValueError(f"tensor {key}: got {tuple(t.shape)} {t.dtype}, announced {shape} {dtype}")
         if t.numel():
-            yield memoryview(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy())
+            data = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
+            # a view of the tensor's bytes without NumPy (not installed by `pip install dsrun`);
+            # the yielded buffer is consumed before `data` goes out of scope
+            yield memoryview((ctypes.c_ubyte * data.numel()).from_address(data.data_ptr()))
 
 
 def write_json_atomic(path: str, data: Any) -> None:
