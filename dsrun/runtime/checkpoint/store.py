@@ -38,8 +38,8 @@ old state or the new one under the final names, never a half-written file.
 """
 from __future__ import annotations
 
-import hashlib
 import ctypes
+import hashlib
 import json
 import os
 import struct
