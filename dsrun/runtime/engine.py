@@ -297,7 +297,9 @@ class Engine(torch.nn.Module):
         Every rank writes its own shard in parallel; the tag is committed
         (index.json, then `latest`) only once all succeeded, so a crash
         leaves the previous checkpoint intact. Loadable on any world size,
-        stage and precision.
+        stage and precision. With config `checkpoint.async_save` it returns
+        after a host copy of the state; `wait_checkpoint()` (or the next
+        save/load) waits for the write and raises its error.
 
         Args:
             tag: directory name; default "global_step<global_steps>".
