@@ -14,6 +14,7 @@ the same way at any world size; nothing in the runtime branches on
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import datetime
 import os
@@ -166,4 +167,15 @@ def init_distributed(dist_backend: str | None = None,
             os.environ["MASTER_PORT"] = str(distributed_port)
         dist.init_process_group(backend, init_method="env://", rank=rank,
                                 world_size=world_size, timeout=timeout)
+    atexit.register(_leave)
     return Topology(rank, world_size, local_rank, local_world_size, device, backend)
+
+
+def _leave() -> None:
+    """At interpreter exit, destroy the process group dsrun created while the
+    interpreter is still whole: with torch 2.13, gloo objects alive during
+    interpreter teardown sometimes abort the process ("terminate called
+    without an active exception") after training finished. No collective is
+    issued, so a rank never waits here for a peer that is gone."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
