@@ -20,6 +20,7 @@ import dataclasses
 import torch
 
 from dsrun.runtime import comm
+from dsrun.runtime.comm.collectives import overlapped_all_reduce
 from dsrun.runtime.dist import Topology
 from dsrun.runtime.memory import tensor_breakdown
 
@@ -161,15 +162,17 @@ class AllReduceStrategy(GradientStrategy):
     all-reduced (16Ψ bytes with Adam, not 20Ψ: no separate bucket copy) and
     `zero_grad` zeroes the buckets. A post-accumulate-grad hook on every
     parameter marks it ready during a sync backward; when the *next* bucket
-    in order is complete it is all-reduced in place asynchronously, so
-    communication overlaps the rest of backward. Buckets
+    in order is complete it is averaged in place by `overlapped_all_reduce`
+    (over shared memory: on the communication thread, see [Note: overlap on
+    a communication thread] in comm/collectives.py), so communication
+    overlaps the rest of backward. Buckets
     are launched strictly in bucket order -- never out of order even when a
     later bucket fills first -- so every rank issues the same sequence of
     collectives even when ranks see different data and hooks fire in a
     different order. Parameters that got no gradient (unused in this
     forward, or unused on this rank) hold zeros; at the end of backward the
     remaining buckets are flushed in order, then we wait for all handles
-    and divide by the world size.
+    (each bucket is divided by the world size before its wait returns).
 
     Args:
         module: the model (parameters with requires_grad are reduced).
@@ -227,7 +230,7 @@ class AllReduceStrategy(GradientStrategy):
         # See [Note: bucket order]: only ever launch the next bucket in order.
         while self._next_bucket < len(self._buckets) and self._buckets[self._next_bucket].is_ready():
             bucket = self._buckets[self._next_bucket]
-            bucket.handle = comm.all_reduce(bucket.flat, group=self._group, async_op=True)
+            bucket.handle = overlapped_all_reduce(bucket.flat, group=self._group, average=True)
             self._next_bucket += 1
 
     def _flush(self) -> None:
@@ -236,10 +239,8 @@ class AllReduceStrategy(GradientStrategy):
         for bucket in self._buckets:
             bucket.ready.update(id(p) for p in bucket.params)
         self._launch_ready_buckets()
-        world = comm.get_world_size(self._group)
         for bucket in self._buckets:
-            bucket.handle.wait()  # blocks until this bucket's sum has arrived
-            bucket.flat.div_(world)
+            bucket.handle.wait()  # blocks until this bucket's average is in place
             bucket.handle = None
             bucket.ready.clear()
         self._next_bucket = 0

@@ -25,6 +25,10 @@ The choice has two levels:
    torch.distributed (same semantics, same errors). These properties are
    the same on every rank for one collective, so all ranks take the same
    transport.
+An overlapped all_reduce (stage 0's gradient buckets) on shm runs on a
+communication thread unless DSRUN_COMM_OVERLAP says otherwise ("sync": on
+the caller's thread; "torch": gloo's async all_reduce); see [Note: overlap
+on a communication thread].
 On shm, all_reduce/reduce_scatter accumulate in fp32 in rank order and
 round once, so every rank gets bit-identical results.
 
@@ -43,11 +47,47 @@ re-init) gets a new choice.
 
 [Note: shm is synchronous]
 The shm collectives return when the result is in place; with async_op=True
-the handle is already complete. On CPU that loses nothing: the copies into
-and out of shared memory ARE the work, done by this rank's own thread, so
-there is nothing to overlap them with (gloo's async ops do the same copies
-on a background thread that competes for the same cores). Their time is
-therefore counted as synchronous seconds in the comms logger.
+the handle is already complete, and their time is counted as synchronous
+seconds in the comms logger. The copies into and out of shared memory are
+the work, done by the calling thread. The one exception is
+`overlapped_all_reduce`, below.
+
+[Note: overlap on a communication thread]
+`overlapped_all_reduce` is for a caller with compute to do until it waits:
+stage 0 launches its gradient buckets from backward hooks. On a group that
+shm serves, DSRUN_COMM_OVERLAP picks how it runs:
+- "thread" (the default): on this process's communication thread
+  (comm_thread.py): one thread, one FIFO queue. ctypes releases the GIL for
+  the native call and autograd releases it around every kernel, so
+  backward goes on while the bucket is summed (and averaged) there. Every
+  shm collective issued on the caller's thread first drains that queue
+  (`_issue`), so shm collectives run in program order on every rank and
+  the ShmGroup is never used by two threads at once. An error on the thread
+  surfaces at the handle's `wait()`.
+- "sync": on the caller's thread, finished when the call returns.
+- "torch": gloo's async all_reduce, on gloo's own thread (2.5-3x shm's cost).
+The ranks agree on the mode when the shm group opens (one 2-element
+all_reduce); if they differ, all use "sync" and a warning says so, because
+"torch" on some ranks and shm on others would deadlock. Elsewhere (no
+shm: GPU, several nodes, subgroups) it is torch.distributed's async
+all_reduce whatever the mode.
+Why "thread" is the default: with 2 ranks on 2 cores there is no idle core
+to hide the copies in, so overlap cannot remove their CPU time (about 70 ms
+per step for the 48M GPT's 192 MB of gradients, plus 10 ms to average);
+what it can remove is waiting: a rank that reaches a bucket first goes on
+with backward instead of waiting in the shm barrier for the slower one.
+Measured on 2 cores shared with other jobs, 2 ranks x 1 thread, steps of
+each mode alternated in one pair of processes with a no-sync floor step
+(bench/step_time/gpt_step.py --paired; median of per-cycle ratios):
+- 48M GPT, 7 runs of 10-30 cycles: thread ahead of sync in 4 (by 1-4% of
+  the floor), level in 2, behind in 1 (by 0.8%). The last, with DDP in the
+  same processes: thread 1.04x the floor and 0.95x DDP, sync 1.06x / 0.97x,
+  torch 1.09x / 0.96x; CPU per step (both ranks) floor 5.08 s, thread
+  5.16, sync 5.34, torch 5.40, DDP 5.53.
+- 5.2M GPT, 6 runs of 20-60 cycles: in the 4 under heavy load thread
+  1.05-1.07x the floor, sync 1.08-1.16x, torch 1.10-1.14x; in the 2 on a
+  quieter machine thread and sync level (1.06-1.09x), torch 1.18x.
+With more cores than ranks the thread also hides the copies themselves.
 """
 from __future__ import annotations
 
@@ -60,6 +100,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
 from dsrun.ops import shm_comm
+from dsrun.runtime.comm import comm_thread
 from dsrun.runtime.comm.logger import comms_logger, timed
 
 log = logging.getLogger(__name__)
@@ -69,6 +110,8 @@ Handle = dist.Work
 SHM = "shm"
 TORCH = "torch"
 _SHM_REDUCE_OPS = {ReduceOp.SUM: "sum", ReduceOp.MAX: "max", ReduceOp.MIN: "min"}
+OVERLAP_MODES = ("sync", "thread", "torch")  # see [Note: overlap on a communication thread]
+DEFAULT_OVERLAP = "thread"
 
 
 class CompletedWork(dist.Work):
@@ -85,6 +128,28 @@ class CompletedWork(dist.Work):
         return True
 
 
+class _ThenWork(dist.Work):
+    """A torch.distributed handle plus work to do once it completes, run by
+    the first `wait()` (on the waiting thread)."""
+
+    def __init__(self, work: dist.Work, then) -> None:
+        super().__init__()
+        self._work, self._then = work, then
+
+    def wait(self, timeout=None) -> bool:
+        self._work.wait()
+        if self._then is not None:
+            then, self._then = self._then, None
+            then()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._then is None
+
+    def is_success(self) -> bool:
+        return self._then is None
+
+
 class _WorldShm:
     """The transport choice for the current default group (see [Note: when the shm group is created])."""
 
@@ -92,6 +157,7 @@ class _WorldShm:
     # group alive until exit would tear gloo down at interpreter shutdown.
     pg: weakref.ref | None = None
     group: shm_comm.ShmGroup | None = None
+    overlap: str = "sync"  # what overlapped_all_reduce does on this group (agreed by all ranks)
 
 
 def _shm_enabled_by_env() -> bool:
@@ -102,10 +168,34 @@ def _shm_enabled_by_env() -> bool:
     return raw != "0"
 
 
+def overlap_mode() -> str:
+    """How `overlapped_all_reduce` runs on a shm-served group: DSRUN_COMM_OVERLAP
+    (see [Note: overlap on a communication thread])."""
+    raw = os.environ.get("DSRUN_COMM_OVERLAP", "").strip() or DEFAULT_OVERLAP
+    if raw not in OVERLAP_MODES:
+        raise ValueError(f"DSRUN_COMM_OVERLAP={raw!r}: set it to one of {', '.join(OVERLAP_MODES)} "
+                         f"(default {DEFAULT_OVERLAP})")
+    return raw
+
+
 def _all_ranks_agree(ok: bool) -> bool:
     flag = torch.tensor([int(ok)], dtype=torch.int32)
     dist.all_reduce(flag, op=ReduceOp.MIN)  # set-up traffic, not counted
     return bool(flag.item())
+
+
+def _agreed_overlap_mode() -> str:
+    """The DSRUN_COMM_OVERLAP of every rank, or "sync" (with a warning) where
+    they differ: "torch" on some ranks and shm on others would deadlock."""
+    index = OVERLAP_MODES.index(overlap_mode())
+    extremes = torch.tensor([index, -index], dtype=torch.int32)
+    dist.all_reduce(extremes, op=ReduceOp.MIN)  # set-up traffic, not counted
+    low, high = int(extremes[0]), -int(extremes[1])
+    if low != high:
+        log.warning("dsrun.comm: DSRUN_COMM_OVERLAP differs between ranks (%s ... %s); using sync",
+                    OVERLAP_MODES[low], OVERLAP_MODES[high])
+        return "sync"
+    return OVERLAP_MODES[low]
 
 
 def _open_world_shm() -> shm_comm.ShmGroup | None:
@@ -142,9 +232,11 @@ def _world_shm(group: ProcessGroup | None) -> shm_comm.ShmGroup | None:
         return None
     if _WorldShm.pg is None or _WorldShm.pg() is not world:
         if _WorldShm.group is not None:
+            comm_thread.shutdown()  # runs what is queued on the old group, forgets its errors
             _WorldShm.group.close()
             _WorldShm.group = None
         _WorldShm.group = _open_world_shm()
+        _WorldShm.overlap = _agreed_overlap_mode() if _WorldShm.group is not None else "sync"
         _WorldShm.pg = weakref.ref(world)
     return _WorldShm.group
 
@@ -169,6 +261,7 @@ def _issue(name: str, counted: torch.Tensor, async_op: bool, shm: shm_comm.ShmGr
            on_shm, on_torch) -> Handle | None:
     with timed() as t:
         if shm is not None:
+            comm_thread.drain()  # see [Note: overlap on a communication thread]
             on_shm(shm)
             handle = CompletedWork() if async_op else None
         else:
@@ -190,6 +283,36 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM,
     return _issue("all_reduce", tensor, async_op, _served(group, tensor, reduce_op=op),
                   lambda shm: shm.all_reduce(tensor, _SHM_REDUCE_OPS[op]),
                   lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op))
+
+
+def overlapped_all_reduce(tensor: torch.Tensor, group: ProcessGroup | None = None,
+                          average: bool = False) -> Handle:
+    """Sum `tensor` in place across `group` while the caller keeps computing
+    (stage 0's gradient buckets during backward); with `average`, divide
+    the sum by the group's size before `wait()` returns.
+
+    Where the group is served by shm, DSRUN_COMM_OVERLAP (agreed by every
+    rank) picks how it runs: see [Note: overlap on a communication thread].
+    Elsewhere it is the torch.distributed async all_reduce. Returns the
+    handle to wait on; the tensor must not be touched before `wait()`
+    returns.
+    """
+    world = get_world_size(group)
+    finish = (lambda: tensor.div_(world)) if average and world > 1 else (lambda: None)
+    shm = _served(group, tensor, reduce_op=ReduceOp.SUM)
+    mode = _WorldShm.overlap if shm is not None else TORCH
+    if mode == "sync":
+        all_reduce(tensor, group=group)
+        finish()
+        return CompletedWork()
+    comms_logger.record("all_reduce", tensor, 0.0, transport=TORCH if mode == TORCH else SHM)
+    if mode == TORCH:
+        return _ThenWork(dist.all_reduce(tensor, group=group, async_op=True), finish)
+
+    def reduce_and_finish() -> None:
+        shm.all_reduce(tensor, "sum")
+        finish()
+    return comm_thread.get().submit("all_reduce", reduce_and_finish)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None = None,
