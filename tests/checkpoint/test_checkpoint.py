@@ -84,7 +84,6 @@ def _full_state(engine):
 
 def _save_rank(root):
     """2 ranks: save every case after 2 steps; resume on the same size; failures."""
-    from dsrun.runtime import comm
     from dsrun.runtime.checkpoint import CheckpointError, checkpointer
 
     rank = int(os.environ["RANK"])  # before initialize

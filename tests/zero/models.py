@@ -88,7 +88,6 @@ def train(config: dict, steps: int = 3, seed: int = 0, model_kwargs: dict | None
 
     torch.manual_seed(seed)
     model = TinyGPT(**(model_kwargs or {}))
-    names = {id(p): n for n, p in model.named_parameters()}
     groups = param_groups(model, lr)
     if optimizer == "config":  # ds_config's AdamW: dsrun's native Adam, fused into the ZeRO step
         config = {**config, "optimizer": {"type": "AdamW", "params": {"lr": lr}}}
@@ -99,7 +98,6 @@ def train(config: dict, steps: int = 3, seed: int = 0, model_kwargs: dict | None
         engine, *_ = dsrun.initialize(model=model, optimizer=opt, config=config)
     rank = comm.get_rank()
     gas = engine.gradient_accumulation_steps()
-    dtype_in = None
     losses = []
     for i, (idx, tgt) in enumerate(batches(rank, steps, 2, gas)):
         loss = engine(idx.to(engine.device), tgt.to(engine.device))

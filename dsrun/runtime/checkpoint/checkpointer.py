@@ -294,7 +294,7 @@ def save(engine, save_dir: str, tag: str | None = None, client_state: dict | Non
     """
     wait_pending(engine)
     topo = engine.topology
-    rank, world = topo.rank, topo.world_size
+    rank = topo.rank
     tag = f"global_step{engine.global_steps}" if tag is None else str(tag)
     if not tag or "/" in tag or tag in (".", "..", LATEST):
         raise CheckpointError(f"invalid checkpoint tag {tag!r}")

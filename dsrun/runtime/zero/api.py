@@ -9,7 +9,7 @@ rank must call them with the same parameters in the same order.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterable, Iterator
+from typing import Iterator
 
 import torch
 

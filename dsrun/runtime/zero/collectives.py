@@ -123,11 +123,8 @@ def reduce_region(layout: FlatLayout, buckets: Sequence[BucketSlot], full: torch
             works.append(collectives.reduce_scatter_tensor(out[dst:dst + w], full[lo:lo + b.padded_numel],
                                                            group=shard.group, async_op=True))
     if replicate.size > 1:
-        if works or finish:
-            first = RegionHandle(works, finish)
-            works, finish = [], None
-            first.wait()  # the replicas sum what the shard group reduced
-        works.append(collectives.all_reduce(out, group=replicate.group, async_op=True))
+        RegionHandle(works, finish).wait()  # the replicas sum what the shard group reduced
+        works, finish = [collectives.all_reduce(out, group=replicate.group, async_op=True)], None
     handle = RegionHandle(works, finish)
     if not async_op:
         handle.wait()
