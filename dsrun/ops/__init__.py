@@ -4,6 +4,7 @@
                          unscale_and_clip_coefficient, is_native_adam
     dsrun.ops.lion       Lion, DeepSpeedCPULion, FusedLion (PyTorch)
     dsrun.ops.adagrad    DeepSpeedCPUAdagrad (torch's Adagrad)
+    dsrun.ops.lamb       FusedLamb (PyTorch)
     dsrun.ops.aio        AioHandle (io_uring / libaio, O_DIRECT), new_aligned_tensor
     dsrun.ops.shm_comm   ShmGroup: shared-memory collectives for one node
     dsrun.ops.cuda_adam  multi_tensor_adam (fused CUDA Adam)
@@ -15,7 +16,7 @@ Submodules are imported on use: importing dsrun.ops builds nothing, and
 """
 import importlib
 
-_SUBMODULES = ("adagrad", "adam", "aio", "builder", "cuda_adam", "lion", "report", "shm_comm")
+_SUBMODULES = ("adagrad", "adam", "aio", "builder", "cuda_adam", "lamb", "lion", "report", "shm_comm")
 
 
 def __getattr__(name: str):

@@ -167,7 +167,8 @@ _TORCH_OPTIMIZERS = [
     name for name, obj in vars(torch.optim).items()
     if isinstance(obj, type) and issubclass(obj, torch.optim.Optimizer) and obj is not torch.optim.Optimizer
 ]
-OPTIMIZER_NAMES = _known_names(["Adam", "AdamW", "SGD", "Adagrad", "Lamb", "Lion", *_TORCH_OPTIMIZERS])
+OPTIMIZER_NAMES = _known_names(["Adam", "AdamW", "SGD", "Adagrad", "Lamb", "Lion", "OneBitAdam",
+                                "ZeroOneAdam", "OneBitLamb", *_TORCH_OPTIMIZERS])
 SCHEDULER_NAMES = _known_names(["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest"])
 
 
@@ -188,7 +189,8 @@ class OptimizerConfig(_Section):
     """`optimizer`: which optimizer the engine builds when none is passed in."""
 
     type: str = Field(description="Optimizer name, case-insensitive: Adam, AdamW, SGD, Adagrad, Lamb, Lion, "
-                                  "or any torch.optim class name. Stored in its canonical spelling.")
+                                  "OneBitAdam, ZeroOneAdam, OneBitLamb, or any torch.optim class name. "
+                                  "Stored in its canonical spelling.")
     params: dict[str, Any] = Field(default_factory=dict,
                                    description="Keyword arguments of the optimizer (lr, betas, eps, "
                                                "weight_decay, ...); checked when the optimizer is built.")
@@ -698,7 +700,6 @@ NOT_YET_SUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("csv_monitor.enabled", _on, "CSV monitor output"),
     Unsupported("wandb.enabled", _on, "Weights & Biases logging"),
     Unsupported("flops_profiler.enabled", _on, "the FLOPs profiler"),
-    Unsupported("optimizer.type", lambda v: v == "Lamb", "the Lamb optimizer", "use Adam or AdamW"),
 )
 
 

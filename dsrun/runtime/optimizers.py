@@ -5,7 +5,11 @@ Names are matched case-insensitively. "Adam" uses decoupled weight decay
 default; "AdamW" always does. Both run dsrun's native Adam
 (dsrun.ops.adam: DeepSpeedCPUAdam for CPU parameters, FusedAdam when any is
 on a GPU) unless `torch_adam: true` asks for torch.optim.Adam/AdamW.
-"Lion" is dsrun.ops.lion.Lion. Any other name is looked up in torch.optim.
+"Lion" is dsrun.ops.lion.Lion, "Lamb" dsrun.ops.lamb.FusedLamb (DeepSpeed's
+class for that name). "OneBitAdam", "ZeroOneAdam" and "OneBitLamb" are the
+communication-compressing optimizers of dsrun.runtime.fp16.onebit (the
+engine then hands gradient communication to them, see
+dsrun/runtime/compression/). Any other name is looked up in torch.optim.
 Every parameter is checked against what the optimizer accepts, so a typo is
 an error naming the accepted keys.
 """
@@ -17,6 +21,7 @@ from typing import Any, Iterable
 import torch
 
 from dsrun.ops.adam import DeepSpeedCPUAdam, FusedAdam
+from dsrun.ops.lamb import FusedLamb
 from dsrun.ops.lion import Lion
 from dsrun.runtime.config import ConfigError
 
@@ -91,12 +96,25 @@ def _accepted_args(cls: type) -> list[str]:
             if n not in ("self", "params") and p.kind is not p.VAR_KEYWORD]
 
 
+def _onebit(cls_name: str):
+    def load():
+        from dsrun.runtime.fp16 import onebit  # imported on use: it needs dsrun.runtime.comm
+        return getattr(onebit, cls_name)
+    return load
+
+
+# Lower-case config names of dsrun's own classes (besides Adam/AdamW), each a loader.
+_DSRUN_OPTIMIZERS = {"lion": lambda: Lion, "lamb": lambda: FusedLamb, "onebitadam": _onebit("OnebitAdam"),
+                     "zerooneadam": _onebit("ZeroOneAdam"), "onebitlamb": _onebit("OnebitLamb")}
+
+
 def build_optimizer(opt_type: str, options: dict[str, Any], params) -> torch.optim.Optimizer:
     """Build the optimizer named `opt_type` with `options` over `params`.
 
     Args:
         opt_type: DeepSpeed's `optimizer.type` (case-insensitive): Adam,
-            AdamW, Lion, or any torch.optim class name (SGD, Adagrad, ...).
+            AdamW, Lion, Lamb, OneBitAdam, ZeroOneAdam, OneBitLamb, or any
+            torch.optim class name (SGD, Adagrad, ...).
         options: `optimizer.params` (lists are accepted where torch wants
             tuples, as JSON has no tuples).
         params: iterable of parameters or parameter-group dicts.
@@ -109,9 +127,9 @@ def build_optimizer(opt_type: str, options: dict[str, Any], params) -> torch.opt
     options = {k: tuple(v) if isinstance(v, list) else v for k, v in options.items()}
     if name in ("adam", "adamw"):
         return _build_adam(name, params, options)
-    cls = Lion if name == "lion" else _torch_optimizer(name)
+    cls = _DSRUN_OPTIMIZERS[name]() if name in _DSRUN_OPTIMIZERS else _torch_optimizer(name)
     if cls is None:
-        known = sorted(["Adam", "AdamW", "Lion"] + [
+        known = sorted(["Adam", "AdamW", "Lion", "Lamb", "OneBitAdam", "ZeroOneAdam", "OneBitLamb"] + [
             a for a in dir(torch.optim)
             if inspect.isclass(getattr(torch.optim, a))
             and issubclass(getattr(torch.optim, a), torch.optim.Optimizer)

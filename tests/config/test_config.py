@@ -146,8 +146,9 @@ def test_real_registry_entries_name_real_keys():
         for part in entry.path.split("."):
             assert model is not None and part in model.model_fields, f"{entry.path} is not a config key"
             model = config_module._model_of(model.model_fields[part])
-    # Lamb is not in torch.optim, so it stays rejected until dsrun has its own
-    assert any(e.applies("Lamb") for e in config_module.NOT_YET_SUPPORTED if e.path == "optimizer.type")
+    # Lamb and the 1-bit optimizers are dsrun's own now: accepted
+    assert not any(e.applies(name) for name in ("Lamb", "OneBitAdam", "ZeroOneAdam", "OneBitLamb")
+                   for e in config_module.NOT_YET_SUPPORTED if e.path == "optimizer.type")
 
 
 def test_no_effect_registry_names_real_keys():
