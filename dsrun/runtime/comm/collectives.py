@@ -257,8 +257,8 @@ def _served(group: ProcessGroup | None, *tensors: torch.Tensor,
     return shm if shm_comm.supports(*tensors, reduce=reduce_op is not None) else None
 
 
-def _issue(name: str, counted: torch.Tensor, async_op: bool, shm: shm_comm.ShmGroup | None,
-           on_shm, on_torch) -> Handle | None:
+def _issue(name: str, counted: torch.Tensor, group: ProcessGroup | None, async_op: bool,
+           shm: shm_comm.ShmGroup | None, on_shm, on_torch) -> Handle | None:
     with timed() as t:
         if shm is not None:
             comm_thread.drain()  # see [Note: overlap on a communication thread]
@@ -268,7 +268,7 @@ def _issue(name: str, counted: torch.Tensor, async_op: bool, shm: shm_comm.ShmGr
             handle = on_torch()
     synchronous = shm is not None or not async_op
     comms_logger.record(name, counted, t.seconds if synchronous else 0.0,
-                        transport=SHM if shm is not None else TORCH)
+                        transport=SHM if shm is not None else TORCH, group_size=get_world_size(group))
     return handle
 
 
@@ -280,7 +280,7 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM,
     On shm (see [Note: choosing the transport]) 16-bit tensors are summed in
     fp32 and rounded once.
     """
-    return _issue("all_reduce", tensor, async_op, _served(group, tensor, reduce_op=op),
+    return _issue("all_reduce", tensor, group, async_op, _served(group, tensor, reduce_op=op),
                   lambda shm: shm.all_reduce(tensor, _SHM_REDUCE_OPS[op]),
                   lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op))
 
@@ -305,7 +305,8 @@ def overlapped_all_reduce(tensor: torch.Tensor, group: ProcessGroup | None = Non
         all_reduce(tensor, group=group)
         finish()
         return CompletedWork()
-    comms_logger.record("all_reduce", tensor, 0.0, transport=TORCH if mode == TORCH else SHM)
+    comms_logger.record("all_reduce", tensor, 0.0, transport=TORCH if mode == TORCH else SHM,
+                        group_size=world)
     if mode == TORCH:
         return _ThenWork(dist.all_reduce(tensor, group=group, async_op=True), finish)
 
@@ -319,7 +320,7 @@ def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None = None,
               async_op: bool = False) -> Handle | None:
     """Overwrite `tensor` on every rank with global rank `src`'s copy."""
     # shm serves only the world group, where global rank == group rank.
-    return _issue("broadcast", tensor, async_op, _served(group, tensor),
+    return _issue("broadcast", tensor, group, async_op, _served(group, tensor),
                   lambda shm: shm.broadcast(tensor, src),
                   lambda: dist.broadcast(tensor, src=src, group=group, async_op=async_op))
 
@@ -328,7 +329,7 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor,
                            group: ProcessGroup | None = None,
                            async_op: bool = False) -> Handle | None:
     """Concatenate every rank's `input` (shape [n]) into `output` (shape [world*n]), rank order."""
-    return _issue("all_gather_into_tensor", output, async_op, _served(group, output, input),
+    return _issue("all_gather_into_tensor", output, group, async_op, _served(group, output, input),
                   lambda shm: shm.all_gather(output, input),
                   lambda: dist.all_gather_into_tensor(output, input, group=group,
                                                       async_op=async_op))
@@ -338,11 +339,21 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor,
                           op: ReduceOp = ReduceOp.SUM, group: ProcessGroup | None = None,
                           async_op: bool = False) -> Handle | None:
     """Reduce `input` (shape [world*n]) across ranks; rank r keeps slice r in `output` ([n])."""
-    return _issue("reduce_scatter_tensor", input, async_op,
+    return _issue("reduce_scatter_tensor", input, group, async_op,
                   _served(group, output, input, reduce_op=op),
                   lambda shm: shm.reduce_scatter(output, input, _SHM_REDUCE_OPS[op]),
                   lambda: dist.reduce_scatter_tensor(output, input, op=op, group=group,
                                                      async_op=async_op))
+
+
+def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup | None = None,
+                      async_op: bool = False) -> Handle | None:
+    """Personalised exchange: `input` (shape [world*n], any dtype) is cut into
+    world equal blocks; block j goes to rank j, and `output` ([world*n]) holds
+    block `rank` of every rank, in rank order. Always torch.distributed
+    (gloo or nccl): shm has no all-to-all."""
+    return _issue("all_to_all_single", input, group, async_op, None, None,
+                  lambda: dist.all_to_all_single(output, input, group=group, async_op=async_op))
 
 
 def all_gather_object(obj: object, group: ProcessGroup | None = None) -> list[object]:

@@ -10,7 +10,13 @@ and `log_summary()` prints a table of the ops selected by `prof_all` /
 Byte accounting: the size of the full (unsharded) tensor an op works on --
 the tensor for all_reduce/broadcast, the output for all_gather_into_tensor,
 the input for reduce_scatter_tensor. That is DeepSpeed's "message size",
-so the figures compare directly.
+so the figures compare directly. `bus_bytes` is what this rank puts on
+the wire under the bandwidth-optimal algorithm for the op, the "bus
+bandwidth" convention of nccl-tests: message bytes times 2(p-1)/p for
+all_reduce, (p-1)/p for all_gather, reduce_scatter and all_to_all, 1 for
+broadcast, over a group of p ranks. That is the figure to compare across
+ops (a compressed all-reduce built from an all-to-all and an all-gather
+against a plain all_reduce).
 """
 from __future__ import annotations
 
@@ -32,6 +38,10 @@ class OpStats:
         bytes: total bytes = elements * element size.
         seconds: wall time of synchronous calls (async calls add 0: their
             cost shows up at wait()).
+        wait_seconds: wall time the caller spent blocked in `wait()` on
+            async calls (the part of their cost that overlap did not hide).
+        bus_bytes: bytes this rank sends under the bandwidth-optimal
+            algorithm (module docstring).
         transports: calls per transport that carried them ("shm" or
             "torch", see comm/collectives.py [Note: choosing the transport]).
     """
@@ -40,7 +50,19 @@ class OpStats:
     elements: int = 0
     bytes: int = 0
     seconds: float = 0.0
+    wait_seconds: float = 0.0
+    bus_bytes: int = 0
     transports: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+# Bus bytes per message byte over p ranks (module docstring); ops not listed send nothing counted.
+_BUS_FACTOR = {
+    "all_reduce": lambda p: 2 * (p - 1) / p,
+    "all_gather_into_tensor": lambda p: (p - 1) / p,
+    "reduce_scatter_tensor": lambda p: (p - 1) / p,
+    "all_to_all_single": lambda p: (p - 1) / p,
+    "broadcast": lambda p: 1.0 if p > 1 else 0.0,
+}
 
 
 class CommsLogger:
@@ -67,19 +89,32 @@ class CommsLogger:
         self.prof_ops = list(prof_ops or [])
 
     def record(self, op: str, tensor: torch.Tensor, seconds: float = 0.0,
-               transport: str = "torch") -> None:
-        """Count one collective `op` over `tensor` (any shape/dtype), carried by `transport`."""
+               transport: str = "torch", group_size: int = 1) -> None:
+        """Count one collective `op` over `tensor` (any shape/dtype), carried
+        by `transport`, among `group_size` ranks."""
         stats = self._stats.setdefault(op, OpStats())
         numel = tensor.numel()
         stats.calls += 1
         stats.transports[transport] = stats.transports.get(transport, 0) + 1
         stats.elements += numel
         stats.bytes += numel * tensor.element_size()
+        factor = _BUS_FACTOR.get(op)
+        if factor is not None and group_size > 1:
+            stats.bus_bytes += round(numel * tensor.element_size() * factor(group_size))
         stats.seconds += seconds
         if self.enabled and self.verbose and self._profiled(op):
             self._console.print(
                 f"[comm] {op}: {numel} x {tensor.dtype} = {numel * tensor.element_size()} B"
                 f" in {seconds * 1e3:.3f} ms")
+
+    def record_wait(self, op: str, seconds: float) -> None:
+        """Add `seconds` the caller blocked in `wait()` on an async `op` (see OpStats.wait_seconds)."""
+        self._stats.setdefault(op, OpStats()).wait_seconds += seconds
+
+    def totals(self) -> tuple[int, float]:
+        """(bytes, seconds in collectives: synchronous calls plus waits) over every op so far."""
+        return (sum(s.bytes for s in self._stats.values()),
+                sum(s.seconds + s.wait_seconds for s in self._stats.values()))
 
     def _profiled(self, op: str) -> bool:
         return self.prof_all or op in self.prof_ops
@@ -97,11 +132,12 @@ class CommsLogger:
         if not self.enabled:
             return
         table = Table(title="collectives")
-        for col in ("op", "calls", "MiB", "seconds (sync)"):
+        for col in ("op", "calls", "MiB", "bus MiB", "seconds (sync)"):
             table.add_column(col, justify="right" if col != "op" else "left")
         for op, s in sorted(self._stats.items()):
             if self._profiled(op):
-                table.add_row(op, str(s.calls), f"{s.bytes / 2**20:.2f}", f"{s.seconds:.4f}")
+                table.add_row(op, str(s.calls), f"{s.bytes / 2**20:.2f}", f"{s.bus_bytes / 2**20:.2f}",
+                              f"{s.seconds:.4f}")
         self._console.print(table)
 
 
