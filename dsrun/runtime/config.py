@@ -430,7 +430,9 @@ class ActivationCheckpointingConfig(_Section):
 class MonitorConfig(_Section):
     """`tensorboard` / `csv_monitor`: write training metrics."""
 
-    enabled: bool = Field(False, description="Write loss, learning rate and loss scale every step.")
+    enabled: bool = Field(False, description="On rank 0, write loss, lr, grad norm, loss scale, "
+                          "throughput, step time, peak memory and collectives per optimizer step "
+                          "(dsrun/runtime/monitor/events.py).")
     output_path: str = Field("", description="Directory for the output; empty = current directory.")
     job_name: str = Field("DeepSpeedJobName", description="Subdirectory name of this run.")
 
@@ -438,7 +440,8 @@ class MonitorConfig(_Section):
 class WandbConfig(_Section):
     """`wandb`: log training metrics to Weights & Biases."""
 
-    enabled: bool = Field(False, description="Log loss, learning rate and loss scale every step.")
+    enabled: bool = Field(False, description="On rank 0, log the per-step events (as tensorboard) to a "
+                          "W&B run; WANDB_MODE=offline keeps it on disk.")
     group: Optional[str] = Field(None, description="W&B group of the run.")
     team: Optional[str] = Field(None, description="W&B team (entity).")
     project: str = Field("deepspeed", description="W&B project.")
@@ -450,7 +453,8 @@ class FlopsProfilerConfig(_Section):
     enabled: bool = Field(False, description="Profile one training step.")
     recompute_fwd_factor: NonNegReal = Field(0.0, description="Extra forward passes due to activation "
                                                               "recomputation (0 = none, 1 = full).")
-    profile_step: PosInt = Field(1, description="Global step to profile.")
+    profile_step: PosInt = Field(1, description="Profile the first forward after this many optimizer "
+                                 "steps (DeepSpeed's counting), print at the end of that step.")
     module_depth: Int = Field(-1, description="Depth of the module tree to print; -1 = all.")
     top_modules: PosInt = Field(1, description="Number of top modules to list.")
     detailed: bool = Field(True, description="Print the per-module profile.")
@@ -558,10 +562,16 @@ class DsConfig(_BatchTriple):
     activation_checkpointing: ActivationCheckpointingConfig = Field(
         default_factory=ActivationCheckpointingConfig, description="Activation checkpointing options.")
     steps_per_print: PosInt = Field(10, description="Log progress every this many optimizer steps.")
-    wall_clock_breakdown: bool = Field(False, description="Time forward, backward and step, and log it.")
+    wall_clock_breakdown: bool = Field(False, description="Time forward, backward (with its gradient "
+                                       "reduction) and step, synchronizing CUDA; rank 0 logs the mean per "
+                                       "step and the collectives' share every steps_per_print steps.")
     memory_breakdown: bool = Field(False, description="Measure memory per phase of each step (RSS, "
                                    "CUDA allocator, tensors held) and log it on rank 0 every "
                                    "steps_per_print steps (see Engine.memory_profile).")
+    max_consecutive_nonfinite_steps: Count = Field(
+        10, description="dsrun: stop with an error (NonFiniteStepsError, on every rank) after this many "
+                        "optimizer steps in a row were skipped for an inf/nan gradient that no dynamic "
+                        "fp16 loss scale accounts for (fp32, bf16, static fp16 scale); 0 = never stop.")
     dump_state: bool = Field(False, description="Print the engine's state after initialization.")
     tensorboard: MonitorConfig = Field(default_factory=MonitorConfig, description="TensorBoard output.")
     csv_monitor: MonitorConfig = Field(default_factory=MonitorConfig, description="CSV output.")
@@ -696,10 +706,6 @@ NOT_YET_SUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("gradient_predivide_factor", lambda v: v != 1.0, "a gradient predivide factor",
                 "set it to 1.0"),
     Unsupported("dump_state", _on, "dumping the engine state"),
-    Unsupported("tensorboard.enabled", _on, "TensorBoard output"),
-    Unsupported("csv_monitor.enabled", _on, "CSV monitor output"),
-    Unsupported("wandb.enabled", _on, "Weights & Biases logging"),
-    Unsupported("flops_profiler.enabled", _on, "the FLOPs profiler"),
 )
 
 
@@ -739,7 +745,6 @@ NO_EFFECT_YET: dict[str, Any] = {
     "activation_checkpointing.number_checkpoints": None,
     "activation_checkpointing.synchronize_checkpoint_boundary": False,
     "activation_checkpointing.profile": False,
-    "wall_clock_breakdown": False,
     "checkpoint.tag_validation": "Fail",
     "checkpoint.load_universal": True,
     "comms_logger.debug": False,  # callers of collectives are not recorded

@@ -89,6 +89,11 @@ class GradientStrategy(abc.ABC):
     def zero_grad(self) -> None:
         """Drop the accumulated gradients (set to None where possible)."""
 
+    def loss_scale(self) -> float:
+        """The factor the loss is multiplied by before backward (fp16 loss
+        scaling; 1.0 where the strategy does not scale)."""
+        return 1.0
+
     def memory_breakdown(self) -> dict[str, dict[str, int]]:
         """Bytes this rank holds per category ("params", "grads", "master",
         "optimizer_states") and dtype name (default: the optimizer's

@@ -192,10 +192,17 @@ def test_a_generic_name_read_for_another_section_does_not_count():
 
 
 def test_when_a_feature_lands_its_keys_must_be_read_or_declared(monkeypatch):
-    """Deleting wandb.enabled's NOT_YET_SUPPORTED entry exposes the whole unread section."""
-    monkeypatch.setattr(config_module, "NOT_YET_SUPPORTED",
-                        tuple(e for e in config_module.NOT_YET_SUPPORTED if e.path != "wandb.enabled"))
-    assert {"wandb.enabled", "wandb.group", "wandb.team", "wandb.project"} <= set(unaccounted())
+    """A section whose switch is rejected passes unread; deleting the entry exposes the whole section."""
+    section = pydantic.create_model("ZzSection", __base__=config_module._Section,
+                                    enabled=(bool, False), zz_depth=(int, 3))
+    fake = pydantic.create_model("FakeConfig", __base__=DsConfig,
+                                 zz_feature=(section, pydantic.Field(default_factory=section)))
+    keys = {"zz_feature.enabled", "zz_feature.zz_depth"}
+    monkeypatch.setattr(config_module, "NOT_YET_SUPPORTED", (
+        *config_module.NOT_YET_SUPPORTED, config_module.Unsupported("zz_feature.enabled", bool, "a feature")))
+    assert not keys & set(unaccounted(fake))
+    monkeypatch.undo()
+    assert keys <= set(unaccounted(fake))
 
 
 @pytest.mark.parametrize("path, rejected", [

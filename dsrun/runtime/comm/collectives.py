@@ -129,25 +129,30 @@ class CompletedWork(dist.Work):
 
 
 class _ThenWork(dist.Work):
-    """A torch.distributed handle plus work to do once it completes, run by
-    the first `wait()` (on the waiting thread)."""
+    """An async handle plus what to do when it completes: the first `wait()`
+    (on the waiting thread) counts the seconds it blocked as `op`'s wait time
+    in the comms logger (when `op` is given), then runs `then`."""
 
-    def __init__(self, work: dist.Work, then) -> None:
+    def __init__(self, work: dist.Work, then=None, op: str | None = None) -> None:
         super().__init__()
-        self._work, self._then = work, then
+        self._work, self._then, self._op, self._done = work, then, op, False
 
     def wait(self, timeout=None) -> bool:
-        self._work.wait()
-        if self._then is not None:
-            then, self._then = self._then, None
-            then()
+        if not self._done:
+            with timed() as t:
+                self._work.wait()
+            if self._op is not None:
+                comms_logger.record_wait(self._op, t.seconds)
+            if self._then is not None:
+                self._then()
+            self._done = True
         return True
 
     def is_completed(self) -> bool:
-        return self._then is None
+        return self._done
 
     def is_success(self) -> bool:
-        return self._then is None
+        return self._done
 
 
 class _WorldShm:
@@ -267,6 +272,8 @@ def _issue(name: str, counted: torch.Tensor, group: ProcessGroup | None, async_o
         else:
             handle = on_torch()
     synchronous = shm is not None or not async_op
+    if not synchronous:
+        handle = _ThenWork(handle, op=name)
     comms_logger.record(name, counted, t.seconds if synchronous else 0.0,
                         transport=SHM if shm is not None else TORCH, group_size=get_world_size(group))
     return handle
@@ -308,12 +315,12 @@ def overlapped_all_reduce(tensor: torch.Tensor, group: ProcessGroup | None = Non
     comms_logger.record("all_reduce", tensor, 0.0, transport=TORCH if mode == TORCH else SHM,
                         group_size=world)
     if mode == TORCH:
-        return _ThenWork(dist.all_reduce(tensor, group=group, async_op=True), finish)
+        return _ThenWork(dist.all_reduce(tensor, group=group, async_op=True), finish, "all_reduce")
 
     def reduce_and_finish() -> None:
         shm.all_reduce(tensor, "sum")
         finish()
-    return comm_thread.get().submit("all_reduce", reduce_and_finish)
+    return _ThenWork(comm_thread.get().submit("all_reduce", reduce_and_finish), op="all_reduce")
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None = None,

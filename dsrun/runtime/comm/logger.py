@@ -24,6 +24,7 @@ import dataclasses
 import time
 
 import torch
+import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
 
@@ -128,16 +129,26 @@ class CommsLogger:
         self._stats.clear()
 
     def log_summary(self) -> None:
-        """Print a table of the profiled ops (only when enabled)."""
+        """Print a table of the profiled ops on this process (only when enabled).
+
+        Per op: calls, total MiB, average message size, seconds in
+        synchronous calls and blocked in waits, and the algorithm and bus
+        bandwidth over that time (GB/s; bus bandwidth as in nccl-tests,
+        see the module docstring).
+        """
         if not self.enabled:
             return
         table = Table(title="collectives")
-        for col in ("op", "calls", "MiB", "bus MiB", "seconds (sync)"):
+        for col in ("op", "calls", "MiB", "avg msg KiB", "bus MiB", "seconds (sync)", "seconds (wait)",
+                    "algbw GB/s", "busbw GB/s"):
             table.add_column(col, justify="right" if col != "op" else "left")
         for op, s in sorted(self._stats.items()):
             if self._profiled(op):
-                table.add_row(op, str(s.calls), f"{s.bytes / 2**20:.2f}", f"{s.bus_bytes / 2**20:.2f}",
-                              f"{s.seconds:.4f}")
+                busy = s.seconds + s.wait_seconds
+                table.add_row(op, str(s.calls), f"{s.bytes / 2**20:.2f}", f"{s.bytes / max(s.calls, 1) / 2**10:.1f}",
+                              f"{s.bus_bytes / 2**20:.2f}", f"{s.seconds:.4f}", f"{s.wait_seconds:.4f}",
+                              f"{s.bytes / busy / 1e9:.3f}" if busy else "-",
+                              f"{s.bus_bytes / busy / 1e9:.3f}" if busy else "-")
         self._console.print(table)
 
 
@@ -154,3 +165,20 @@ class timed:
 
     def __exit__(self, *exc) -> None:
         self.seconds = time.perf_counter() - self._t0
+
+
+def log_summary(show_straggler: bool = False) -> None:
+    """DeepSpeed's `deepspeed.comm.log_summary()`: print the collectives table on global rank 0.
+
+    Prints only when the config's `comms_logger.enabled` is true (as
+    DeepSpeed). Not collective: any rank may call it, rank 0 prints.
+
+    Raises:
+        ValueError: show_straggler=True (the per-rank straggler view is not
+            built; the table shows rank 0's own figures).
+    """
+    if show_straggler:
+        raise ValueError("log_summary(show_straggler=True) is not supported by dsrun; call log_summary()")
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        comms_logger.log_summary()
+

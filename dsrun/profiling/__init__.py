@@ -1,0 +1,1 @@
+"""Profilers (DeepSpeed's `deepspeed.profiling`): `flops_profiler`."""
