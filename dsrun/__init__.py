@@ -4,9 +4,14 @@
 unchanged; see README.md for what is supported. Public API:
 `initialize`, `init_distributed`, `add_config_arguments`, `comm`
 (DeepSpeed's `deepspeed.comm`), `Engine` (alias `DeepSpeedEngine`), `ops`
-(DeepSpeed's optimizer names under `ops.adam`, `ops.lion`, `ops.adagrad`).
+(DeepSpeed's optimizer names under `ops.adam`, `ops.lion`, `ops.adagrad`),
+`accelerator.get_accelerator`, `checkpointing` (activation checkpointing),
+`utils`, `zero`. DeepSpeed names dsrun lacks raise an error naming the
+feature (dsrun/compat/missing.py).
 """
 import importlib
+
+from dsrun.compat import missing as _missing
 
 __version__ = "0.1.0"
 
@@ -17,7 +22,7 @@ __version__ = "0.1.0"
 # on first attribute access (PEP 562); `import dsrun as deepspeed` then
 # `deepspeed.initialize(...)` and `from dsrun import initialize` work as before.
 _LAZY_API = {
-    "comm": ("dsrun.runtime.comm", None),
+    "comm": ("dsrun.comm", None),
     "Topology": ("dsrun.runtime.dist", "Topology"),
     "init_distributed": ("dsrun.runtime.dist", "init_distributed"),
     "Engine": ("dsrun.runtime.engine", "Engine"),
@@ -27,10 +32,26 @@ _LAZY_API = {
     "zero": ("dsrun.runtime.zero", None),
     "ops": ("dsrun.ops", None),
     "estimate_zero_memory": ("dsrun.runtime.memory", "estimate_zero_memory"),
+    # DeepSpeed's other top-level names and subpackages (mirrored module paths).
+    "accelerator": ("dsrun.accelerator", None),
+    "get_accelerator": ("dsrun.accelerator", "get_accelerator"),
+    "checkpointing": ("dsrun.runtime.activation_checkpointing.checkpointing", None),
+    "utils": ("dsrun.utils", None),
+    "runtime": ("dsrun.runtime", None),
+    "checkpoint": ("dsrun.checkpoint", None),
+    "log_dist": ("dsrun.utils", "log_dist"),
+    "logger": ("dsrun.utils", "logger"),
+    "DeepSpeedConfigError": ("dsrun.runtime.config", "ConfigError"),
 }
+# See [Note: missing DeepSpeed names] in dsrun/compat/missing.py.
+_missing.install(__name__)
 
 
 def __getattr__(name: str):
+    if name in _missing.MISSING_ATTRS:
+        raise _missing.missing_attr("deepspeed", name)
+    if not name.startswith("__") and _missing.missing_module(name) is not None:
+        importlib.import_module(f"{__name__}.{name}")  # raises FeatureNotImplementedError
     try:
         module_name, attr = _LAZY_API[name]
     except KeyError:
@@ -45,5 +66,7 @@ def __dir__() -> list[str]:
     return sorted({*globals(), *_LAZY_API})
 
 
-__all__ = ["DeepSpeedEngine", "Engine", "Topology", "__version__", "add_config_arguments",
-           "comm", "estimate_zero_memory", "init_distributed", "initialize", "ops", "zero"]
+__all__ = ["DeepSpeedConfigError", "DeepSpeedEngine", "Engine", "Topology", "__version__", "accelerator",
+           "add_config_arguments", "checkpoint", "checkpointing", "comm", "estimate_zero_memory",
+           "get_accelerator", "init_distributed", "initialize", "log_dist", "logger", "ops", "runtime",
+           "utils", "zero"]

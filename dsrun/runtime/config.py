@@ -591,6 +591,26 @@ class DsConfig(_BatchTriple):
                            "(set fp16.enabled or bf16.enabled to false)", key="bf16")
         return self
 
+    def get(self, key: str, default: Any = None) -> Any:
+        """The value of top-level `key` as plain JSON data (sections as dicts,
+        defaults filled in), or `default` when it is not a config key or is
+        null: DeepSpeed's engine.config is a dict, and scripts and Hugging
+        Face read it as `engine.config.get("zero_optimization", {}).get("stage")`."""
+        if key not in type(self).model_fields:
+            return default
+        value = self.model_dump(mode="json", include={key}).get(key)
+        return default if value is None else value
+
+    def __getitem__(self, key: str) -> Any:
+        """`config["zero_optimization"]["stage"]`, as on DeepSpeed's config dict.
+        Raises KeyError for a key that is not a config key."""
+        if key not in type(self).model_fields:
+            raise KeyError(key)
+        return self.get(key)
+
+    def __contains__(self, key: str) -> bool:
+        return key in type(self).model_fields and getattr(self, key) is not None
+
     def summary(self, all_keys: bool = False) -> str:
         """The effective config as readable text, for logs.
 

@@ -647,6 +647,37 @@ def load(engine, load_dir: str, tag: str | None = None, load_module_strict: bool
 _warned_bin = False
 
 
+def full_16bit_entries(engine, exclude_frozen_parameters: bool = False) -> list[tuple]:
+    """What a 16-bit export holds, in state-dict order: (name, tensor, full
+    shape, dtype to write, managed by ZeRO) for every parameter (tied ones
+    once) and persistent buffer of engine.module. Local; gathers nothing."""
+    strategy = engine.strategy
+    zero = isinstance(strategy, ZeroStrategy)
+    compute = strategy.precision.compute_dtype if zero else None
+    entries = []
+    for name, p in engine.module.named_parameters():
+        if exclude_frozen_parameters and not p.requires_grad:
+            continue
+        rec = record_of(p) if zero else None
+        managed = rec is not None and rec.strategy is strategy
+        shape = tuple(rec.shape) if managed else tuple(p.shape)
+        entries.append((name, p, shape, compute if managed else p.dtype, managed))
+    for mod_name, mod in engine.module.named_modules():
+        for bname, buf in mod._buffers.items():
+            if buf is not None and bname not in mod._non_persistent_buffers_set:
+                name = f"{mod_name}.{bname}" if mod_name else bname
+                entries.append((name, buf, tuple(buf.shape), buf.dtype, False))
+    return entries
+
+
+def full_16bit_values(engine, entries: list[tuple]):
+    """Yield each entry's full value in its export dtype and shape; a
+    collective per ZeRO-managed entry, so every rank must exhaust it."""
+    for _, t, shape, dtype, managed in entries:
+        full = engine.strategy.full_fp32_param(t) if managed else t.detach()  # collective when managed
+        yield full.to(dtype).reshape(shape)
+
+
 def save_16bit(engine, save_dir: str, save_filename: str = "model.safetensors",
                exclude_frozen_parameters: bool = False) -> str:
     """Write the module's full state dict in the compute dtype (parameters;
@@ -671,30 +702,9 @@ def save_16bit(engine, save_dir: str, save_filename: str = "model.safetensors",
         _warned_bin = True
         save_filename = new
     rdv = Rendezvous(engine, "save_16bit_model", save_filename)
-    strategy = engine.strategy
-    zero = isinstance(strategy, ZeroStrategy)
-    compute = strategy.precision.compute_dtype if zero else None
-    entries = []  # (name, tensor, full shape, dtype in the file)
-    for name, p in engine.module.named_parameters():
-        if exclude_frozen_parameters and not p.requires_grad:
-            continue
-        rec = record_of(p) if zero else None
-        managed = rec is not None and rec.strategy is strategy
-        shape = tuple(rec.shape) if managed else tuple(p.shape)
-        entries.append((name, p, shape, compute if managed else p.dtype, managed))
-    for mod_name, mod in engine.module.named_modules():
-        for bname, buf in mod._buffers.items():
-            if buf is not None and bname not in mod._non_persistent_buffers_set:
-                name = f"{mod_name}.{bname}" if mod_name else bname
-                entries.append((name, buf, tuple(buf.shape), buf.dtype, False))
-
-    def values():
-        for name, t, shape, dtype, managed in entries:
-            full = strategy.full_fp32_param(t) if managed else t.detach()  # collective when managed
-            yield full.to(dtype).reshape(shape)
-
+    entries = full_16bit_entries(engine, exclude_frozen_parameters)
     path = os.path.join(save_dir, save_filename)
-    gen, error = values(), None
+    gen, error = full_16bit_values(engine, entries), None
     if engine.topology.rank == 0:
         try:
             os.makedirs(save_dir, exist_ok=True)

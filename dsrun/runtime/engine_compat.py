@@ -1,0 +1,162 @@
+"""The parts of DeepSpeedEngine's surface that scripts and Hugging Face call
+but that the training loop does not need: configuration getters, the
+consolidated 16-bit state dict, attribute forwarding to the wrapped module,
+and the pipeline-engine methods dsrun does not have.
+
+They live in this mixin so that engine.py stays the loop (see
+/work/shared/STYLE.md, "Avoid" 1). Every getter reads the resolved DsConfig
+or the gradient strategy; none holds state of its own.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+from dsrun.compat.missing import MissingMethod
+from dsrun.runtime.checkpoint import checkpointer
+
+_PIPELINE = "pipeline parallelism (PipelineEngine)"
+_PIPELINE_INSTEAD = ("run forward, engine.backward(loss) and engine.step() per micro-batch "
+                     "(see README, 'Using dsrun in a training script')")
+
+
+class DeepSpeedEngineCompat:
+    """DeepSpeedEngine's query methods, mixed into dsrun.runtime.engine.Engine.
+
+    Expects `self.config` (DsConfig), `self.strategy`, `self.module`,
+    `self.topology` and `self.lr_scheduler`, which Engine sets.
+    """
+
+    # -- precision ---------------------------------------------------------------------------
+    def fp16_enabled(self) -> bool:
+        return self.config.fp16.enabled
+
+    def bfloat16_enabled(self) -> bool:
+        return self.config.bf16.enabled
+
+    def amp_enabled(self) -> bool:
+        return False  # the amp section is not supported (config rejects it when enabled)
+
+    def loss_scale(self) -> float:
+        """The current loss scale (1.0 unless fp16)."""
+        precision = getattr(self.strategy, "precision", None)
+        return float(precision.scaler.scale) if precision is not None else 1.0
+
+    def dynamic_loss_scale(self) -> bool:
+        return self.config.fp16.enabled and self.config.fp16.loss_scale == 0
+
+    def get_data_types(self) -> tuple[torch.dtype, torch.dtype]:
+        """(model dtype, gradient accumulation dtype)."""
+        precision = getattr(self.strategy, "precision", None)
+        if precision is None:
+            return torch.float32, torch.float32
+        return precision.compute_dtype, precision.grad_accum_dtype
+
+    @property
+    def communication_data_type(self) -> torch.dtype:
+        precision = getattr(self.strategy, "precision", None)
+        return torch.float32 if precision is None else precision.comm_dtype
+
+    # -- ZeRO ------------------------------------------------------------------------------
+    def zero_optimization(self) -> bool:
+        """True when ZeRO partitions anything (stage > 0)."""
+        return self.config.zero_optimization.stage > 0
+
+    def zero_optimization_stage(self) -> int:
+        return self.config.zero_optimization.stage
+
+    def zero_optimization_partition_gradients(self) -> bool:
+        return self.config.zero_optimization.stage >= 2
+
+    def zero_optimization_partition_weights(self) -> bool:
+        return self.config.zero_optimization.stage == 3
+
+    def zero_reduce_bucket_size(self) -> int:
+        return int(self.config.zero_optimization.reduce_bucket_size)
+
+    def zero_allgather_bucket_size(self) -> int:
+        return int(self.config.zero_optimization.allgather_bucket_size)
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """True: dsrun's 16-bit export always gathers the full weights, at any
+        stage, whatever stage3_gather_16bit_weights_on_model_save says."""
+        return True
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False):
+        """The full model state dict in the compute dtype, on rank 0's CPU
+        (collective: every rank calls it; parameters are gathered one at a
+        time). Returns an OrderedDict on rank 0 and None on the others, as
+        DeepSpeed does. Tied parameters appear once."""
+        checkpointer.wait_pending(self)
+        entries = checkpointer.full_16bit_entries(self, exclude_frozen_parameters)
+        keep = self.topology.rank == 0
+        state = OrderedDict() if keep else None
+        for (name, *_), value in zip(entries, checkpointer.full_16bit_values(self, entries)):
+            if keep:
+                state[name] = value.detach().to("cpu", copy=True)
+        return state
+
+    _consolidated_16bit_state_dict = _zero3_consolidated_16bit_state_dict
+
+    # -- other settings ----------------------------------------------------------------------
+    def gradient_clipping(self) -> float:
+        return self.config.gradient_clipping
+
+    def steps_per_print(self):
+        return self.config.steps_per_print
+
+    def wall_clock_breakdown(self) -> bool:
+        return self.config.wall_clock_breakdown
+
+    def optimizer_name(self) -> str | None:
+        return self.config.optimizer.type if self.config.optimizer is not None else None
+
+    def scheduler_name(self) -> str | None:
+        return self.config.scheduler.type if self.config.scheduler is not None else None
+
+    @property
+    def dp_world_size(self) -> int:
+        return self.topology.world_size
+
+    @property
+    def mp_world_size(self) -> int:
+        return 1  # no model parallelism
+
+    def module_state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False,
+                          exclude_frozen_parameters: bool = False):
+        """The wrapped module's state_dict (at stage 3 use
+        _zero3_consolidated_16bit_state_dict for full values)."""
+        state = self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+        if exclude_frozen_parameters:
+            frozen = {prefix + n for n, p in self.module.named_parameters() if not p.requires_grad}
+            state = type(state)((k, v) for k, v in state.items() if k not in frozen)
+        return state
+
+    # -- attribute forwarding ----------------------------------------------------------------
+    def __getattr__(self, name: str):
+        """Parameters, buffers and submodules as nn.Module finds them, then the
+        wrapped module's attributes (DeepSpeed forwards, e.g.
+        engine.gradient_checkpointing_enable()). Raises AttributeError naming
+        both when neither has it."""
+        try:
+            return torch.nn.Module.__getattr__(self, name)
+        except AttributeError:
+            pass
+        modules = self.__dict__.get("_modules", {})
+        if name != "module" and "module" in modules:
+            try:
+                return getattr(modules["module"], name)
+            except AttributeError:
+                pass
+        raise AttributeError(f"neither the dsrun engine nor its module ({type(modules.get('module')).__name__}) "
+                             f"has an attribute {name!r}")
+
+    # -- DeepSpeed's pipeline engine: not implemented -------------------------------------------
+    train_batch = MissingMethod(_PIPELINE, _PIPELINE_INSTEAD)
+    eval_batch = MissingMethod(_PIPELINE, _PIPELINE_INSTEAD)
+    inference_batch = MissingMethod(_PIPELINE, _PIPELINE_INSTEAD)
+    set_dataiterator = MissingMethod(_PIPELINE, _PIPELINE_INSTEAD)
+    set_batch_fn = MissingMethod(_PIPELINE, _PIPELINE_INSTEAD)
+    is_first_stage = MissingMethod(_PIPELINE, None)
+    is_last_stage = MissingMethod(_PIPELINE, None)
