@@ -264,7 +264,6 @@ class ZeroStrategy(GradientStrategy):
             "optimizer_states": states,
             "comm_buffers": [r.staging for r in self.reducer.regions
                              if r.staging is not None and not r.in_place],
-            **self.optimizer_tier.held(self),
         }
 
     def loss_scale(self) -> float:
@@ -274,17 +273,8 @@ class ZeroStrategy(GradientStrategy):
         """Bytes this rank holds per category (params, gathered_params,
         grads, master, optimizer_states, comm_buffers) and dtype, counting
         flat buffers whole (padding included). Step counters (0-dim tensors)
-        are not counted. With offload, `offload_buffers` are the host
-        buffers the offload tiers stream through and `nvme_swap` the bytes of
-        this rank's swap files (on disk, not in memory)."""
-        out = tensor_breakdown(self._held())
-        nvme = self._nvme_bytes()
-        if nvme:
-            out["nvme_swap"] = {"fp32": nvme}
-        return out
-
-    def _nvme_bytes(self) -> int:
-        return self.optimizer_tier.nvme_bytes()
+        are not counted."""
+        return tensor_breakdown(self._held())
 
     def _full_from_partition(self, param: torch.nn.Parameter,
                              source: Callable[[FlatParamSet], torch.Tensor]) -> torch.Tensor | None:
