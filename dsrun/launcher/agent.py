@@ -26,28 +26,45 @@ Processes are only ever signalled by process group id, never by name. When
 a rank's leader has exited, its group is killed once more to reap anything
 it left behind; Linux does not reuse a pid while a group of that id still
 has members, so this cannot hit an unrelated process group.
+Once every rank exited, the agent deletes the NVMe offload swap directories
+its ranks registered and did not remove themselves (a rank killed by a
+signal cannot; see dsrun/runtime/offload/registry.py).
+A daemon started by a rank (fork, setsid, fork again) leaves the rank's
+group and session, so killpg cannot reach it. The agent is therefore a
+child subreaper (PR_SET_CHILD_SUBREAPER): orphans of its ranks are
+re-parented to the agent instead of to init, so they stay its descendants,
+and when the last rank has exited the agent SIGKILLs every descendant it
+still has (the watchdog excepted), by pid. Such a daemon may also hold the
+rank's stdout or stderr open; the agent never waits for EOF on a pipe whose
+writer is gone: once a rank has exited and its pipes hold no unread bytes,
+its output is complete.
 """
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import json
 import os
 import queue
 import signal
 import subprocess
 import sys
+import termios
 import threading
 import time
 from pathlib import Path
 from typing import BinaryIO
 
+import psutil
 from pydantic import ValidationError
 
 from dsrun.launcher.env import rank_argv, rank_process_env
 from dsrun.launcher.failure import RankFailure, StderrTail, exit_status, signal_name
 from dsrun.launcher.job import NodeJob
+from dsrun.runtime.offload import registry
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
 # Loaded in the parent: the child between fork and exec must not dlopen.
 _LIBC = ctypes.CDLL(None, use_errno=True)
 # How often the watch loop polls the ranks, seconds.
@@ -104,6 +121,40 @@ class _LineReader:
             self._pending += chunk
         line, _, self._pending = self._pending.partition(b"\n")
         return line + b"\n"
+
+
+def _unread_bytes(pipe: BinaryIO) -> int:
+    """Bytes waiting in a pipe (FIONREAD); 0 once the pipe is closed."""
+    try:
+        count = ctypes.c_int(0)
+        fcntl.ioctl(pipe.fileno(), termios.FIONREAD, count)
+        return count.value
+    except (OSError, ValueError):
+        return 0
+
+
+def kill_descendants(spare: set[int], timeout: float = 2.0) -> list[int]:
+    """SIGKILL every descendant of this process except the pids in `spare`; returns the pids killed.
+
+    Repeats until none is left (a process may fork while its siblings die)
+    or `timeout` seconds passed. Zombies are skipped: they are already dead.
+    """
+    killed: list[int] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = []
+        for proc in psutil.Process().children(recursive=True):
+            try:
+                if proc.pid not in spare and proc.status() != psutil.STATUS_ZOMBIE:
+                    proc.send_signal(signal.SIGKILL)
+                    found.append(proc.pid)
+            except psutil.NoSuchProcess:
+                continue
+        if not found:
+            break
+        killed += found
+        time.sleep(0.01)
+    return killed
 
 
 class _Watchdog:
@@ -201,6 +252,8 @@ class Agent:
 
     def run(self) -> int:
         """Start the ranks, watch them, tear down; returns the agent's exit status."""
+        # Orphans of the ranks (daemons) become our children; see [Note: agent process tree].
+        _LIBC.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
         watchdog = _Watchdog()
         try:
             self._spawn_all(watchdog)
@@ -213,7 +266,11 @@ class Agent:
         for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(signum, lambda s, _f: self._events.put(("signal", s)))
         self._watch()
+        kill_descendants(spare={watchdog.pid})
+        for rank in self._ranks:
+            self._drain(rank)
         watchdog.release()
+        _reap_children()
         for rank in self._ranks:
             if rank.log is not None:
                 with rank.log_lock:
@@ -314,7 +371,7 @@ class Agent:
             if newly_failed:
                 self._begin_stop(signal.SIGTERM)  # stop the others first, then collect the report
                 for rank in newly_failed:
-                    self._join_pumps(rank)
+                    self._drain(rank)
                     failure = self._record(rank, rank.popen.pid, exit_status(rank.returncode), signal_name(rank.returncode))
                     self._failures.append(failure)
                     self._emit_record(failure)
@@ -330,8 +387,6 @@ class Agent:
             except queue.Empty:
                 continue
             self._on_event(kind, value)
-        for rank in self._ranks:
-            self._join_pumps(rank)
 
     def _on_event(self, kind: str, value) -> None:
         if kind == "kill":
@@ -356,9 +411,20 @@ class Agent:
         return [r for r in self._ranks if r.returncode is None]
 
     @staticmethod
-    def _join_pumps(rank: _Rank) -> None:
-        for thread in rank.pumps:
-            thread.join(timeout=_DRAIN_S)
+    def _drain(rank: _Rank) -> None:
+        """Wait until the output of an exited rank is relayed: its pumps reached EOF, or its pipes hold
+        no unread byte (a descendant that keeps a pipe open must not delay the job), or _DRAIN_S passed."""
+        deadline = time.monotonic() + _DRAIN_S
+        pipes = (rank.popen.stdout, rank.popen.stderr)
+        quiet_since = None
+        while any(t.is_alive() for t in rank.pumps) and time.monotonic() < deadline:
+            if any(_unread_bytes(p) for p in pipes):
+                quiet_since = None
+            elif quiet_since is None:
+                quiet_since = time.monotonic()
+            elif time.monotonic() - quiet_since > _POLL_S:  # the pumps have written what they had read
+                return
+            time.sleep(0.005)
 
     # ---- report --------------------------------------------------------------------------
 
@@ -385,6 +451,17 @@ class Agent:
         if self._external_status is not None:
             return self._external_status
         return next((exit_status(r.returncode) for r in self._ranks if r.returncode != 0), 0)
+
+
+def _reap_children() -> None:
+    """Collect the exit status of every child left (killed descendants re-parented to the agent)."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
 
 
 def _popen(argv: list[str], *, cwd: str, env: dict[str, str], preexec_fn) -> subprocess.Popen:

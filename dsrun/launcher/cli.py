@@ -3,21 +3,24 @@
     dsrun [--num_procs N] [--master_port P] [--master_addr A] [--log_dir DIR]
           [--module] [--pass_local_rank] [--grace_period S] script.py [script args...]
 
-Everything after the script is passed to it untouched.
+Everything after the script is passed to it untouched. Every launch, a
+plain local one included, goes through `multinode.run_multinode`: there is
+one code path whatever the flags (`--env`, `--print_env` and `--dry_run`
+only add to it).
 """
 from __future__ import annotations
 
+import math
+import os
 import sys
 from pathlib import Path
 
 import click
 from rich.console import Console
 
-from dsrun.launcher.head import Head
-from dsrun.launcher.job import local_node_job
-from dsrun.launcher.local import LocalRunner
+from dsrun.launcher.hostfile import MAX_SLOTS
+from dsrun.launcher.job import DEFAULT_RENDEZVOUS_TIMEOUT
 from dsrun.launcher.multinode import MultinodeOptions, RankCommand, multinode_options, run_multinode
-from dsrun.launcher.ports import PortError, choose_master_port
 
 # dsrun's own messages go to stderr; rank output is passed through untouched.
 console = Console(stderr=True, highlight=False)
@@ -29,7 +32,38 @@ def _positive_count(_ctx: click.Context, param: click.Parameter, value: int | No
             f"{value} is not a number of processes; give 1 or more (or leave it out to use one per visible GPU)",
             param=param,
         )
+    if value is not None and value > MAX_SLOTS:
+        raise click.BadParameter(f"{value} ranks on one machine is more than dsrun's limit of {MAX_SLOTS}",
+                                 param=param)
     return value
+
+
+def _finite_seconds(_ctx: click.Context, param: click.Parameter, value: float) -> float:
+    if not math.isfinite(value):
+        raise click.BadParameter(f"{value} is not a number of seconds; give a finite number, e.g. 10", param=param)
+    return value
+
+
+def visible_gpu_count() -> int:
+    """GPUs a rank here could use, without importing torch: CUDA_VISIBLE_DEVICES if set, else the
+    NVIDIA driver's list (/proc/driver/nvidia/gpus); 0 without a driver."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() and not d.strip().startswith("-")])
+    gpus = Path("/proc/driver/nvidia/gpus")
+    return len(list(gpus.iterdir())) if gpus.is_dir() else 0
+
+
+def warn_if_oversubscribed(num_procs: int, console: Console) -> None:
+    """Warn when a machine gets more ranks than it has GPUs, or (without GPUs) CPU cores."""
+    cores, gpus = len(os.sched_getaffinity(0)), visible_gpu_count()
+    if gpus and num_procs > gpus:
+        console.print(f"dsrun: warning: {num_procs} ranks but {gpus} visible GPU(s) on this machine: "
+                      f"ranks with LOCAL_RANK >= {gpus} have no GPU of their own")
+    elif not gpus and num_procs > cores:
+        console.print(f"dsrun: warning: {num_procs} ranks on a machine with {cores} CPU core(s) and no GPU: "
+                      "each rank is a Python process with its own copy of the model, so they will time-share "
+                      f"the cores and may run out of memory; --num_procs {cores} or fewer is faster")
 
 
 def default_num_procs() -> int:
@@ -63,12 +97,16 @@ def rank_command(script: str, script_args: tuple[str, ...], module: bool) -> lis
               help="Rendezvous port [default: 29500, or a free port if 29500 is busy].")
 @click.option("--master_addr", default=None,
               help="Rendezvous address (rank 0's host) [default: 127.0.0.1; with several nodes the first host].")
+@click.option("--rendezvous_timeout", type=click.FloatRange(min=1), default=DEFAULT_RENDEZVOUS_TIMEOUT,
+              show_default=True, callback=_finite_seconds,
+              help="Seconds the ranks wait for each other at start-up; then every rank fails naming the "
+                   "ranks that never arrived.")
 @click.option("--log_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Also write each rank's output to DIR/rank_N.log.")
 @click.option("--module", is_flag=True, help="Run SCRIPT as a module (python -m SCRIPT).")
 @click.option("--pass_local_rank", is_flag=True, help="Append --local_rank=N to the script's arguments (DeepSpeed style).")
 @click.option("--grace_period", type=click.FloatRange(min=0), default=10.0, show_default=True,
-              help="Seconds between SIGTERM and SIGKILL when stopping ranks.")
+              callback=_finite_seconds, help="Seconds between SIGTERM and SIGKILL when stopping ranks.")
 @click.argument("script")
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 @click.pass_context
@@ -77,6 +115,7 @@ def cli(
     num_procs: int | None,
     master_port: int | None,
     master_addr: str | None,
+    rendezvous_timeout: float,
     log_dir: Path | None,
     module: bool,
     pass_local_rank: bool,
@@ -86,6 +125,9 @@ def cli(
     multinode: MultinodeOptions,
 ) -> None:
     """Launch SCRIPT as a distributed job: one process per rank, torch.distributed environment set."""
+    if not module and Path(script).is_dir():
+        raise click.BadParameter(f"'{script}' is a directory; give the path of the training script (a .py file), "
+                                 "or pass --module to run a package by name", param_hint="SCRIPT")
     if not module and not Path(script).is_file():
         raise click.BadParameter(
             f"file '{script}' does not exist (looked relative to {Path.cwd()}); give the path of the "
@@ -98,27 +140,9 @@ def cli(
             log_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise click.BadParameter(f"cannot create '{log_dir}': {exc.strerror}", param_hint="--log_dir") from exc
-    if multinode.active:  # hostfile, Slurm, MPI, --dry_run ...: see multinode.py
-        ctx.exit(run_multinode(multinode, RankCommand(
-            rank_command(script, script_args, module), num_procs, master_addr, master_port, grace_period,
-            pass_local_rank, str(log_dir) if log_dir else None), console))
-    master_addr = master_addr or "127.0.0.1"
-    try:
-        port, notice = choose_master_port(master_addr, master_port)
-    except PortError as exc:
-        raise click.BadParameter(str(exc), param_hint="--master_port") from exc
-    if notice:
-        console.print(f"dsrun: {notice}")
-    job = local_node_job(
-        rank_command(script, script_args, module),
-        num_procs or default_num_procs(),
-        master_addr,
-        port,
-        grace_period=grace_period,
-        pass_local_rank=pass_local_rank,
-        log_dir=str(log_dir) if log_dir else None,
-    )
-    ctx.exit(Head([job], LocalRunner(), console).run())
+    ctx.exit(run_multinode(multinode, RankCommand(
+        rank_command(script, script_args, module), num_procs, master_addr, master_port, grace_period,
+        pass_local_rank, str(log_dir) if log_dir else None, rendezvous_timeout), console))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -10,6 +10,7 @@ so a script written for either launcher runs unchanged:
     LOCAL_SIZE, CROSS_RANK, CROSS_SIZE             DeepSpeed (and Horovod)
     NODE_RANK                                      common in Lightning-style scripts
     DSRUN_JOB_ID                                   dsrun: unique id of the job
+    DSRUN_RENDEZVOUS_TIMEOUT                       dsrun: seconds ranks wait for each other at start
     PYTHONUNBUFFERED=1                             output reaches the launcher line by line
 
 The runtime reads only RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR,
@@ -41,6 +42,7 @@ def rank_environment(job: NodeJob, index: int) -> dict[str, str]:
         "MASTER_ADDR": job.master_addr,
         "MASTER_PORT": str(job.master_port),
         "DSRUN_JOB_ID": job.job_id,
+        "DSRUN_RENDEZVOUS_TIMEOUT": f"{job.rendezvous_timeout:g}",
         "PYTHONUNBUFFERED": "1",
     }
 

@@ -76,7 +76,10 @@ class StderrTail:
 
     A fixed tail of `TAIL_LINES` lines can cut a deep traceback, so lines from
     a "Traceback (most recent call last):" header on are kept separately,
-    including chained exceptions, up to `TRACEBACK_MAX_LINES`. Lines are str
+    including chained exceptions, up to `TRACEBACK_MAX_LINES`. The header may
+    follow a prefix (torch writes `[rank1]: ` before every line of a rank's
+    output under some settings; so do loggers and `ts`): whatever precedes
+    it on its line is taken as the prefix of the whole block. Lines are str
     without their newline. Not thread-safe: feed it from one thread.
     """
 
@@ -87,9 +90,11 @@ class StderrTail:
 
     def add(self, line: str) -> None:
         """Record one line of stderr (without the newline)."""
-        stripped = line.strip()
-        if stripped == _TRACEBACK_START:
-            previous = next((ln.strip() for ln in reversed(self._tail) if ln.strip()), "")
+        head, found, rest = line.rstrip().rpartition(_TRACEBACK_START)
+        if found and not rest:
+            prefix = head.strip()
+            texts = (ln.strip().removeprefix(prefix).strip() for ln in reversed(self._tail))
+            previous = next((text for text in texts if text), "")
             if self._block is None or previous not in _CHAIN_LINES:
                 self._block, self._block_dropped = [], 0
         self._tail.append(line)

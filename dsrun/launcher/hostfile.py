@@ -16,6 +16,14 @@ here each of those is either meaningful or an error.
 
 Host patterns (`node[01-04,07]`) are shared with Slurm's node lists
 (`dsrun.launcher.slurm`), so there is one expander for both.
+
+[Note: bounded expansion]
+Every count is checked before anything is expanded: a pattern may name at
+most `MAX_HOSTS` hosts, a host may have at most `MAX_SLOTS` slots, and a
+slot range in a filter must lie within its host's slots. So `node[0-9999999]`,
+`slots=99999999999999999999` or `-i host:0-99999999999` are one-line errors,
+not minutes of work and gigabytes of memory. Host names are compared
+case-insensitively, as DNS does: `Worker-0` and `worker-0` are one machine.
 """
 from __future__ import annotations
 
@@ -45,6 +53,10 @@ class Host:
     slots: int
 
 
+# Most hosts one pattern (or one hostfile) may name, and most slots (ranks) one host may run.
+MAX_HOSTS = 65536
+MAX_SLOTS = 4096
+
 _NAME_CHARS = r"A-Za-z0-9_.\-"
 _BRACKET = re.compile(r"\[([^\[\]]*)\]")
 _RANGE_ITEM = re.compile(r"^(\d+)(?:-(\d+))?$")
@@ -65,15 +77,27 @@ def expand_host_pattern(pattern: str, source: str = "<host>", line: int = 1, col
 
     Raises:
         HostfileError: unbalanced brackets, an empty or descending range,
-            or characters that cannot be in a host name.
+            characters that cannot be in a host name, or more than
+            `MAX_HOSTS` names (checked before expanding).
     """
-    pieces: list[list[str]] = []
+    groups: list[tuple[str, int]] = []
+    literals: list[str] = []
     pos = 0
     for m in _BRACKET.finditer(pattern):
-        pieces.append([_check_literal(pattern[pos:m.start()], source, line, col + pos)])
-        pieces.append(_expand_ranges(m.group(1), source, line, col + m.start() + 1))
+        literals.append(_check_literal(pattern[pos:m.start()], source, line, col + pos))
+        groups.append((m.group(1), col + m.start() + 1))
         pos = m.end()
-    pieces.append([_check_literal(pattern[pos:], source, line, col + pos)])
+    literals.append(_check_literal(pattern[pos:], source, line, col + pos))
+    total = 1
+    for body, body_col in groups:
+        total *= sum(hi - lo + 1 for lo, hi, _ in _parse_ranges(body, source, line, body_col))
+        if total > MAX_HOSTS:
+            raise HostfileError(source, line, col, f"{pattern!r} names more than {MAX_HOSTS} hosts; "
+                                                   "check the range bounds")
+    pieces: list[list[str]] = []
+    for literal, (body, body_col) in zip(literals, groups):
+        pieces += [[literal], _expand_ranges(body, source, line, body_col)]
+    pieces.append([literals[-1]])
     names = ["".join(parts) for parts in product(*pieces)]
     if names == [""]:
         raise HostfileError(source, line, col, "empty host name")
@@ -89,8 +113,9 @@ def _check_literal(text: str, source: str, line: int, col: int) -> str:
     return text
 
 
-def _expand_ranges(body: str, source: str, line: int, col: int) -> list[str]:
-    out: list[str] = []
+def _parse_ranges(body: str, source: str, line: int, col: int) -> list[tuple[int, int, int]]:
+    """`01-04,07` -> [(1, 4, 2), (7, 7, 2)]: (low, high, zero-padded width) per item, nothing expanded."""
+    out: list[tuple[int, int, int]] = []
     offset = 0
     for item in body.split(","):
         m = _RANGE_ITEM.match(item)
@@ -98,12 +123,17 @@ def _expand_ranges(body: str, source: str, line: int, col: int) -> list[str]:
             raise HostfileError(source, line, col + offset,
                                 f"bad host range {item!r}: expected N or A-B with digits, e.g. node[01-04,07]")
         lo, hi = m.group(1), m.group(2) or m.group(1)
+        if max(len(lo.lstrip("0")), len(hi.lstrip("0"))) > 12:  # int() of a huge digit string is slow, then fails
+            raise HostfileError(source, line, col + offset, f"range {item!r} has a bound above 10^12")
         if int(hi) < int(lo):
             raise HostfileError(source, line, col + offset, f"host range {item!r} is descending; write {hi}-{lo}")
-        width = len(lo)
-        out.extend(str(i).zfill(width) for i in range(int(lo), int(hi) + 1))
+        out.append((int(lo), int(hi), len(lo)))
         offset += len(item) + 1
     return out
+
+
+def _expand_ranges(body: str, source: str, line: int, col: int) -> list[str]:
+    return [str(i).zfill(width) for lo, hi, width in _parse_ranges(body, source, line, col) for i in range(lo, hi + 1)]
 
 
 def parse_hostfile_text(text: str, source: str = "<hostfile>") -> list[Host]:
@@ -113,12 +143,13 @@ def parse_hostfile_text(text: str, source: str = "<hostfile>") -> list[Host]:
     pattern (see `expand_host_pattern`). Blank and `#` lines are ignored.
 
     Raises:
-        HostfileError: a line without `slots=N`, slots < 1, anything after
-            `slots=N` other than a comment, a host listed twice (both lines
-            named), or no host at all.
+        HostfileError: a line without `slots=N`, slots outside 1..MAX_SLOTS,
+            anything after `slots=N` other than a comment, a host listed
+            twice in any letter case (both lines named), more than MAX_HOSTS
+            hosts, or no host at all.
     """
     hosts: list[Host] = []
-    seen: dict[str, int] = {}
+    seen: dict[str, tuple[int, str]] = {}  # lower-case name -> (line, name as first written)
     for lineno, raw in enumerate(text.splitlines(), start=1):
         body = raw.split("#", 1)[0].rstrip()
         if not body.strip():
@@ -137,20 +168,29 @@ def parse_hostfile_text(text: str, source: str = "<hostfile>") -> list[Host]:
         if not sm:
             raise HostfileError(source, lineno, rest_col,
                                 f"expected 'slots=N' after the host name, got {tokens[0]!r}")
-        slots = int(sm.group("n"))
+        digits = sm.group("n").lstrip("+-").lstrip("0")
+        slots = int(sm.group("n")) if len(digits) <= 12 else MAX_SLOTS + 1
         if slots < 1:
             raise HostfileError(source, lineno, rest_col + len("slots="),
                                 f"slots must be >= 1, got {slots}; remove the line to leave the host out")
+        if slots > MAX_SLOTS:
+            raise HostfileError(source, lineno, rest_col + len("slots="),
+                                f"slots={sm.group('n')} is more than {MAX_SLOTS} ranks on one host; give the "
+                                "number of GPUs (or ranks) of that host")
         if len(tokens) > 1:
             garbage_col = rest_col + m.group("rest").index(tokens[1], len(tokens[0]))
             raise HostfileError(source, lineno, garbage_col,
                                 f"unexpected {tokens[1]!r} after 'slots={slots}'; put comments after '#'")
         for name in names:
-            if name in seen:
-                raise HostfileError(source, lineno, host_col,
-                                    f"host {name!r} is listed twice (first on line {seen[name]}); keep one line per host")
-            seen[name] = lineno
+            if name.lower() in seen:
+                first_line, first_name = seen[name.lower()]
+                written = "" if first_name == name else f" as {first_name!r}; host names are case-insensitive"
+                raise HostfileError(source, lineno, host_col, f"host {name!r} is listed twice (first on line "
+                                    f"{first_line}{written}); keep one line per host")
+            seen[name.lower()] = (lineno, name)
             hosts.append(Host(name, slots))
+        if len(hosts) > MAX_HOSTS:
+            raise HostfileError(source, lineno, host_col, f"the hostfile lists more than {MAX_HOSTS} hosts")
     if not hosts:
         raise HostfileError(source, 1, 1, "hostfile lists no hosts; add lines like 'worker-0 slots=4'")
     return hosts
@@ -178,21 +218,25 @@ def parse_filter(spec: str, hosts: list[Host], flag: str) -> dict[str, list[int]
     pattern (`node[01-02]`). A bare NAME means all of that host's slots.
 
     Returns:
-        host name -> sorted slot indices named for it, in the order of `spec`.
+        host name (as the hostfile writes it) -> sorted slot indices named
+        for it, in the order of `spec`. Names match in any letter case.
 
     Raises:
         HostfileError: (source is the flag name, line 1, column in `spec`) an
-            unknown host, a slot >= the host's slots, a descending slot range,
-            an empty element or a host named twice.
+            unknown host, a slot >= the host's slots (checked before any
+            range is expanded), a descending slot range, an empty element or
+            a host named twice.
     """
     slots_of = {h.name: h.slots for h in hosts}
+    canonical = {h.name.lower(): h.name for h in hosts}
     chosen: dict[str, list[int]] = {}
     col = 1
     for element in spec.split("@"):
         name_part, _, slot_part = element.partition(":")
         if not name_part:
             raise HostfileError(flag, 1, col, f"empty host name in {flag} {spec!r}; expected NAME[:SLOTS][@NAME...]")
-        for name in expand_host_pattern(name_part, flag, 1, col):
+        for written in expand_host_pattern(name_part, flag, 1, col):
+            name = canonical.get(written.lower(), written)
             if name not in slots_of:
                 raise HostfileError(flag, 1, col, f"host {name!r} is not in the hostfile (hosts: {', '.join(slots_of)})")
             if name in chosen:
@@ -201,13 +245,12 @@ def parse_filter(spec: str, hosts: list[Host], flag: str) -> dict[str, list[int]
                 chosen[name] = list(range(slots_of[name]))
                 continue
             slot_col = col + len(name_part) + 1
-            slots = _expand_ranges(slot_part, flag, 1, slot_col)
-            idx = sorted({int(s) for s in slots})
-            too_big = [s for s in idx if s >= slots_of[name]]
-            if too_big:
+            ranges = _parse_ranges(slot_part, flag, 1, slot_col)
+            too_big = next((hi for _, hi, _ in ranges if hi >= slots_of[name]), None)
+            if too_big is not None:
                 raise HostfileError(flag, 1, slot_col,
-                                    f"slot {too_big[0]} is beyond host {name!r}, which has slots 0-{slots_of[name] - 1}")
-            chosen[name] = idx
+                                    f"slot {too_big} is beyond host {name!r}, which has slots 0-{slots_of[name] - 1}")
+            chosen[name] = sorted({i for lo, hi, _ in ranges for i in range(lo, hi + 1)})
         col += len(element) + 1
     return chosen
 

@@ -13,6 +13,9 @@ import uuid
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+# Seconds the ranks of a dsrun job wait for each other at start-up (see dsrun.runtime.rendezvous).
+DEFAULT_RENDEZVOUS_TIMEOUT = 300.0
+
 
 def new_job_id() -> str:
     """A job id unique across hosts and time, e.g. ``dsrun-20240501-120000-1a2b3c4d``.
@@ -45,7 +48,11 @@ class NodeJob(BaseModel):
     command: list[str] = Field(min_length=1, description="argv of every rank (python, script, script args).")
     cwd: str = Field(description="Working directory of every rank.")
     env: dict[str, str] = Field(default_factory=dict, description="Variables added to the agent's environment for each rank.")
-    grace_period: float = Field(10.0, ge=0, description="Seconds between SIGTERM and SIGKILL when tearing down.")
+    grace_period: float = Field(10.0, ge=0, allow_inf_nan=False,
+                                description="Seconds between SIGTERM and SIGKILL when tearing down.")
+    rendezvous_timeout: float = Field(DEFAULT_RENDEZVOUS_TIMEOUT, gt=0, allow_inf_nan=False,
+                                      description="Seconds the ranks wait for each other at start-up; "
+                                                  "exported as DSRUN_RENDEZVOUS_TIMEOUT.")
     pass_local_rank: bool = Field(False, description="Append --local_rank=N to the rank command (DeepSpeed's convention).")
     log_dir: str | None = Field(None, description="If set, each rank's output is also written to log_dir/rank_N.log.")
 

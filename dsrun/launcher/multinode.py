@@ -1,8 +1,8 @@
 """The multi-node side of the `dsrun` command: options, placement and the launcher that reaches the nodes.
 
-`cli.py` hands a launch here whenever a hostfile, a non-local launcher or
-one of these options is given; a plain `dsrun --num_procs N script.py`
-stays on the local path. Launchers:
+`cli.py` hands every launch here, a plain `dsrun --num_procs N script.py`
+included, so a local launch takes one code path whatever the flags.
+Launchers:
 
     ssh      (default with --hostfile) one agent per node over paramiko, see ssh.py
     slurm    inside salloc/sbatch: one agent per node as an srun step, see slurm.py
@@ -53,18 +53,12 @@ class MultinodeOptions:
     num_nodes: int | None
     launcher: str | None
     ssh_config: Path | None
-    ssh_host_key_policy: str
+    ssh_host_key_policy: str | None
     remote_python: str | None
     remote_cwd: str | None
     env: tuple[str, ...]
     print_env: bool
     dry_run: bool
-
-    @property
-    def active(self) -> bool:
-        """True when the launch is not a plain local one."""
-        return bool(self.hostfile or self.launcher not in (None, "local") or self.include or self.exclude
-                    or self.num_nodes is not None or self.env or self.print_env or self.dry_run)
 
 
 _OPTIONS = [
@@ -77,11 +71,16 @@ _OPTIONS = [
                  help="How to reach the nodes [default: ssh with --hostfile, else local]."),
     click.option("--ssh_config", type=click.Path(path_type=Path), default=None,
                  help="ssh config file [default: ~/.ssh/config]."),
-    click.option("--ssh_host_key_policy", type=click.Choice(["strict", "accept-new"]), default="accept-new",
-                 show_default=True, help="Unknown host keys: refuse (strict) or add to known_hosts (accept-new)."),
+    click.option("--ssh_host_key_policy", type=click.Choice(["strict", "accept-new"]), default=None,
+                 help="Hosts missing from every known_hosts file: refuse (strict) or add them (accept-new) "
+                      "[default: StrictHostKeyChecking from the ssh config, else strict]. A changed key is "
+                      "always refused."),
     click.option("--remote_python", default=None, help="Python on the other nodes [default: this Python's path]."),
     click.option("--remote_cwd", default=None, help="Working directory on the other nodes [default: this one]."),
-    click.option("--env", multiple=True, metavar="K=V", help="Set K=V for every rank on every node (repeatable)."),
+    click.option("--env", multiple=True, metavar="NAME|K=V",
+                 help="NAME: forward this variable's value from dsrun's environment to every rank; K=V: set it "
+                      "(repeatable). Use NAME for secrets (--env WANDB_API_KEY): a K=V value is visible to "
+                      "every local user in ps."),
     click.option("--print_env", is_flag=True, help="Show the variables each rank gets (propagated values masked)."),
     click.option("--dry_run", is_flag=True, help="Print the placement (and the environment with --print_env) and exit."),
 ]
@@ -112,6 +111,7 @@ class RankCommand:
     grace_period: float
     pass_local_rank: bool
     log_dir: str | None
+    rendezvous_timeout: float
 
 
 def run_multinode(opts: MultinodeOptions, rc: RankCommand, console: Console) -> int:
@@ -145,9 +145,10 @@ def _hosts(opts: MultinodeOptions, launcher: str, num_procs: int | None) -> tupl
         return parse_hostfile(opts.hostfile), num_procs
     if opts.include or opts.exclude or opts.num_nodes is not None or launcher == "ssh":
         raise ValueError("--include/--exclude/--num_nodes and --launcher ssh need --hostfile")
+    from dsrun.launcher.cli import console, default_num_procs, warn_if_oversubscribed
     if num_procs is None:
-        from dsrun.launcher.cli import default_num_procs
         num_procs = default_num_procs()
+    warn_if_oversubscribed(num_procs, console)
     return [Host("localhost", num_procs)], None
 
 
@@ -161,18 +162,23 @@ def _run(opts: MultinodeOptions, rc: RankCommand, launcher: str, console: Consol
     env = propagated_env(os.environ, Path(cwd), opts.env)
     job_id = new_job_id()
     master_addr = rc.master_addr or placement.hosts[0]
+    port = rc.master_port or DEFAULT_MASTER_PORT
+    # Local ranks inherit this process's environment (CUDA_VISIBLE_DEVICES included) through the agent.
+    inherited: dict[str, str] = {}
     if launcher == "local":
-        master_addr = rc.master_addr or "127.0.0.1"
+        master_addr, port = _local_rendezvous(rc, console)
+        inherited = dict(os.environ)
 
     def jobs_for(addr: str, port: int) -> list[NodeJob]:
         return node_jobs(placement, job_id=job_id, master_addr=addr, master_port=port, command=command, cwd=cwd,
                          env=env, grace_period=rc.grace_period, pass_local_rank=rc.pass_local_rank,
-                         log_dir=rc.log_dir, visible_devices=launcher in ("ssh", "local"))
+                         log_dir=rc.log_dir, visible_devices=launcher == "ssh",
+                         rendezvous_timeout=rc.rendezvous_timeout)
 
     if opts.dry_run:
         print_placement(placement, console, master_addr)
         if opts.print_env:
-            print_environment(jobs_for(master_addr, rc.master_port or DEFAULT_MASTER_PORT), console)
+            print_environment(jobs_for(master_addr, port), console, inherited)
         return 0
     if launcher in ("openmpi", "mpich"):
         return _run_mpi(launcher, placement, command, env, master_addr, rc.master_port or derived_port(job_id), opts, console)
@@ -184,15 +190,11 @@ def _run(opts: MultinodeOptions, rc: RankCommand, launcher: str, console: Consol
         return _run_head(jobs, runner, opts, console)
     if launcher == "local":
         from dsrun.launcher.local import LocalRunner
-        from dsrun.launcher.ports import choose_master_port
-        port, notice = choose_master_port(master_addr, rc.master_port)
-        if notice:
-            console.print(f"dsrun: {notice}")
-        return _run_head(jobs_for(master_addr, port), LocalRunner(), opts, console)
+        return _run_head(jobs_for(master_addr, port), LocalRunner(), opts, console, inherited)
     from dsrun.launcher.ssh import HostKeyPolicy, SshConnectError, prepare_ssh_launch
+    policy = HostKeyPolicy(opts.ssh_host_key_policy) if opts.ssh_host_key_policy else None
     try:
-        launch = prepare_ssh_launch(placement.hosts, ssh_config=opts.ssh_config,
-                                    policy=HostKeyPolicy(opts.ssh_host_key_policy), python=python, cwd=cwd,
+        launch = prepare_ssh_launch(placement.hosts, ssh_config=opts.ssh_config, policy=policy, python=python, cwd=cwd,
                                     job_id=job_id, master_addr=rc.master_addr, master_port=rc.master_port)
     except SshConnectError as exc:
         console.print(exc.table())
@@ -205,9 +207,30 @@ def _run(opts: MultinodeOptions, rc: RankCommand, launcher: str, console: Consol
         launch.runner.close()
 
 
-def _run_head(jobs: list[NodeJob], runner, opts: MultinodeOptions, console: Console) -> int:
+def _local_rendezvous(rc: RankCommand, console: Console) -> tuple[str, int]:
+    """MASTER_ADDR and MASTER_PORT of a one-node launch: the address must be this machine's.
+
+    Raises:
+        ValueError: --master_addr names another machine (rank 0 runs here, so
+            the ranks would wait for a rendezvous that never opens).
+        PortError: --master_port is busy here.
+    """
+    from dsrun.launcher.ports import choose_master_port, is_local_address
+    addr = rc.master_addr or "127.0.0.1"
+    if not is_local_address(addr):
+        raise ValueError(f"--master_addr {addr} is not an address of this machine, but every rank of this "
+                         "launch runs here, rank 0's rendezvous included; leave --master_addr out "
+                         "(127.0.0.1) or give one of this machine's addresses")
+    port, notice = choose_master_port(addr, rc.master_port)
+    if notice:
+        console.print(f"dsrun: {notice}")
+    return addr, port
+
+
+def _run_head(jobs: list[NodeJob], runner, opts: MultinodeOptions, console: Console,
+              inherited: dict[str, str] | None = None) -> int:
     if opts.print_env:
-        print_environment(jobs, console)
+        print_environment(jobs, console, inherited)
     console.print(f"dsrun: job {jobs[0].job_id}: {jobs[0].world_size} rank(s) on {len(jobs)} node(s), "
                   f"master {jobs[0].master_addr}:{jobs[0].master_port}")
     return Head(jobs, runner, console).run()
@@ -227,11 +250,17 @@ def _run_mpi(flavor: str, placement, command: list[str], env: dict[str, str], ma
     return exit_status(proc.returncode)
 
 
-def print_environment(jobs: list[NodeJob], console: Console) -> None:
-    """Show what each rank gets: dsrun's rank variables in clear, propagated values masked."""
+def print_environment(jobs: list[NodeJob], console: Console, inherited: dict[str, str] | None = None) -> None:
+    """Show what each rank gets: dsrun's rank variables in clear, propagated values masked.
+
+    `inherited` is the environment the agent passes on to its ranks when it
+    is known here (a local launch: this process's); CUDA_VISIBLE_DEVICES is
+    shown from the job, else from there, as the ranks will see it.
+    """
     console.print("dsrun: environment of each rank (propagated values masked):")
     for job in jobs:
-        own = {k: v for k, v in job.env.items() if k == "CUDA_VISIBLE_DEVICES"}
+        devices = job.env.get("CUDA_VISIBLE_DEVICES", (inherited or {}).get("CUDA_VISIBLE_DEVICES"))
+        own = {"CUDA_VISIBLE_DEVICES": devices} if devices is not None else {}
         shared = {k: v for k, v in job.env.items() if k not in own}
         console.print(f"  node {job.node_rank} ({job.host}): " + " ".join(masked(shared)), soft_wrap=True)
         for index, rank in enumerate(job.ranks):

@@ -9,7 +9,9 @@ head sends the variables a job usually depends on (DeepSpeed #91, #3489,
    the working directory (`K=V` lines; `#` comments, blank lines and an
    optional leading `export ` are allowed; matching quotes around V are
    removed);
-3. `--env K=V` flags.
+3. `--env` flags: `--env NAME` forwards dsrun's own value of NAME (the way
+   to pass a secret: `--env K=V` puts the value in dsrun's command line,
+   which every local user can read in `ps`), `--env K=V` sets it.
 
 The values travel inside the job description on the agent's stdin, never on
 a command line, and are never printed: `masked` is what `--print_env` shows.
@@ -76,16 +78,25 @@ def propagated_env(environ: Mapping[str, str], cwd: Path, overrides: Iterable[st
     Args:
         environ: the head's environment (usually os.environ).
         cwd: the job's working directory (where `.dsrun_env` is looked up).
-        overrides: `--env` values, each `K=V`.
+        overrides: `--env` values, each `K=V` or a bare `NAME` (its value
+            taken from `environ`).
         home: home directory for env files (default: the user's).
 
     Raises:
-        EnvFileError: a malformed env-file line or `--env` value.
+        EnvFileError: a malformed env-file line or `--env` value, or
+            `--env NAME` with NAME not set in `environ`.
     """
     env = {k: v for k, v in environ.items() if k.startswith(PREFIXES)}
     for path in env_file_paths(cwd, home):
         env.update(read_env_file(path))
     for item in overrides:
+        if _NAME.match(item.strip()):
+            name = item.strip()
+            if name not in environ:
+                raise EnvFileError(f"--env {name}: {name} is not set in dsrun's environment; export it first "
+                                   f"(or write --env {name}=VALUE for a value that is not secret)")
+            env[name] = environ[name]
+            continue
         key, value = parse_assignment(item, "--env")
         env[key] = value
     return env

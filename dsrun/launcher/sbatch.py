@@ -8,6 +8,10 @@ The script asks Slurm for the nodes and one task slot per rank, then runs
 working directory as this command, so the cluster job needs no hostfile
 and no SSH. Without --submit the script is only written (default
 `<job-name>.sbatch`) for users who keep job scripts in their repository.
+
+Every value written into the script is checked (no newline or other
+control character: one would start a new line of shell) and quoted with
+`shlex.quote`, which both bash and sbatch's `#SBATCH` parser undo.
 """
 from __future__ import annotations
 
@@ -21,6 +25,22 @@ from pathlib import Path
 import click
 
 _TIME = re.compile(r"^(\d+-)?\d+(:\d{2}){0,2}$")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def check_value(value: str, where: str) -> str:
+    """Return `value` if it may be written into a batch script.
+
+    Raises:
+        click.BadParameter: `value` holds a newline or another control
+            character (`where` names the option or argument it came from).
+    """
+    bad = _CONTROL.search(value)
+    if bad:
+        what = "a newline" if bad.group(0) in "\r\n" else f"the control character {bad.group(0)!r}"
+        raise click.BadParameter(f"{value!r} contains {what}, which cannot be written into a batch script",
+                                 param_hint=where)
+    return value
 
 
 def batch_script(*, nodes: int, ranks_per_node: int, gpus_per_node: int, time: str | None, partition: str | None,
@@ -32,20 +52,23 @@ def batch_script(*, nodes: int, ranks_per_node: int, gpus_per_node: int, time: s
         ranks_per_node: tasks per node (dsrun starts one rank per task).
         dsrun_args: extra dsrun options placed before the script (e.g. --grace_period 5).
         command: the training script and its arguments.
+
+    Raises:
+        click.BadParameter: a value holds a newline or control character
+            (see `check_value`).
     """
     directives = [f"--job-name={job_name}", f"--nodes={nodes}", f"--ntasks-per-node={ranks_per_node}"]
     if gpus_per_node:
         directives.append(f"--gpus-per-node={gpus_per_node}")
-    if time:
-        directives.append(f"--time={time}")
-    if partition:
-        directives.append(f"--partition={partition}")
-    if output:
-        directives.append(f"--output={output}")
-    run = [python, "-m", "dsrun.launcher.cli", "--launcher", "slurm", *dsrun_args, *command]
+    for flag, value in (("--time", time), ("--partition", partition), ("--output", output)):
+        if value:
+            directives.append(f"{flag}={check_value(value, flag)}")
+    run = [check_value(python, "python"), "-m", "dsrun.launcher.cli", "--launcher", "slurm",
+           *(check_value(a, "--dsrun-arg") for a in dsrun_args), *(check_value(a, "COMMAND") for a in command)]
+    check_value(cwd, "working directory")
     return "\n".join([
         "#!/bin/bash",
-        *(f"#SBATCH {d}" for d in directives),
+        *(f"#SBATCH {shlex.quote(check_value(d, 'directive'))}" for d in directives),
         "# Written by dsrun-sbatch: dsrun reads the allocation (SLURM_JOB_NODELIST, tasks per node)",
         "# and starts one agent per node with srun; no hostfile, no SSH.",
         "set -euo pipefail",

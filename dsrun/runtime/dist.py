@@ -18,12 +18,13 @@ import atexit
 import dataclasses
 import datetime
 import os
+import sys
 
 import torch
 import torch.distributed as dist
 
 from dsrun.launcher.mpi import rank_env_from_scheduler
-from dsrun.runtime import allocator
+from dsrun.runtime import allocator, rendezvous
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 
@@ -165,17 +166,24 @@ def init_distributed(dist_backend: str | None = None,
                 raise DistributedSetupError(
                     "MASTER_PORT is not set; set it to a free port on rank 0's host")
             os.environ["MASTER_PORT"] = str(distributed_port)
-        dist.init_process_group(backend, init_method="env://", rank=rank,
-                                world_size=world_size, timeout=timeout)
+        # Bounded, and names the ranks that never arrived: see [Note: bounded rendezvous].
+        store = rendezvous.join(rank, world_size, os.environ["MASTER_ADDR"], _env_int("MASTER_PORT"),
+                                rendezvous.rendezvous_timeout(timeout), timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     atexit.register(_leave)
     return Topology(rank, world_size, local_rank, local_world_size, device, backend)
 
 
 def _leave() -> None:
-    """At interpreter exit, destroy the process group dsrun created while the
-    interpreter is still whole: with torch 2.13, gloo objects alive during
-    interpreter teardown sometimes abort the process ("terminate called
-    without an active exception") after training finished. No collective is
-    issued, so a rank never waits here for a peer that is gone."""
+    """At a clean interpreter exit, destroy the process group dsrun created
+    while the interpreter is still whole: with torch 2.13, gloo objects alive
+    during interpreter teardown sometimes abort the process ("terminate
+    called without an active exception", exit 134) after training finished.
+    No collective is issued. After an uncaught exception (sys.last_value is
+    set by the interpreter before atexit runs) nothing is done: the rank is
+    failing anyway, and a teardown that talks to peers must not delay or
+    hang it."""
+    if getattr(sys, "last_value", None) is not None:
+        return
     if dist.is_initialized():
         dist.destroy_process_group()
