@@ -568,10 +568,6 @@ class DsConfig(_BatchTriple):
     memory_breakdown: bool = Field(False, description="Measure memory per phase of each step (RSS, "
                                    "CUDA allocator, tensors held) and log it on rank 0 every "
                                    "steps_per_print steps (see Engine.memory_profile).")
-    max_consecutive_nonfinite_steps: Count = Field(
-        10, description="dsrun: stop with an error (NonFiniteStepsError, on every rank) after this many "
-                        "optimizer steps in a row were skipped for an inf/nan gradient that no dynamic "
-                        "fp16 loss scale accounts for (fp32, bf16, static fp16 scale); 0 = never stop.")
     dump_state: bool = Field(False, description="Print the engine's state after initialization.")
     tensorboard: MonitorConfig = Field(default_factory=MonitorConfig, description="TensorBoard output.")
     csv_monitor: MonitorConfig = Field(default_factory=MonitorConfig, description="CSV output.")
