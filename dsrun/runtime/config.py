@@ -478,9 +478,10 @@ class CheckpointConfig(_Section):
     keep_last: Optional[PosInt] = Field(None, description="dsrun: after a committed save, delete the "
                                         "oldest complete tags of the save directory so that this many "
                                         "remain (null = keep all). Incomplete tags are left alone.")
-    async_save: bool = Field(False, description="dsrun: save_checkpoint copies the state to host memory "
-                             "and returns; a background thread writes and commits it. The next save, "
-                             "load or engine.wait_checkpoint() waits for it and raises its error.")
+    async_save: bool = Field(False, description="dsrun: save_checkpoint returns at once; a background "
+                             "thread writes and commits (the next optimizer step first copies what it has "
+                             "not written yet). The next save, load or engine.wait_checkpoint() waits for "
+                             "it and raises its error.")
     tag_validation: Literal["Warn", "Ignore", "Fail"] = Field(
         "Warn", description="What to do when ranks save under different tags; dsrun always fails "
                             "(a save waits for every rank under the same tag).")

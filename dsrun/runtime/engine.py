@@ -188,6 +188,7 @@ class Engine(DeepSpeedEngineCompat, torch.nn.Module):
                 raise RuntimeError(
                     "engine.step() at a gradient accumulation boundary inside engine.no_sync(): "
                     "gradients were not reduced; leave no_sync() for the last micro-step")
+            checkpointer.release_pending(self)  # an async save stops reading what the step changes
             with self._phase("step"), self._telemetry.phase("step"):
                 outcome = self.strategy.step(self.config.gradient_clipping)
                 self._grad_norm = outcome.grad_norm
@@ -314,8 +315,9 @@ class Engine(DeepSpeedEngineCompat, torch.nn.Module):
         (index.json, then `latest`) only once all succeeded, so a crash
         leaves the previous checkpoint intact. Loadable on any world size,
         stage and precision. With config `checkpoint.async_save` it returns
-        after a host copy of the state; `wait_checkpoint()` (or the next
-        save/load) waits for the write and raises its error.
+        at once and a background thread writes (the next optimizer step
+        first copies what it has not written yet); `wait_checkpoint()` (or
+        the next save/load) waits for the write and raises its error.
 
         Args:
             tag: directory name; default "global_step<global_steps>".

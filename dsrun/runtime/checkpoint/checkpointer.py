@@ -39,8 +39,8 @@ from dsrun.runtime.checkpoint.pieces import HeldPiece, plain_pieces
 from dsrun.runtime.checkpoint.store import (INDEX, LATEST, CheckpointError, FileEntry, Index, SliceReader,
                                             StoredSlice, TensorEntry, atomic_write, dtype_name, dtype_of,
                                             fsync_dir, index_time, load_index, read_shard_metadata,
-                                            resolve_tag, safetensors_chunks, shard_name, stream_safetensors,
-                                            write_json_atomic)
+                                            resolve_tag, shard_name, stream_safetensors, write_json_atomic)
+from dsrun.runtime.checkpoint.writer import ShardWriter, StagingBuffer
 from dsrun.runtime.zero.params import record_of
 from dsrun.runtime.zero.strategy import ZeroStrategy
 
@@ -232,29 +232,34 @@ def _python_rng() -> dict[str, Any]:
 
 # ---- save ----------------------------------------------------------------------
 def _rank_payload(engine, pieces: list[HeldPiece], client_state, exclude_frozen: bool):
-    """This rank's tensors (key -> 1-D tensor) and its description (JSON)."""
+    """This rank's tensors (key -> 1-D tensor), its description (JSON) and
+    the keys of the tensors only an optimizer step changes (trainable values
+    and their optimizer states: see [Note: copy-on-write snapshot] in writer.py)."""
     rank = engine.topology.rank
     tensors: dict[str, torch.Tensor] = {}
     entries: dict[str, dict] = {}
     scalars: dict[str, dict] = {}
+    stepped: set[str] = set()
 
-    def put(gname: str, shape, t: torch.Tensor, lo: int, hi: int) -> None:
+    def put(gname: str, shape, t: torch.Tensor, lo: int, hi: int, by_step: bool = False) -> None:
         if hi > lo:
             tensors[gname] = t
             entries[gname] = {"shape": list(shape), "dtype": dtype_name(t.dtype), "lo": lo, "hi": hi}
+            if by_step:
+                stepped.add(gname)
 
     for p in pieces:
         if exclude_frozen and p.kind == "param" and not p.trainable:
             continue
         a, b = p.write_lo - p.lo, p.write_hi - p.lo
-        put(f"module/{p.name}", p.shape, p.value[a:b], p.write_lo, p.write_hi)
+        put(f"module/{p.name}", p.shape, p.value[a:b], p.write_lo, p.write_hi, p.trainable)
         if p.state_key is None:
             continue
         for k, v in engine.optimizer.state.get(p.state_key, {}).items():
             if isinstance(v, torch.Tensor) and v.dim() > 0 and v.numel() == p.state_key.numel():
                 flat = v.reshape(-1)
                 put(f"optim/{p.name}/{k}", p.shape, flat[p.state_offset + a:p.state_offset + b],
-                    p.write_lo, p.write_hi)
+                    p.write_lo, p.write_hi, True)
             elif isinstance(v, torch.Tensor) and v.dim() == 0:
                 scalars.setdefault(p.name, {})[k] = {"value": v.item(), "dtype": dtype_name(v.dtype)}
             elif isinstance(v, (int, float, bool)):
@@ -276,7 +281,7 @@ def _rank_payload(engine, pieces: list[HeldPiece], client_state, exclude_frozen:
         for key, t in client_tensors.items():
             put(key, [t.numel()], t, 0, t.numel())
     meta = {"rank": rank, "tensors": entries, "scalars": scalars, "rng": _python_rng(), "client_state": client}
-    return tensors, meta
+    return tensors, meta, stepped
 
 
 def save(engine, save_dir: str, tag: str | None = None, client_state: dict | None = None,
@@ -284,9 +289,10 @@ def save(engine, save_dir: str, tag: str | None = None, client_state: dict | Non
     """Save the engine's state under save_dir/<tag>/ (collective: every rank).
 
     tag: default "global_step<N>" (engine.global_steps). Returns the tag
-    directory. With `checkpoint.async_save` the state is copied to host
-    memory and written by a background thread; the call returns at once and
-    the next save, load or `wait_pending` waits for it (and raises its error).
+    directory. With `checkpoint.async_save` a background thread writes and
+    commits (see [Note: copy-on-write snapshot] in writer.py); the call
+    returns at once and the next save, load or `wait_pending` waits for it
+    (and raises its error).
     Raises CheckpointError (on every rank) when a rank cannot write, state is
     not JSON-able (LR scheduler, client_state), or not every rank called
     save; `latest` and any earlier tag are then untouched. See [Note: commit
@@ -312,49 +318,51 @@ def save(engine, save_dir: str, tag: str | None = None, client_state: dict | Non
             scheduler = _json_checked(engine.lr_scheduler.state_dict(), "the LR scheduler's state_dict")
         param_groups = _json_checked([{k: v for k, v in g.items() if k != "params"}
                                       for g in engine.optimizer.param_groups], "optimizer param_groups")
-        tensors, meta = _rank_payload(engine, held_pieces(engine), client_state or {},
-                                      exclude_frozen_parameters)
+        tensors, meta, stepped = _rank_payload(engine, held_pieces(engine), client_state or {},
+                                               exclude_frozen_parameters)
         fields = _index_fields(engine, scheduler, param_groups, exclude_frozen_parameters) if rank == 0 else None
     except Exception as e:  # reported to every rank, then raised here
         error = e
     _raise_unless_all(rdv.agree("prepared", error is None), error, f"preparing checkpoint {tag_dir}")
-    job = _SaveJob(rdv, save_dir, tag, tensors, meta, fields, save_latest, engine.config.checkpoint.keep_last)
-    if engine.config.checkpoint.async_save:
-        job.snapshot()  # the only stall: a host copy of this rank's slices
+    background = engine.config.checkpoint.async_save
+    writer = ShardWriter(os.path.join(tag_dir, shard_name(rank, topo.world_size)), tensors,
+                         {"dsrun": json.dumps(meta)}, stepped if background else set(tensors), engine.config.aio)
+    staging = _staging(engine)
+    writer.snapshot(staging)  # copies only what may change before the write reads it
+    job = _SaveJob(rdv, save_dir, tag, writer, staging, fields, save_latest, engine.config.checkpoint.keep_last)
+    if background:
         engine._pending_checkpoint = job.start()
     else:
         job.run()
     return tag_dir
 
 
+def _staging(engine) -> StagingBuffer:
+    """The engine's staging buffer, reused by all its saves."""
+    if getattr(engine, "_checkpoint_staging", None) is None:
+        engine._checkpoint_staging = StagingBuffer()
+    return engine._checkpoint_staging
+
+
 class _SaveJob:
     """Write one rank's shard and commit the tag (see [Note: commit protocol]);
     holds no reference to the engine, so it can run in a background thread."""
 
-    def __init__(self, rdv: Rendezvous, save_dir: str, tag: str, tensors: dict[str, torch.Tensor],
-                 meta: dict, fields: dict | None, save_latest: bool, keep_last: int | None):
+    def __init__(self, rdv: Rendezvous, save_dir: str, tag: str, writer: ShardWriter, staging: StagingBuffer,
+                 fields: dict | None, save_latest: bool, keep_last: int | None):
         self.rdv, self.save_dir, self.tag = rdv, save_dir, tag
         self.tag_dir = os.path.join(save_dir, tag)
-        self.tensors, self.meta, self.fields = tensors, meta, fields
+        self.writer, self.staging, self.fields = writer, staging, fields
         self.save_latest, self.keep_last = save_latest, keep_last
         self.error: BaseException | None = None
         self.thread: threading.Thread | None = None
+        self.release_s = 0.0  # time the training thread spent in release()
 
-    def snapshot(self) -> None:
-        """Copy every slice to host memory (pinned when it lives on a GPU), so
-        training may change the originals while the thread writes."""
-        copies = {}
-        for key, t in self.tensors.items():
-            t = t.detach()
-            if t.device.type == "cuda":
-                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                host.copy_(t, non_blocking=True)
-            else:
-                host = t.clone()
-            copies[key] = host
-        if any(t.device.type == "cuda" for t in self.tensors.values()):
-            torch.cuda.synchronize()  # the non-blocking copies are complete
-        self.tensors = copies
+    def release(self) -> None:
+        """Called before an optimizer step: see [Note: copy-on-write snapshot]."""
+        t = time.perf_counter()
+        self.writer.release(self.staging)
+        self.release_s += time.perf_counter() - t
 
     def start(self) -> "_SaveJob":
         def body():
@@ -380,12 +388,10 @@ class _SaveJob:
         try:
             os.makedirs(self.tag_dir, exist_ok=True)
             _fault("before_shard")
-            digest, _ = atomic_write(os.path.join(self.tag_dir, shard_name(rank, world)),
-                                     safetensors_chunks(self.tensors, {"dsrun": json.dumps(self.meta)}))
+            digest, _ = self.writer.write()
             _fault("after_shard")
         except Exception as e:
             error = e
-        self.tensors = {}  # host copies can go
         results = self.rdv.agree("written", error is None, digest)
         _raise_unless_all(results, error, f"saving checkpoint {self.tag_dir}")
         error = None
@@ -407,6 +413,14 @@ class _SaveJob:
                           f"committing checkpoint {self.tag_dir}")
         if rank == 0:
             log.info("saved checkpoint %s (%d rank files)", self.tag_dir, world)
+
+
+def release_pending(engine) -> None:
+    """Before the engine's optimizer step: a running asynchronous save stops
+    reading the state the step changes (copying what it has not written)."""
+    job = engine._pending_checkpoint
+    if job is not None:
+        job.release()
 
 
 def wait_pending(engine) -> None:

@@ -22,7 +22,7 @@ rank 0 builds the index from the headers without moving any data.
    (overwriting a tag makes it incomplete first, never inconsistent) before
    any rank writes.
 2. Every rank writes its shard to a temporary name in the tag directory,
-   fsyncs and renames it (`atomic_write`), hashing it as it goes.
+   fsyncs and renames it, hashing it as it goes (writer.py).
 3. All ranks publish (success, sha256); if any rank failed, every rank
    raises and nothing else happens: the tag stays without an index and
    `latest` unchanged.
@@ -162,12 +162,32 @@ def atomic_write(path: str, chunks: Iterable[bytes | memoryview]) -> tuple[str, 
     return digest.hexdigest(), size
 
 
-def safetensors_chunks(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> Iterable[memoryview]:
-    """The safetensors encoding of `tensors` (any shape), streamed one tensor
-    at a time (views of shared storage are fine: nothing is copied but a
-    non-contiguous or device tensor's bytes)."""
-    specs = [(key, tuple(t.shape), t.dtype) for key, t in tensors.items()]
-    return stream_safetensors(specs, iter(tensors.values()), metadata)
+def safetensors_header(specs: list[tuple[str, tuple[int, ...], torch.dtype]],
+                       metadata: dict[str, str] | None = None) -> tuple[bytes, list[int]]:
+    """The safetensors header (8-byte length + JSON, padded to 8 bytes) for
+    tensors described by `specs` (key, shape, dtype), stored in that order,
+    and each tensor's byte offset in the file."""
+    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+    offset, offsets = 0, []
+    for key, shape, dtype in specs:
+        numel = 1
+        for d in shape:
+            numel *= d
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        header[key] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offsets.append(offset)
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the format aligns the data to 8 bytes
+    raw = struct.pack("<Q", len(raw)) + raw
+    return raw, [len(raw) + o for o in offsets]
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor without a copy and without NumPy
+    (not installed by `pip install dsrun`); valid while `t` is alive."""
+    nbytes = t.numel() * t.element_size()
+    return memoryview((ctypes.c_ubyte * nbytes).from_address(t.data_ptr())) if nbytes else memoryview(b"")
 
 
 def stream_safetensors(specs: list[tuple[str, tuple[int, ...], torch.dtype]], values: Iterable[torch.Tensor],
@@ -176,30 +196,18 @@ def stream_safetensors(specs: list[tuple[str, tuple[int, ...], torch.dtype]], va
     shape, dtype) whose values arrive one at a time from `values` (same
     order): the header needs only the shapes, so at most one tensor is in
     memory at a time. Raises ValueError when a value does not match its spec."""
-    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
-    offset = 0
-    for key, shape, dtype in specs:
-        numel = 1
-        for d in shape:
-            numel *= d
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        header[key] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # the format aligns the data to 8 bytes
-    yield memoryview(struct.pack("<Q", len(raw)) + raw)
+    yield memoryview(safetensors_header(specs, metadata)[0])
     for (key, shape, dtype), t in zip(specs, values, strict=True):
         if tuple(t.shape) != shape or t.dtype != dtype:
             raise ValueError(f"tensor {key}: got {tuple(t.shape)} {t.dtype}, announced {shape} {dtype}")
         if t.numel():
-            data = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
-            # a view of the tensor's bytes without NumPy (not installed by `pip install dsrun`);
-            # the yielded buffer is consumed before `data` goes out of scope
-            yield memoryview((ctypes.c_ubyte * data.numel()).from_address(data.data_ptr()))
+            data = t.detach().contiguous().cpu().reshape(-1)
+            yield byte_view(data)  # consumed before `data` goes out of scope
 
 
 def write_json_atomic(path: str, data: Any) -> None:
-    atomic_write(path, [json.dumps(data, indent=1).encode()])
+    # no indent: json then uses its C encoder (an index lists every tensor slice)
+    atomic_write(path, [json.dumps(data, separators=(",", ":")).encode()])
     fsync_dir(os.path.dirname(path) or ".")
 
 

@@ -1,0 +1,164 @@
+"""Writing one rank's shard: the async I/O op, hashing while the disk writes,
+and the copy-on-write snapshot behind `checkpoint.async_save`.
+
+[Note: shard writing]
+A shard is a safetensors file: the header, then each tensor's bytes in
+order. The writer walks the file in chunks of CHUNK_BYTES; for each chunk it
+submits an asynchronous write to dsrun's async I/O op (dsrun/ops/aio.py:
+O_DIRECT through io_uring or libaio where the file system allows it, as
+DeepSpeed's FastPersist does, so the bytes are not copied into the page
+cache), then feeds the same bytes to sha256 while the device writes them
+(hashlib releases the GIL), then waits. The hash costs no extra time as long
+as it keeps up with the disk, and nothing is copied on the way: the source
+of a chunk is the live tensor's memory (or a snapshot copy, below). Without
+the native op the writes are plain pwrite calls. The file goes to a
+temporary name, is fsynced and renamed (see [Note: commit protocol] in
+store.py).
+
+[Note: copy-on-write snapshot]
+An asynchronous save must not write values that training has changed since
+the call. Copying everything at the call (what a save to pinned memory does
+on a GPU) makes the call as slow as a memcpy of the shard into fresh pages.
+Instead the tensors that only an optimizer step changes (trainable values
+and their optimizer states, on the CPU) are written in place, and every
+other tensor (buffers, frozen parameters, RNG states, client tensors, any
+tensor on an accelerator) is copied at the call into a staging buffer that
+is reused from save to save (page-aligned; pinned when CUDA is available).
+Before the next optimizer step the engine calls `release()`: it waits for
+the chunk being written (at most CHUNK_BYTES) and copies whatever has not
+been written yet into the staging buffer, and the writer continues from
+there. When the write finishes before the next step, which is the common
+case, nothing is copied at all. The staging buffer is laid out like the file
+(a tensor at file offset o is staged at o), so a chunk's source is either
+the tensor or the same range of the buffer, and aligned staged chunks go to
+the disk with O_DIRECT without a bounce copy.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from typing import Any
+
+import torch
+
+from dsrun.ops.aio import AioHandle, new_aligned_tensor
+from dsrun.runtime.checkpoint.store import byte_view, safetensors_header
+
+CHUNK_BYTES = 32 << 20
+
+
+class StagingBuffer:
+    """A page-aligned host buffer reused by every save of one engine (pinned
+    when CUDA is available); grows to the largest shard that needed it."""
+
+    def __init__(self):
+        self._buf: torch.Tensor | None = None
+
+    def get(self, nbytes: int) -> torch.Tensor:
+        """A uint8 tensor of at least `nbytes` bytes (its contents are stale)."""
+        if self._buf is None or self._buf.numel() < nbytes:
+            self._buf = None  # free the old one before allocating the larger one
+            self._buf = new_aligned_tensor(nbytes)
+        return self._buf
+
+
+class _Part:
+    """Bytes [offset, offset + nbytes) of the file: a tensor's or the header's."""
+
+    __slots__ = ("offset", "data", "in_place", "written")
+
+    def __init__(self, offset: int, data: torch.Tensor, in_place: bool):
+        self.offset, self.data, self.in_place = offset, data, in_place
+        self.written = 0  # bytes of this part already on disk
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """A 1-D uint8 view of a tensor's bytes (a contiguous copy first if needed)."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+class ShardWriter:
+    """One shard file: `tensors` (key -> tensor, any shape/dtype/device)
+    stored as safetensors with `metadata` in the header.
+
+    in_place: keys whose tensors may be written from their own memory
+    during an asynchronous save (changed only by an optimizer step); see
+    [Note: copy-on-write snapshot]. All others are staged by `snapshot()`.
+    """
+
+    def __init__(self, path: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str],
+                 in_place: set[str], aio: Any):
+        self.path, self.aio = path, aio
+        specs = [(key, tuple(t.shape), t.dtype) for key, t in tensors.items()]
+        header, offsets = safetensors_header(specs, metadata)
+        self.size = len(header) + sum(t.numel() * t.element_size() for t in tensors.values())
+        self.parts = [_Part(0, torch.frombuffer(bytearray(header), dtype=torch.uint8), False)]
+        for (key, t), offset in zip(tensors.items(), offsets):
+            if t.numel():
+                self.parts.append(_Part(offset, _bytes_of(t), key in in_place and t.device.type == "cpu"))
+        self._lock = threading.Lock()
+        self._staging: torch.Tensor | None = None
+
+    def _stage(self, part: _Part, staging: StagingBuffer) -> None:
+        if self._staging is None:
+            self._staging = staging.get(self.size)
+        dst = self._staging[part.offset:part.offset + part.data.numel()]
+        dst[part.written:].copy_(part.data[part.written:], non_blocking=part.data.device.type == "cuda")
+        part.data, part.in_place = dst, False
+
+    def snapshot(self, staging: StagingBuffer) -> None:
+        """Stage every tensor that is not written in place (see [Note:
+        copy-on-write snapshot]); returns when the copies are complete."""
+        on_gpu = False
+        for part in self.parts[1:]:
+            if not part.in_place:
+                on_gpu |= part.data.device.type == "cuda"
+                self._stage(part, staging)
+        if on_gpu:
+            torch.cuda.synchronize()
+
+    def release(self, staging: StagingBuffer) -> None:
+        """Stop reading training memory: wait for the chunk being written and
+        stage every in-place byte not written yet. Called before the state
+        changes (an optimizer step); cheap once the write is done."""
+        with self._lock:
+            for part in self.parts:
+                if part.in_place and part.written < part.data.numel():
+                    self._stage(part, staging)
+                part.in_place = False
+
+    def write(self) -> tuple[str, int]:
+        """Write the file (temporary name, fsync, rename) and return (sha256
+        hex, bytes). Raises OSError naming the file; the temporary file is
+        removed on any error. See [Note: shard writing]."""
+        tmp = os.path.join(os.path.dirname(self.path), f".{os.path.basename(self.path)}.tmp{os.getpid()}")
+        digest = hashlib.sha256()
+        handle = AioHandle.from_config(self.aio)
+        try:
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644))
+            for part in self.parts:
+                while True:
+                    with self._lock:  # release() swaps part.data only between chunks
+                        n = part.data.numel()
+                        if part.written >= n:
+                            break
+                        chunk = part.data[part.written:min(n, part.written + CHUNK_BYTES)]
+                        handle.async_pwrite(chunk, tmp, part.offset + part.written)
+                        digest.update(byte_view(chunk))  # while the device writes
+                        handle.wait()
+                        part.written += chunk.numel()
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, self.path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+        finally:
+            handle.close()
+        self.parts = []  # nothing of the state is referenced any more
+        return digest.hexdigest(), self.size

@@ -1,0 +1,92 @@
+"""The shard writer on its own: file contents, checksum, and the copy-on-write
+snapshot (training changes tensors while an asynchronous write is half done)."""
+import hashlib
+import threading
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dsrun.runtime.checkpoint import writer as writer_mod
+from dsrun.runtime.checkpoint.writer import ShardWriter, StagingBuffer
+from dsrun.runtime.config import AioConfig
+
+_SHA256 = hashlib.sha256
+
+
+def _tensors():
+    g = torch.Generator().manual_seed(0)
+    return {"module/w": torch.randn(1000, generator=g), "optim/w/exp_avg": torch.randn(1000, generator=g),
+            "module/b": torch.randn(7, generator=g).to(torch.bfloat16), "rng/x": torch.arange(5, dtype=torch.uint8),
+            "buffer/n": torch.tensor([3], dtype=torch.int64), "empty": torch.zeros(0)}
+
+
+def _check_file(path, expected, digest, size):
+    with open(path, "rb") as f:
+        raw = f.read()
+    assert len(raw) == size and _SHA256(raw).hexdigest() == digest
+    got = load_file(path)
+    assert set(got) == set(expected)
+    for key, t in expected.items():
+        assert torch.equal(got[key], t), key
+
+
+@pytest.mark.parametrize("engine", ["auto", "python"])
+def test_blocking_write(tmp_path, monkeypatch, engine):
+    monkeypatch.setattr(writer_mod, "CHUNK_BYTES", 1024)  # parts span several chunks
+    real = writer_mod.AioHandle.from_config
+    monkeypatch.setattr(writer_mod.AioHandle, "from_config", lambda aio: real(aio, engine=engine))
+    tensors = _tensors()
+    expected = {k: t.clone() for k, t in tensors.items()}
+    w = ShardWriter(str(tmp_path / "s.safetensors"), tensors, {"k": "v"}, set(tensors), AioConfig())
+    w.snapshot(StagingBuffer())
+    digest, size = w.write()
+    _check_file(tmp_path / "s.safetensors", expected, digest, size)
+    assert not list(tmp_path.glob(".*tmp*"))
+
+
+class _PausingSha256:
+    """sha256 whose update() stops at its `at`-th call until `go` is set."""
+
+    def __init__(self, at, paused, go):
+        self._h, self._n, self._at, self._paused, self._go = _SHA256(), 0, at, paused, go
+
+    def update(self, data):
+        self._n += 1
+        if self._n == self._at:
+            self._paused.set()
+            self._go.wait(10)
+        self._h.update(data)
+
+    def hexdigest(self):
+        return self._h.hexdigest()
+
+
+@pytest.mark.parametrize("pause_at", [1, 3, 6, 10**6])  # before any tensor, inside module/w, later, never
+def test_copy_on_write_snapshot(tmp_path, monkeypatch, pause_at):
+    """Tensors written in place are changed right after release(); the file
+    holds the values of the save, wherever the writer was at the release."""
+    monkeypatch.setattr(writer_mod, "CHUNK_BYTES", 1024)
+    paused, go = threading.Event(), threading.Event()
+    monkeypatch.setattr(writer_mod.hashlib, "sha256", lambda: _PausingSha256(pause_at, paused, go))
+    tensors = _tensors()
+    expected = {k: t.clone() for k, t in tensors.items()}
+    in_place = {"module/w", "optim/w/exp_avg"}
+    staging = StagingBuffer()
+    w = ShardWriter(str(tmp_path / "s.safetensors"), tensors, {}, in_place, AioConfig())
+    w.snapshot(staging)
+    for key in set(tensors) - in_place:  # staged at the call: the caller may change them at once
+        tensors[key].fill_(1)
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(out=w.write()))
+    thread.start()
+    paused.wait(10)
+    releaser = threading.Thread(target=w.release, args=(staging,))
+    releaser.start()  # blocks until the chunk being hashed is written
+    go.set()
+    releaser.join(10)
+    for key in in_place:  # the optimizer step
+        tensors[key].mul_(-3).add_(1)
+    thread.join(10)
+    digest, size = result["out"]
+    _check_file(tmp_path / "s.safetensors", expected, digest, size)
