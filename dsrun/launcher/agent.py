@@ -271,6 +271,7 @@ class Agent:
             self._drain(rank)
         watchdog.release()
         _reap_children()
+        registry.remove_registered(self.job.job_id)  # swap files of ranks that could not remove them
         for rank in self._ranks:
             if rank.log is not None:
                 with rank.log_lock:

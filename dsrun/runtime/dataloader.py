@@ -104,3 +104,23 @@ class DistributedDataLoader:
         self.epoch = int(state["epoch"])
         self.sampler.skip = int(state["batches"]) * self.micro_batch_size
         self._position = (self.epoch, int(state["batches"]))
+
+
+class RepeatingLoader:
+    """Iterate `loader` forever: when it is exhausted, start a new pass
+    (DeepSpeed's `RepeatingLoader`; a DistributedDataLoader reshuffles for
+    its next epoch)."""
+
+    def __init__(self, loader) -> None:
+        self.loader = loader
+        self._iter = iter(loader)
+
+    def __iter__(self) -> "RepeatingLoader":
+        return self
+
+    def __next__(self):
+        try:
+            return next(self._iter)
+        except StopIteration:
+            self._iter = iter(self.loader)
+            return next(self._iter)

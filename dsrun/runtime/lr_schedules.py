@@ -310,6 +310,8 @@ class OneCycle(Schedule):
 
 SCHEDULES = {cls.__name__: cls for cls in
              (WarmupLR, WarmupDecayLR, WarmupCosineLR, LRRangeTest, OneCycle)}
+# DeepSpeed's name for the list of schedule names (Hugging Face's integration reads it).
+VALID_LR_SCHEDULES = list(SCHEDULES)
 
 
 def build_lr_scheduler(sched_type: str, options: dict[str, Any],

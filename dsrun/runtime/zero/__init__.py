@@ -14,12 +14,14 @@ from dsrun.runtime.precision import PrecisionPolicy
 from dsrun.runtime.zero.api import (GatheredParameters, safe_get_full_fp32_param, safe_get_full_grad,
                                     safe_get_full_optimizer_state)
 from dsrun.runtime.zero.init import Init
+from dsrun.runtime.zero.module_hints import register_external_parameter, unregister_external_parameter
 from dsrun.runtime.zero.stage12 import PartitionedOptimizerStrategy
 from dsrun.runtime.zero.stage3 import PartitionedParamStrategy
 from dsrun.runtime.zero.strategy import ZeroStrategy
 
 __all__ = ["Init", "GatheredParameters", "safe_get_full_fp32_param", "safe_get_full_grad",
-           "safe_get_full_optimizer_state", "build_zero_strategy", "ZeroStrategy",
+           "safe_get_full_optimizer_state", "register_external_parameter", "unregister_external_parameter",
+           "build_zero_strategy", "ZeroStrategy",
            "PartitionedOptimizerStrategy", "PartitionedParamStrategy"]
 
 

@@ -62,6 +62,10 @@ class FlatParamSet:
         partition_params: True keeps only this rank's compute shards (stage 3).
         grad_in_full: True accumulates gradients in a full buffer reduced in
             place (stage 1).
+        master_device: where the fp32 master lives (None: with the
+            parameters). Another device than the parameters' (optimizer
+            offload to host memory) gives a separate master even in fp32.
+        pin_memory: page-lock a master kept on the CPU for a CUDA model.
 
     Raises:
         ValueError: frozen parameters before trainable ones, or a group's
@@ -70,7 +74,8 @@ class FlatParamSet:
 
     def __init__(self, name: str, members: list[tuple[torch.nn.Parameter, str, int | None]],
                  shard: RankGroup, precision: PrecisionPolicy, bucket_numel: int | None,
-                 partition_params: bool, grad_in_full: bool = False):
+                 partition_params: bool, grad_in_full: bool = False,
+                 master_device: torch.device | None = None, pin_memory: bool = False):
         keys = [k for _, _, k in members]
         if None in keys and any(k is not None for k in keys[keys.index(None):]):
             raise ValueError(f"{name}: frozen parameters must come after trainable ones")
@@ -103,8 +108,13 @@ class FlatParamSet:
             for b in self.layout.buckets:
                 self.full[b.offset + b.numel:b.offset + b.padded_numel].zero_()  # padding stays zero
             self.partition = None
-        self.master = (torch.zeros(self.trainable_shard_numel, dtype=precision.master_dtype, device=device)
-                       if precision.mixed else None)
+        master_device = torch.device(device if master_device is None else master_device)
+        # A separate master: 16-bit compute, or fp32 compute on another device than the step's.
+        self.separate_master = precision.mixed or master_device != torch.device(device)
+        self.master = (torch.zeros(self.trainable_shard_numel, dtype=torch.float32, device=master_device,
+                                   pin_memory=pin_memory and master_device.type == "cpu"
+                                   and torch.cuda.is_available())
+                       if self.separate_master else None)
         self._load_initial_values()
         self.grad_full = self.grad_partition = None
         if grad_in_full:
@@ -168,10 +178,12 @@ class FlatParamSet:
         return self.grad_partition[span.lo:span.hi]
 
     def copy_view(self, span: Span) -> torch.Tensor | None:
-        """Where the 16-bit compute copy of `span` lives, or None when the
-        master is the compute storage itself (fp32)."""
-        if self.master is None:
-            return None
+        """Where the compute copy of `span` lives, or None when the master
+        is the compute storage itself (fp32 stepped where it lives)."""
+        return self.compute_view(span) if self.separate_master else None
+
+    def compute_view(self, span: Span) -> torch.Tensor:
+        """This rank's compute-dtype shards of `span`, (hi - lo,)."""
         if self.partition is not None:
             return self.partition[span.lo:span.hi]
         return self._own_of_full(self.full, span)

@@ -40,26 +40,31 @@ class PartitionedOptimizerStrategy(ZeroStrategy):
     parameters; its param groups are rewritten to hold master shards.
     reduce_bucket_size / allgather_bucket_size: elements per collective.
     sub_group_size: elements per fused optimizer chunk.
+    optimizer_tier: where masters and optimizer states live (offload/optimizer_tier.py).
     Raises ValueError for stage not in (0, 1, 2) or an optimizer with state.
     """
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  topology: Topology, precision: PrecisionPolicy, stage: int,
                  reduce_bucket_size: int, allgather_bucket_size: int, sub_group_size: int = 1_000_000_000,
-                 group=None):
+                 group=None, optimizer_tier=None):
         if stage not in (0, 1, 2):
             raise ValueError(f"PartitionedOptimizerStrategy is stage 0, 1 or 2, got {stage}")
         groups = ZeroGroups.replicated(group) if stage == 0 else ZeroGroups.sharded(group)
-        super().__init__(optimizer, topology, precision, groups, sub_group_size)
+        super().__init__(optimizer, topology, precision, groups, sub_group_size, optimizer_tier=optimizer_tier)
         self.stage = stage
         self.module = module
         by_group: dict[int, list] = {}
-        for p, n, g in self.trainable_groups(optimizer, module):
+        trainable = self.trainable_groups(optimizer, module)
+        self._prepare_tier(trainable)
+        for p, n, g in trainable:
             restore_full(p, groups.shard.group)  # built under zero.Init: full values back, once
             by_group.setdefault(g, []).append((p, n, g))
         for g, members in sorted(by_group.items()):
             fset = FlatParamSet(f"group{g}", members, groups.shard, precision, int(reduce_bucket_size),
-                                partition_params=False, grad_in_full=stage in (0, 1))
+                                partition_params=False, grad_in_full=stage in (0, 1),
+                                master_device=self._master_device(members[0][0]),
+                                pin_memory=self.optimizer_tier.pin_memory)
             self.sets.append(fset)
             self._adopt(fset)
         if precision.mixed:

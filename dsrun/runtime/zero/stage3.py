@@ -42,6 +42,7 @@ from dsrun.runtime.dist import Topology
 from dsrun.runtime.precision import PrecisionPolicy
 from dsrun.runtime.zero.flat_params import FlatParamSet
 from dsrun.runtime.zero.groups import ZeroGroups
+from dsrun.runtime.zero.module_hints import external_parameters, z3_leaf_module
 from dsrun.runtime.zero.params import record_of
 from dsrun.runtime.zero.reducer import OrderedReducer, Region
 from dsrun.runtime.zero.schedule import GatherSchedule
@@ -56,18 +57,26 @@ def find_units(module: torch.nn.Module, patterns: list[str] | None = None) -> li
 
     patterns: fnmatch patterns matched against each module's qualified name
     and its class name; None = the default guess (each element of an
-    nn.ModuleList / nn.Sequential). The root is always a unit.
+    nn.ModuleList / nn.Sequential). The root is always a unit. A module
+    marked by set_z3_leaf_modules is one unit and nothing inside it is.
     """
     units = [("", module)]
+    leaves: list[str] = []  # see module_hints.py: nothing inside a leaf module is a unit of its own
     for name, m in module.named_modules():
-        if patterns is None:
+        if any(name.startswith(leaf + ".") for leaf in leaves):
+            continue
+        if z3_leaf_module(m) and m is not module:
+            leaves.append(name)
+            units.append((name, m))
+        elif patterns is None:
             if isinstance(m, (torch.nn.ModuleList, torch.nn.Sequential)):  # a container root too
                 prefix = f"{name}." if name else ""
                 units.extend((prefix + c, child) for c, child in m.named_children())
         elif m is not module and any(fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(type(m).__name__, p)
                                      for p in patterns):
             units.append((name, m))
-    return units
+    seen: set[str] = set()  # a leaf that is also a ModuleList element was added twice
+    return [u for u in units if not (u[0] in seen or seen.add(u[0]))]
 
 
 def _enclosing_unit(path: str, unit_names: list[str]) -> str:
@@ -83,7 +92,8 @@ def _assign(module: torch.nn.Module, unit_names: list[str], members) -> dict[str
     """Unit name -> its (param, name, key) members; see [Note: units]."""
     users: dict[int, list[str]] = {}
     for mod_name, mod in module.named_modules():
-        for _, p in mod.named_parameters(recurse=False):
+        # register_external_parameter makes a module a user of another module's parameter.
+        for p in [*mod.parameters(recurse=False), *external_parameters(mod)]:
             users.setdefault(id(p), []).append(_enclosing_unit(mod_name, unit_names))
     out: dict[str, list] = {n: [] for n in unit_names}
     for p, name, key in members:

@@ -36,12 +36,12 @@ from typing import Callable
 import torch
 
 from dsrun.ops import adam as native_adam
-from dsrun.ops import cuda_adam
 from dsrun.runtime import comm
 from dsrun.runtime.checkpoint.pieces import HeldPiece, even_part
 from dsrun.runtime.data_parallel import GradientStrategy, StepOutcome
 from dsrun.runtime.dist import Topology
 from dsrun.runtime.memory import tensor_breakdown
+from dsrun.runtime.offload.optimizer_tier import OptimizerTier
 from dsrun.runtime.precision import PrecisionPolicy
 from dsrun.runtime.zero.flat_params import FlatParamSet, Span
 from dsrun.runtime.zero.groups import ZeroGroups
@@ -71,6 +71,8 @@ class ZeroStrategy(GradientStrategy):
         groups: the (shard, replicate) pair (see groups.py).
         sub_group_size: most elements the fused step processes at once.
         watchdog_timeout: seconds before a blocked collective is reported.
+        optimizer_tier: where masters and optimizer states live (None: with
+            the parameters); see dsrun/runtime/offload/optimizer_tier.py.
 
     Raises:
         ValueError: the optimizer already holds state.
@@ -80,7 +82,7 @@ class ZeroStrategy(GradientStrategy):
 
     def __init__(self, optimizer: torch.optim.Optimizer, topology: Topology,
                  precision: PrecisionPolicy, groups: ZeroGroups, sub_group_size: int = 1_000_000_000,
-                 watchdog_timeout: float | None = None):
+                 watchdog_timeout: float | None = None, optimizer_tier: OptimizerTier | None = None):
         if any(optimizer.state.values()):
             raise ValueError("the optimizer already holds state; give ZeRO a freshly built optimizer "
                              "(load a checkpoint through the engine instead)")
@@ -95,12 +97,27 @@ class ZeroStrategy(GradientStrategy):
         self.last_overflow_param: str | None = None
         self._views: list[tuple[FlatParamSet, Span, torch.Tensor]] = []
         self._fused = isinstance(optimizer, native_adam.NativeAdam)
+        self.optimizer_tier = optimizer_tier or OptimizerTier(sub_group_size=self.sub_group_size)
 
     # ---- construction helpers ------------------------------------------
+    def _prepare_tier(self, trainable) -> None:
+        """Tell the optimizer tier the trainable parameters' full sizes
+        (before any FlatParamSet is built; NVMe reserves its files here)."""
+        numels = [rec.numel if (rec := record_of(p)) is not None else p.numel() for p, _, _ in trainable]
+        self.optimizer_tier.prepare(self, numels, self.groups.shard.size)
+
+    def _master_device(self, param: torch.Tensor) -> torch.device:
+        """Where the optimizer tier wants the master of a set holding `param`."""
+        rec = record_of(param)
+        device = rec.init_shard.device if rec is not None and rec.init_shard is not None else param.device
+        return self.optimizer_tier.master_device(device)
+
     def _adopt(self, fset: FlatParamSet, unit=None) -> None:
-        """Give every parameter of `fset` its record pointing here."""
+        """Give every parameter of `fset` its record pointing here, and the
+        set to the optimizer tier."""
         for slot in fset.layout.slots:
             ensure_record(fset.params[slot.index]).adopt(self, fset, slot.index, slot.name, unit)
+        self.optimizer_tier.adopt(self, fset)
 
     def _bind_optimizer(self) -> None:
         """Point the optimizer's param groups at the master shards (one tensor per span)."""
@@ -112,6 +129,7 @@ class ZeroStrategy(GradientStrategy):
                 per_group[span.group].append(view)
         for group, views in zip(self.optimizer.param_groups, per_group):
             group["params"] = views
+        self.optimizer_tier.bind(self)
 
     @staticmethod
     def trainable_groups(optimizer: torch.optim.Optimizer, module: torch.nn.Module):
@@ -162,55 +180,9 @@ class ZeroStrategy(GradientStrategy):
         factor = 1.0 / scale
         if max_grad_norm > 0 and norm > max_grad_norm:
             factor *= max_grad_norm / (norm + 1e-6)  # torch.nn.utils.clip_grad_norm_'s epsilon
-        if self._fused:
-            self._fused_adam_step(factor)
-        else:
-            self._torch_step(factor)
+        self.optimizer_tier.step(self, factor)  # see [Note: optimizer tiers] in offload/optimizer_tier.py
         self._after_step()
         return StepOutcome(grad_norm=norm, applied=True)
-
-    def _torch_step(self, factor: float) -> None:
-        """Any torch optimizer: scaled gradient shards as the masters' .grad."""
-        for fset, span, master in self._views:
-            grad = fset.grad_view(span)
-            if factor != 1.0:
-                grad.mul_(factor)  # in place: the buffer is zeroed after the step anyway
-            master.grad = grad if grad.dtype == master.dtype else grad.to(master.dtype)
-        self.optimizer.step()
-        for fset, span, master in self._views:
-            master.grad = None
-        for fset in self.sets:
-            fset.write_back_master()
-
-    def _adam_state(self, master: torch.Tensor) -> dict:
-        state = self.optimizer.state[master]
-        if not state:
-            state["step"] = torch.zeros((), dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(master)
-            state["exp_avg_sq"] = torch.zeros_like(master)
-        return state
-
-    def _fused_adam_step(self, factor: float) -> None:
-        """See [Note: fused step]."""
-        for fset, span, master in self._views:
-            group = self.optimizer.param_groups[span.group]
-            state = self._adam_state(master)
-            state["step"] += 1
-            step = int(state["step"].item())
-            args = native_adam.adam_hyperparams(group, self.optimizer)
-            args.update(step=step, grad_scale=factor)
-            grad, copy = fset.grad_view(span), fset.copy_view(span)
-            if master.device.type == "cuda":
-                cuda_adam.multi_tensor_adam([master], [grad if grad.dtype == master.dtype else grad.float()],
-                                            [state["exp_avg"]], [state["exp_avg_sq"]], **args)
-                if copy is not None:
-                    copy.copy_(master)
-                continue
-            for lo in range(0, master.numel(), self.sub_group_size):
-                hi = min(lo + self.sub_group_size, master.numel())
-                native_adam.adam_step(master[lo:hi], grad[lo:hi], state["exp_avg"][lo:hi],
-                                      state["exp_avg_sq"][lo:hi],
-                                      param_copy=None if copy is None else copy[lo:hi], **args)
 
     def _report_nonfinite(self, scale: float) -> None:
         """Name the first parameter (in layout order) with a non-finite
@@ -246,9 +218,11 @@ class ZeroStrategy(GradientStrategy):
 
     # ---- state -------------------------------------------------------------
     def state_dict(self) -> dict:
+        self.optimizer_tier.materialize(self)
         return {"optimizer": self.optimizer.state_dict(), "scaler": self.precision.scaler.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
+        self.optimizer_tier.materialize(self)
         self.optimizer.load_state_dict(state["optimizer"])
         self.precision.scaler.load_state_dict(state["scaler"])
 
@@ -264,6 +238,7 @@ class ZeroStrategy(GradientStrategy):
             "optimizer_states": states,
             "comm_buffers": [r.staging for r in self.reducer.regions
                              if r.staging is not None and not r.in_place],
+            **self.optimizer_tier.held(self),
         }
 
     def loss_scale(self) -> float:
@@ -273,8 +248,17 @@ class ZeroStrategy(GradientStrategy):
         """Bytes this rank holds per category (params, gathered_params,
         grads, master, optimizer_states, comm_buffers) and dtype, counting
         flat buffers whole (padding included). Step counters (0-dim tensors)
-        are not counted."""
-        return tensor_breakdown(self._held())
+        are not counted. With offload, `offload_buffers` are the host
+        buffers the offload tiers stream through and `nvme_swap` the bytes of
+        this rank's swap files (on disk, not in memory)."""
+        out = tensor_breakdown(self._held())
+        nvme = self._nvme_bytes()
+        if nvme:
+            out["nvme_swap"] = {"fp32": nvme}
+        return out
+
+    def _nvme_bytes(self) -> int:
+        return self.optimizer_tier.nvme_bytes()
 
     def _full_from_partition(self, param: torch.nn.Parameter,
                              source: Callable[[FlatParamSet], torch.Tensor]) -> torch.Tensor | None:
@@ -293,6 +277,7 @@ class ZeroStrategy(GradientStrategy):
         """After `params` (full values, e.g. inside GatheredParameters) were
         modified identically on every rank, copy this rank's pieces of them
         into the master weights and, for stage 3, the compute partition."""
+        self.optimizer_tier.materialize(self)  # written back at the next step
         for p in params:
             rec = record_of(p)
             if rec is None or rec.strategy is not self:
@@ -311,6 +296,7 @@ class ZeroStrategy(GradientStrategy):
 
     def full_fp32_param(self, param):
         """Full fp32 master value of `param` (its compute value if frozen; collective)."""
+        self.optimizer_tier.materialize(self)
         def source(fset: FlatParamSet) -> torch.Tensor:
             out = fset.partition_of(fset.master_view)
             if fset.partition is not None:  # frozen parameters (stage 3) have no master
@@ -326,6 +312,7 @@ class ZeroStrategy(GradientStrategy):
 
     def full_optimizer_state(self, param, key: str):
         """Full optimizer state `key` (e.g. "exp_avg") of `param` (collective)."""
+        self.optimizer_tier.materialize(self)
         views = {(id(f), s): v for f, s, v in self._views}
 
         def read(fset, span):
@@ -338,7 +325,10 @@ class ZeroStrategy(GradientStrategy):
         """This rank's pieces of every parameter it manages, as
         `dsrun.runtime.checkpoint.pieces.HeldPiece`s: trainable ones point at
         the fp32 master and their span's optimizer state, frozen ones (stage
-        3) at the compute partition. Replicas split what they write evenly."""
+        3) at the compute partition. Replicas split what they write evenly.
+        Offloaded masters and states are read into memory first (see
+        [Note: streamed step]) and stay there until the next step."""
+        self.optimizer_tier.materialize(self)
         rep = self.groups.replicate
         pieces = []
         for fset in self.sets:
@@ -372,3 +362,4 @@ class ZeroStrategy(GradientStrategy):
         for fset in self.sets:
             fset.write_back_master()
         self._after_step()
+        self.optimizer_tier.settle(self)  # offloaded states go back to their tier

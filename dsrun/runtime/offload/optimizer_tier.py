@@ -1,0 +1,409 @@
+"""Where a ZeRO strategy's fp32 master weights and Adam moments live, and the step over them.
+
+[Note: optimizer tiers]
+Every ZeRO strategy holds one `OptimizerTier` and calls it for the
+optimizer step; the strategy never tests an offload flag.
+
+- `OptimizerTier(host=False)`: no offload. Masters and moments live with the
+  parameters; the step runs where they are (dsrun's CPU Adam, or the CUDA
+  multi-tensor Adam on a GPU).
+- `OptimizerTier(host=True)`: `offload_optimizer.device: cpu` (ZeRO-Offload,
+  Ren et al., USENIX ATC 2021, section 4). Masters and moments live in host
+  memory (page-locked on a CUDA machine); each sub-group's averaged
+  gradients are copied to the host, dsrun's CPU Adam updates master and
+  moments and writes the compute copy in the same pass (directly when the
+  compute copy is in host memory, else through a host copy). On a CPU-only
+  machine host and device memory are the same, so nothing is copied: the
+  arithmetic and the results are those of no offload, bit for bit.
+- `NvmeOptimizerTier`: `offload_optimizer.device: nvme` (ZeRO-Infinity,
+  Rajbhandari et al., SC21, section 5). Masters (when separate from the
+  compute copy) and moments live in this rank's swap files (see swap.py);
+  only `buffer_count` sub-group buffers are in memory. See [Note: streamed
+  step].
+
+[Note: streamed step]
+The trainable partition is cut into sub-groups of at most `sub_group_size`
+elements (never across a span). Sub-group k's master and moments are read
+into buffer k % B (B = buffer_count); while the CPU Adam updates k, the read
+of k + 1 and the write of k - 1 are in flight (each buffer has its own aio
+handle, so waiting for one transfer never waits for another). With B >= 3
+reads, compute and writes all overlap; B = 2 serialises the write of k - 1
+before the read of k + 1; B = 1 does no overlap. The arithmetic per element
+is the in-memory step's, so losses equal no offload bit for bit. Host
+memory: B x 3 x 4 bytes x sub-group elements, plus one gradient staging
+buffer on a CUDA machine.
+
+Code that reads or writes masters and moments outside the step (checkpoints,
+`safe_get_full_*`, GatheredParameters) calls `materialize`, which reads them
+into ordinary tensors where the in-memory tier keeps them (`fset.master`,
+`optimizer.state[key]`); the next step (or `settle`) writes them back and
+frees them. A checkpoint of an NVMe-offloaded run therefore needs this
+rank's partition of masters and moments in host memory for its duration.
+"""
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from dsrun.ops import adam as native_adam
+from dsrun.ops import cuda_adam
+from dsrun.ops.aio import AioHandle, new_aligned_tensor
+from dsrun.runtime.offload.swap import SwapDir
+
+log = logging.getLogger("dsrun.offload")
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def _chunks(n: int, size: int):
+    for lo in range(0, n, size):
+        yield lo, min(lo + size, n)
+
+
+class OptimizerTier:
+    """Masters and optimizer states in memory: with the parameters (host=False)
+    or in host memory (host=True). See [Note: optimizer tiers].
+
+    Args:
+        host: keep masters and states in host memory (optimizer offload to cpu).
+        pin_memory: page-lock them (only matters on a CUDA machine).
+        sub_group_size: most elements the fused CPU Adam processes at once.
+    """
+
+    def __init__(self, host: bool = False, pin_memory: bool = False, sub_group_size: int = 1_000_000_000):
+        self.host = host
+        self.pin_memory = pin_memory
+        self.sub_group_size = int(sub_group_size)
+        self._staging: dict[str, torch.Tensor] = {}
+        self.stats: dict[str, float] = {}
+        self.device_kind = "cpu" if host else "none"  # offload_optimizer.device
+
+    # ---- construction -----------------------------------------------------------------
+    def master_device(self, device: torch.device) -> torch.device:
+        """Where a FlatParamSet on `device` keeps its master."""
+        return torch.device("cpu") if self.host else torch.device(device)
+
+    def prepare(self, strategy, param_numels: list[int], world_size: int) -> None:
+        """Before any FlatParamSet exists: the full element counts of the
+        trainable parameters (NVMe reserves its files from them)."""
+
+    def adopt(self, strategy, fset) -> None:
+        """A FlatParamSet was just built (its master holds the initial values)."""
+
+    def bind(self, strategy) -> None:
+        """Every set is built and the optimizer bound to its master views."""
+
+    def close(self) -> None:
+        """Release files and buffers."""
+
+    # ---- the step -----------------------------------------------------------------------
+    def step(self, strategy, factor: float) -> None:
+        """Apply the optimizer to every span with gradients multiplied by `factor`."""
+        self.settle(strategy)
+        if strategy._fused:
+            self._fused_step(strategy, factor)
+        else:
+            self._torch_step(strategy, factor)
+
+    @staticmethod
+    def adam_state(optimizer: torch.optim.Optimizer, key: torch.Tensor, like: torch.Tensor | None = None) -> dict:
+        """optimizer.state[key], created as torch's Adam creates it (fp32 moments like `like`)."""
+        state = optimizer.state[key]
+        if not state:
+            like = key if like is None else like
+            state["step"] = torch.zeros((), dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(like, dtype=torch.float32)
+            state["exp_avg_sq"] = torch.zeros_like(like, dtype=torch.float32)
+        return state
+
+    def _fused_step(self, s, factor: float) -> None:
+        """See [Note: fused step] in zero/strategy.py."""
+        for fset, span, master in s._views:
+            state = self.adam_state(s.optimizer, master)
+            state["step"] += 1
+            args = native_adam.adam_hyperparams(s.optimizer.param_groups[span.group], s.optimizer)
+            args.update(step=int(state["step"].item()), grad_scale=factor)
+            grad, copy = fset.grad_view(span), fset.copy_view(span)
+            if master.device.type == "cuda":
+                cuda_adam.multi_tensor_adam([master], [grad if grad.dtype == master.dtype else grad.float()],
+                                            [state["exp_avg"]], [state["exp_avg_sq"]], **args)
+                if copy is not None:
+                    copy.copy_(master)
+                continue
+            for lo, hi in _chunks(master.numel(), self.sub_group_size):
+                self._cpu_adam(master[lo:hi], grad[lo:hi], state["exp_avg"][lo:hi], state["exp_avg_sq"][lo:hi],
+                               None if copy is None else copy[lo:hi], args)
+
+    def _cpu_adam(self, master, grad, exp_avg, exp_avg_sq, copy, args: dict) -> None:
+        """dsrun's CPU Adam on host tensors; `grad` and `copy` may be on the device."""
+        direct = copy is not None and copy.device.type == "cpu" and copy.dtype in _HALF
+        native_adam.adam_step(master, self._on_host(grad, "grad"), exp_avg, exp_avg_sq,
+                              param_copy=copy if direct else None, **args)
+        if copy is not None and not direct:
+            copy.copy_(master)  # to the device (or an fp32 compute copy elsewhere)
+
+    def _on_host(self, t: torch.Tensor, slot: str) -> torch.Tensor:
+        """`t` itself when in host memory, else a copy in a reused host staging buffer."""
+        if t.device.type == "cpu":
+            return t
+        buf = self._staging.get(slot)
+        if buf is None or buf.numel() < t.numel() or buf.dtype != t.dtype:
+            buf = torch.empty(t.numel(), dtype=t.dtype, pin_memory=self.pin_memory and torch.cuda.is_available())
+            self._staging[slot] = buf
+        out = buf[:t.numel()]
+        out.copy_(t)
+        return out
+
+    def _torch_step(self, s, factor: float) -> None:
+        """Any torch optimizer: scaled gradient shards as the masters' .grad."""
+        for fset, span, master in s._views:
+            grad = fset.grad_view(span)
+            if factor != 1.0:
+                grad.mul_(factor)  # in place: the buffer is zeroed after the step anyway
+            master.grad = grad.to(master.device, master.dtype)  # no copy when both match
+        s.optimizer.step()
+        for fset, span, master in s._views:
+            master.grad = None
+        for fset in s.sets:
+            fset.write_back_master()
+
+    # ---- access outside the step --------------------------------------------------------
+    def materialize(self, strategy) -> None:
+        """Make masters and states ordinary tensors (fset.master, optimizer.state)."""
+
+    def settle(self, strategy) -> None:
+        """Undo `materialize` (writing back what it read)."""
+
+    def held(self, strategy) -> dict[str, list[torch.Tensor]]:
+        """Extra host tensors this tier holds, per category, for memory_breakdown."""
+        return {"offload_buffers": list(self._staging.values())}
+
+    def nvme_bytes(self) -> int:
+        """Bytes of this rank's swap files (0 without NVMe)."""
+        return 0
+
+
+@dataclass
+class _SubGroup:
+    fset: object
+    span: object
+    key: torch.Tensor
+    lo: int          # within the span
+    hi: int
+    offset: int      # element offset in the swap files
+
+
+class _Buffer:
+    """One streaming buffer: master, exp_avg, exp_avg_sq parts and its own aio handle."""
+
+    def __init__(self, numel: int, names: list[str], handle: AioHandle):
+        self.flat = new_aligned_tensor(len(names) * numel, torch.float32)
+        self.parts = {name: self.flat[i * numel:(i + 1) * numel] for i, name in enumerate(names)}
+        self.handle = handle
+
+
+class NvmeOptimizerTier(OptimizerTier):
+    """Masters and Adam moments in swap files under `nvme_path`; see
+    [Note: optimizer tiers] and [Note: streamed step].
+
+    Args:
+        nvme_path: the directory (checked, see swap.py).
+        rank: this rank (the swap directory is per rank).
+        buffer_count: sub-group buffers in memory (>= 1).
+        sub_group_size: most elements per sub-group.
+        pin_memory: accepted for DeepSpeed compatibility; the buffers are
+            page-aligned and page-locked on CUDA machines anyway.
+        aio: the config's `aio` section (block size, queue depth, threads).
+
+    Raises (at `prepare`): SwapError for an unusable nvme_path.
+    """
+
+    def __init__(self, nvme_path, rank: int, buffer_count: int, sub_group_size: int, pin_memory: bool, aio):
+        super().__init__(host=True, pin_memory=pin_memory, sub_group_size=sub_group_size)
+        self.device_kind = "nvme"
+        self.nvme_path = nvme_path
+        self.rank = rank
+        self.buffer_count = max(1, int(buffer_count))
+        self.aio = aio
+        self.swap: SwapDir | None = None
+        self._names: list[str] = []
+        self._capacity = 0          # elements reserved per file
+        self._next = 0              # next free element offset
+        self._base: dict[tuple[int, int], int] = {}  # (id(fset), span.lo) -> file element offset
+        self._groups: list[_SubGroup] = []
+        self._buffers: list[_Buffer] = []
+        self._materialized = False
+        self.stats = {"read_bytes": 0, "write_bytes": 0, "io_wait_s": 0.0, "compute_s": 0.0, "step_s": 0.0}
+
+    def _handle(self) -> AioHandle:
+        return AioHandle.from_config(self.aio, engine="auto" if self.swap.o_direct else "python")
+
+    # ---- construction -------------------------------------------------------------------
+    def prepare(self, strategy, param_numels: list[int], world_size: int) -> None:
+        # Upper bound of the partition: each parameter's share rounded up, plus one
+        # element of bucket padding per parameter (buckets hold whole parameters).
+        self._capacity = sum(-(-n // world_size) + 1 for n in param_numels)
+        self._names = (["master"] if self._needs_master(strategy) else []) + ["exp_avg", "exp_avg_sq"]
+        files = {name: self._capacity * 4 for name in self._names}
+        self.swap = SwapDir.create(self.nvme_path, self.rank, files, "offload_optimizer.nvme_path")
+        weakref.finalize(self, self.swap.remove)  # an engine dropped before exit frees its files
+        if not self.swap.o_direct and self.rank == 0:
+            log.warning("offload_optimizer.nvme_path=%s: the filesystem does not support O_DIRECT; swap files "
+                        "go through the page cache (buffered I/O)", self.nvme_path)
+
+    @staticmethod
+    def _needs_master(strategy) -> bool:
+        # A separate fp32 master exists when the compute copy is 16-bit or not in host memory.
+        return strategy.precision.mixed or strategy.topology.device.type != "cpu"
+
+    def adopt(self, strategy, fset) -> None:
+        """Assign file offsets to fset's spans and move its master (if any) into the file."""
+        for span in fset.spans:
+            self._base[(id(fset), span.lo)] = self._next
+            self._next += span.hi - span.lo
+        if self._next > self._capacity:  # the bound in prepare() is wrong: a bug, not bad input
+            raise RuntimeError(f"NVMe optimizer tier: {self._next} elements exceed the reserved {self._capacity}")
+        if fset.master is None:
+            return
+        with self._handle() as h:
+            for span in fset.spans:
+                self._io(h, True, "master", fset.master[span.lo:span.hi], self._base[(id(fset), span.lo)])
+            self._wait(h)
+        fset.master = None  # lives in the swap file from now on
+
+    def bind(self, strategy) -> None:
+        largest = 1
+        for fset, span, key in strategy._views:
+            base = self._base[(id(fset), span.lo)]
+            for lo, hi in _chunks(span.hi - span.lo, self.sub_group_size):
+                self._groups.append(_SubGroup(fset, span, key, lo, hi, base + lo))
+                largest = max(largest, hi - lo)
+        self._buffers = [_Buffer(largest, self._names, self._handle())
+                         for _ in range(min(self.buffer_count, max(1, len(self._groups))))]
+
+    def close(self) -> None:
+        for b in self._buffers:
+            b.handle.close()
+        self._buffers = []
+        if self.swap is not None:
+            self.swap.remove()
+
+    # ---- I/O -------------------------------------------------------------------------------
+    def _io(self, handle: AioHandle, write: bool, name: str, t: torch.Tensor, offset: int) -> None:
+        try:
+            (handle.async_pwrite if write else handle.async_pread)(t, self.swap.files[name], offset * 4)
+        except OSError as e:
+            raise self.swap.check(name, e) from None
+        self.stats["write_bytes" if write else "read_bytes"] += t.numel() * 4
+
+    def _wait(self, handle: AioHandle) -> None:
+        t0 = time.perf_counter()
+        try:
+            handle.wait()
+        except OSError as e:
+            name = next((n for n, f in self.swap.files.items() if str(f) == (e.filename or "")), self._names[0])
+            raise self.swap.check(name, e) from None
+        finally:
+            self.stats["io_wait_s"] += time.perf_counter() - t0
+
+    def _read(self, k: int) -> None:
+        g, buf = self._groups[k], self._buffers[k % len(self._buffers)]
+        self._wait(buf.handle)  # its previous write is complete before it is overwritten
+        n = g.hi - g.lo
+        for name in self._names:
+            self._io(buf.handle, False, name, buf.parts[name][:n], g.offset)
+
+    # ---- the step ----------------------------------------------------------------------------
+    def _fused_step(self, s, factor: float) -> None:
+        """See [Note: streamed step]."""
+        start = time.perf_counter()
+        for key in ("read_bytes", "write_bytes", "io_wait_s", "compute_s"):
+            self.stats[key] = 0 if key.endswith("bytes") else 0.0
+        args = {}
+        for fset, span, key in s._views:
+            state = s.optimizer.state[key]
+            if "step" not in state:
+                state["step"] = torch.zeros((), dtype=torch.float32)
+            state["step"] += 1
+            hyper = native_adam.adam_hyperparams(s.optimizer.param_groups[span.group], s.optimizer)
+            args[id(key)] = dict(hyper, step=int(state["step"].item()), grad_scale=factor)
+        nb, groups = len(self._buffers), self._groups
+        if groups:
+            self._read(0)
+        for k, g in enumerate(groups):
+            if nb > 1 and k + 1 < len(groups):
+                self._read(k + 1)  # in flight while k is updated
+            buf = self._buffers[k % nb]
+            self._wait(buf.handle)  # sub-group k is in the buffer
+            t0 = time.perf_counter()
+            n = g.hi - g.lo
+            copy = g.fset.copy_view(g.span)
+            if "master" in buf.parts:
+                master = buf.parts["master"][:n]
+            else:  # the fp32 compute copy in host memory is the master
+                master = g.fset.master_view(g.span)[g.lo:g.hi]
+            self._cpu_adam(master, g.fset.grad_view(g.span)[g.lo:g.hi], buf.parts["exp_avg"][:n],
+                           buf.parts["exp_avg_sq"][:n], None if copy is None else copy[g.lo:g.hi], args[id(g.key)])
+            self.stats["compute_s"] += time.perf_counter() - t0
+            for name in self._names:
+                self._io(buf.handle, True, name, buf.parts[name][:n], g.offset)
+            if nb == 1 and k + 1 < len(groups):
+                self._read(k + 1)
+        for b in self._buffers:
+            self._wait(b.handle)
+        self.stats["step_s"] = time.perf_counter() - start
+
+    def _torch_step(self, s, factor: float) -> None:
+        raise TypeError("offload_optimizer.device nvme streams Adam states through dsrun's CPU Adam; "
+                        "use ds_config's optimizer Adam/AdamW or dsrun's DeepSpeedCPUAdam/FusedAdam")
+
+    # ---- access outside the step ----------------------------------------------------------
+    def materialize(self, s) -> None:
+        if self._materialized:
+            return
+        with self._handle() as h:
+            for fset in s.sets:
+                if "master" in self._names and fset.trainable_shard_numel:
+                    fset.master = torch.empty(fset.trainable_shard_numel, dtype=torch.float32)
+            for fset, span, key in s._views:
+                base = self._base[(id(fset), span.lo)]
+                state = s.optimizer.state[key]
+                state.setdefault("step", torch.zeros((), dtype=torch.float32))
+                if fset.master is not None:
+                    self._io(h, False, "master", fset.master[span.lo:span.hi], base)
+                for name in ("exp_avg", "exp_avg_sq"):
+                    state[name] = torch.empty(span.hi - span.lo, dtype=torch.float32)
+                    self._io(h, False, name, state[name], base)
+            self._wait(h)
+        self._materialized = True
+
+    def settle(self, s) -> None:
+        if not self._materialized:
+            return
+        with self._handle() as h:
+            for fset, span, key in s._views:
+                base = self._base[(id(fset), span.lo)]
+                state = s.optimizer.state[key]
+                if fset.master is not None:
+                    self._io(h, True, "master", fset.master[span.lo:span.hi], base)
+                for name in ("exp_avg", "exp_avg_sq"):
+                    self._io(h, True, name, state[name].reshape(-1), base)
+            self._wait(h)
+        for fset, span, key in s._views:
+            for name in ("exp_avg", "exp_avg_sq"):
+                s.optimizer.state[key].pop(name, None)
+        for fset in s.sets:
+            if fset.separate_master:
+                fset.master = None
+        self._materialized = False
+
+    def held(self, strategy) -> dict[str, list[torch.Tensor]]:
+        out = super().held(strategy)
+        out["offload_buffers"] += [b.flat for b in self._buffers]
+        return out
+
+    def nvme_bytes(self) -> int:
+        return self.swap.total_bytes() if self.swap is not None else 0
