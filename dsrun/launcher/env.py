@@ -12,6 +12,7 @@ so a script written for either launcher runs unchanged:
     DSRUN_JOB_ID                                   dsrun: unique id of the job
     DSRUN_RENDEZVOUS_TIMEOUT                       dsrun: seconds ranks wait for each other at start
     PYTHONUNBUFFERED=1                             output reaches the launcher line by line
+    DSRUN_PROGRESS=1                               rank 0's engine sends progress records (progress.py)
 
 The runtime reads only RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR,
 MASTER_PORT (and LOCAL_WORLD_SIZE), so it also runs under torchrun.
@@ -21,6 +22,7 @@ mean when every node runs the same number of ranks.
 from __future__ import annotations
 
 from dsrun.launcher.job import NodeJob
+from dsrun.launcher.progress import PROGRESS_ENV
 
 
 def rank_environment(job: NodeJob, index: int) -> dict[str, str]:
@@ -44,6 +46,7 @@ def rank_environment(job: NodeJob, index: int) -> dict[str, str]:
         "DSRUN_JOB_ID": job.job_id,
         "DSRUN_RENDEZVOUS_TIMEOUT": f"{job.rendezvous_timeout:g}",
         "PYTHONUNBUFFERED": "1",
+        PROGRESS_ENV: "1",
     }
 
 

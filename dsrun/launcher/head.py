@@ -33,6 +33,7 @@ from rich.console import Console
 from dsrun.launcher.agent import control_line
 from dsrun.launcher.failure import AgentFailure, RankFailure
 from dsrun.launcher.job import NodeJob
+from dsrun.launcher.progress import ProgressDisplay
 from dsrun.launcher.summary import print_failure_summary
 
 # Time an agent gets beyond the ranks' grace period to finish its own teardown, seconds.
@@ -113,6 +114,7 @@ class Head:
         self._out = stdout or sys.stdout.buffer
         self._err = stderr or sys.stderr.buffer
         self._write_lock = threading.Lock()
+        self._display = ProgressDisplay(self._out)  # rank 0's progress records (progress.py)
         self._events: queue.SimpleQueue = queue.SimpleQueue()  # put() is safe in signal handlers
         self._agents: list[_AgentState] = []
         self._failures: list[RankFailure] = []
@@ -140,6 +142,7 @@ class Head:
                 # Unexpected exit of the head itself (e.g. a runner failed half-way): leave nothing behind.
                 for agent in self._agents:
                     agent.handle.kill()
+        self._display.stop()
         return self._report()
 
     # ---- output ------------------------------------------------------------------------
@@ -152,7 +155,8 @@ class Head:
 
     def _pump_stdout(self, agent: _AgentState, stream: BinaryIO) -> None:
         for line in iter(stream.readline, b""):
-            self._write(self._out, line)
+            if not self._display.consume(line):
+                self._write(self._out, line)
 
     def _pump_stderr(self, agent: _AgentState, stream: BinaryIO) -> None:
         for line in iter(stream.readline, b""):
@@ -166,11 +170,7 @@ class Head:
 
     def _write(self, sink: BinaryIO, line: bytes) -> None:
         with self._write_lock:
-            try:
-                sink.write(line)
-                sink.flush()
-            except (BrokenPipeError, ValueError, OSError):
-                pass  # whoever reads dsrun's output went away; keep tearing down cleanly
+            self._display.write(sink, line)  # above the live progress bar, or as is
 
     # ---- watch and tear down -------------------------------------------------------------
 

@@ -124,9 +124,10 @@ class ProgressDisplay:
         return True
 
     def write(self, sink: BinaryIO, data: bytes) -> None:
-        """Print relayed output: above the bar when live, else unchanged."""
+        """Write relayed output to `sink`: above the live bar when one is drawn
+        and `sink` is the terminal (stdout, or stderr on a terminal), else as is."""
         with self._lock:
-            if self._progress is not None:
+            if self._progress is not None and (sink is self._out or _isatty(sink)):
                 self._progress.console.print(data.decode(errors="replace").rstrip("\r\n"),
                                              markup=False, highlight=False, soft_wrap=True)
             else:
