@@ -18,16 +18,31 @@ agent kills its ranks on EOF. So no rank outlives its connection.
 
 ssh config (default ~/.ssh/config, or `--ssh_config PATH`): HostName, User,
 Port, IdentityFile, IdentitiesOnly, ConnectTimeout, UserKnownHostsFile,
-ProxyJump (one or more hops, each resolved through the same config) and
-ProxyCommand are honoured. Host keys: `strict` refuses hosts missing from
-known_hosts; `accept-new` (OpenSSH's default and ours) adds unknown hosts
-to known_hosts after every connection succeeded. A *changed* host key is
-refused under both policies.
+GlobalKnownHostsFile, StrictHostKeyChecking, ProxyJump (one or more hops,
+each resolved through the same config) and ProxyCommand are honoured.
+
+[Note: host keys]
+Host keys are checked as non-interactive OpenSSH checks them. A host's key
+is looked up in every known-hosts file: UserKnownHostsFile (default
+~/.ssh/known_hosts ~/.ssh/known_hosts2) and GlobalKnownHostsFile (default
+/etc/ssh/ssh_known_hosts /etc/ssh/ssh_known_hosts2). A key that differs
+from a listed one is refused whatever the policy ("REMOTE HOST
+IDENTIFICATION HAS CHANGED"; OpenSSH with StrictHostKeyChecking=no would
+connect with restrictions, dsrun never does, since it sends the job and its
+propagated secrets). A host listed nowhere is refused (`strict`) unless the
+policy is `accept-new`, which adds its key to the first UserKnownHostsFile
+once every host of the job connected. The policy is `--ssh_host_key_policy`
+when given, else the host's StrictHostKeyChecking (accept-new, no and off
+mean accept-new; yes and ask mean strict: dsrun cannot ask), else strict,
+which is what OpenSSH does without a terminal to ask on.
 """
 from __future__ import annotations
 
+import base64
 import enum
 import getpass
+import hashlib
+import logging
 import os
 import shlex
 import signal
@@ -49,13 +64,26 @@ AGENT_MODULE = "dsrun.launcher.agent"
 DEFAULT_CONNECT_TIMEOUT = 10.0
 # Exit status of an agent whose SSH connection dropped (what the ssh client reports for a lost link).
 CONNECTION_LOST = 255
+DEFAULT_USER_KNOWN_HOSTS = "~/.ssh/known_hosts ~/.ssh/known_hosts2"
+DEFAULT_GLOBAL_KNOWN_HOSTS = "/etc/ssh/ssh_known_hosts /etc/ssh/ssh_known_hosts2"
+
+# paramiko's transport thread logs a traceback for every failed handshake (no handler configured, so
+# logging's last resort prints it on stderr); dsrun reports each failure itself, once, in its table.
+logging.getLogger("paramiko").addHandler(logging.NullHandler())
 
 
 class HostKeyPolicy(str, enum.Enum):
-    """What to do with a host whose key is not in known_hosts."""
+    """What to do with a host whose key is in no known-hosts file (see [Note: host keys])."""
 
     STRICT = "strict"
     ACCEPT_NEW = "accept-new"
+
+    @classmethod
+    def for_target(cls, given: "HostKeyPolicy | None", target: "SshTarget") -> "HostKeyPolicy":
+        """`given` (--ssh_host_key_policy) if set, else the host's StrictHostKeyChecking, else strict."""
+        if given is not None:
+            return given
+        return cls.ACCEPT_NEW if target.strict_host_key_checking in ("accept-new", "no", "off") else cls.STRICT
 
 
 @dataclass(frozen=True)
@@ -69,7 +97,10 @@ class SshTarget:
         user: login name (User, default the local user).
         identity_files: private keys to offer (IdentityFile).
         identities_only: offer only `identity_files` (no agent, no ~/.ssh/id_*).
-        known_hosts: known_hosts file to check and extend.
+        known_hosts: where accepted new keys are written (the first UserKnownHostsFile).
+        user_known_hosts / global_known_hosts: every file a key is looked up
+            in (UserKnownHostsFile, GlobalKnownHostsFile).
+        strict_host_key_checking: StrictHostKeyChecking, lower case, or None if unset.
         proxy_jump: jump hosts, outermost first (ProxyJump).
         proxy_command: command whose stdio carries the connection (ProxyCommand).
         timeout: connect timeout in seconds (ConnectTimeout).
@@ -82,9 +113,17 @@ class SshTarget:
     identity_files: tuple[str, ...]
     identities_only: bool
     known_hosts: Path
+    user_known_hosts: tuple[Path, ...] = ()
+    global_known_hosts: tuple[Path, ...] = ()
+    strict_host_key_checking: str | None = None
     proxy_jump: tuple[str, ...] = ()
     proxy_command: str | None = None
     timeout: float = DEFAULT_CONNECT_TIMEOUT
+
+    @property
+    def known_hosts_files(self) -> tuple[Path, ...]:
+        """Every known-hosts file of this host, user files first."""
+        return (*self.user_known_hosts, *self.global_known_hosts)
 
 
 def load_ssh_config(path: str | Path | None) -> paramiko.SSHConfig:
@@ -107,7 +146,7 @@ def resolve_target(host: str, config: paramiko.SSHConfig) -> SshTarget:
     user, _, rest = host.rpartition("@")
     name, _, port = rest.partition(":")
     entry = config.lookup(name)
-    known = entry.get("userknownhostsfile", "~/.ssh/known_hosts").split()[0]
+    user_files = _known_hosts_files(entry.get("userknownhostsfile", DEFAULT_USER_KNOWN_HOSTS))
     jumps = entry.get("proxyjump")
     return SshTarget(
         alias=host,
@@ -116,11 +155,31 @@ def resolve_target(host: str, config: paramiko.SSHConfig) -> SshTarget:
         user=user or entry.get("user") or getpass.getuser(),
         identity_files=tuple(os.path.expanduser(f) for f in entry.get("identityfile", [])),
         identities_only=entry.get("identitiesonly", "no").lower() == "yes",
-        known_hosts=Path(os.path.expanduser(known)),
+        known_hosts=user_files[0] if user_files else Path(os.devnull),
+        user_known_hosts=user_files,
+        global_known_hosts=_known_hosts_files(entry.get("globalknownhostsfile", DEFAULT_GLOBAL_KNOWN_HOSTS)),
+        strict_host_key_checking=entry["stricthostkeychecking"].lower() if "stricthostkeychecking" in entry else None,
         proxy_jump=tuple(j.strip() for j in jumps.split(",")) if jumps and jumps.lower() != "none" else (),
         proxy_command=entry.get("proxycommand") if entry.get("proxycommand", "none").lower() != "none" else None,
         timeout=float(entry.get("connecttimeout", DEFAULT_CONNECT_TIMEOUT)),
     )
+
+
+def _known_hosts_files(value: str | list[str]) -> tuple[Path, ...]:
+    """The paths of a UserKnownHostsFile/GlobalKnownHostsFile value ("none" means no file)."""
+    words = value if isinstance(value, list) else value.split()
+    return tuple(Path(os.path.expanduser(w)) for w in words if w.lower() != "none")
+
+
+def fingerprint(key: paramiko.PKey) -> str:
+    """OpenSSH's SHA256 fingerprint of a public key (as `ssh-keygen -l` prints it)."""
+    return "SHA256:" + base64.b64encode(hashlib.sha256(key.asbytes()).digest()).decode().rstrip("=")
+
+
+def _key_kind(key: paramiko.PKey) -> str:
+    """OpenSSH's short name of a key type: ssh-ed25519 -> ED25519, ecdsa-sha2-nistp256 -> ECDSA."""
+    name = key.get_name()
+    return "ECDSA" if name.startswith("ecdsa") else name.removeprefix("ssh-").split("-")[0].upper()
 
 
 class _RecordNewKeys(paramiko.MissingHostKeyPolicy):
@@ -135,16 +194,28 @@ class _RecordNewKeys(paramiko.MissingHostKeyPolicy):
 
 
 class _RefuseUnknown(paramiko.MissingHostKeyPolicy):
+    def __init__(self, target: SshTarget) -> None:
+        self._target = target
+
     def missing_host_key(self, client, hostname, key):
+        t = self._target
+        files = ", ".join(str(f) for f in t.known_hosts_files) or "none"
+        keyscan = f"ssh-keyscan{f' -p {t.port}' if t.port != 22 else ''} {t.hostname} >> {t.known_hosts}"
         raise paramiko.SSHException(
-            f"host key for {hostname} is not in known_hosts and --ssh_host_key_policy is strict; "
-            f"add it (ssh-keyscan) or use --ssh_host_key_policy accept-new")
+            f"No {_key_kind(key)} host key is known for {hostname} and you have requested strict checking. "
+            f"Host key verification failed. (known-hosts files: {files}.) Check that {fingerprint(key)} is the "
+            f"host's key and add it ({keyscan}), or pass --ssh_host_key_policy accept-new, or set "
+            f"StrictHostKeyChecking accept-new for the host in the ssh config")
+
+
+class NoBannerError(paramiko.SSHException):
+    """The TCP connection opened but the server sent no SSH banner in time."""
 
 
 @dataclass
 class _Connector:
     config: paramiko.SSHConfig
-    policy: HostKeyPolicy
+    policy: HostKeyPolicy | None  # None: each host's StrictHostKeyChecking decides
     new_keys: list[tuple[Path, str, paramiko.PKey]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -180,10 +251,14 @@ class _Connector:
 
     def _connect_one(self, target: SshTarget, sock) -> paramiko.SSHClient:
         client = paramiko.SSHClient()
-        if target.known_hosts.is_file():
-            client.load_host_keys(str(target.known_hosts))
-        if self.policy is HostKeyPolicy.STRICT:
-            client.set_missing_host_key_policy(_RefuseUnknown())
+        for path in target.known_hosts_files:  # see [Note: host keys]
+            if path.is_file():
+                try:
+                    client.load_system_host_keys(str(path))  # "system": paramiko never rewrites these
+                except OSError:
+                    continue  # unreadable, as OpenSSH skips it
+        if HostKeyPolicy.for_target(self.policy, target) is HostKeyPolicy.STRICT:
+            client.set_missing_host_key_policy(_RefuseUnknown(target))
         else:
             client.set_missing_host_key_policy(_RecordNewKeys(self.new_keys, target.known_hosts, self.lock))
         try:
@@ -194,10 +269,16 @@ class _Connector:
                 timeout=target.timeout, banner_timeout=target.timeout, auth_timeout=target.timeout,
                 sock=sock,
             )
-        except BaseException:
+        except BaseException as exc:
             # A refused key or login leaves paramiko's transport open; close it, or
             # the server keeps a half-open session until its LoginGraceTime.
+            transport = client.get_transport()
+            no_banner = transport is not None and not transport.remote_version
             client.close()
+            if no_banner and isinstance(exc, (paramiko.SSHException, EOFError, OSError)):
+                raise NoBannerError(f"no SSH banner from {target.hostname}:{target.port} within "
+                                    f"{target.timeout:g} s: something accepts TCP there but does not speak "
+                                    "SSH (a wedged sshd, or another service on that port?)") from None
             raise
         client.get_transport().set_keepalive(15)  # notice a dead link while the job runs
         return client
@@ -284,8 +365,13 @@ def explain_connect_error(exc: BaseException, target: SshTarget) -> str:
     if isinstance(exc, (socket.timeout, TimeoutError)):
         return f"no answer from {addr} within {target.timeout:g}s (host down or firewalled?)"
     if isinstance(exc, paramiko.BadHostKeyException):
-        return (f"host key CHANGED for {exc.hostname} (known_hosts: {target.known_hosts}); if the host was "
-                f"reinstalled, remove the old entry with ssh-keygen -R, otherwise do not connect")
+        name = target.hostname if target.port == 22 else f"[{target.hostname}]:{target.port}"  # as known_hosts has it
+        listed = next((f for f in target.known_hosts_files if _lists(f, name)), target.known_hosts)
+        return (f"WARNING: REMOTE HOST IDENTIFICATION HAS CHANGED! The {_key_kind(exc.key)} key of "
+                f"{name} is {fingerprint(exc.key)}, not the one in {listed}: someone could be "
+                "eavesdropping on you right now (man-in-the-middle attack), or the host key was just changed. "
+                f"Host key verification failed. If the host was reinstalled, remove the old entry "
+                f"(ssh-keygen -R '{name}' -f {listed}); otherwise do not connect")
     if isinstance(exc, paramiko.AuthenticationException):
         keys = ", ".join(target.identity_files) or "ssh-agent and ~/.ssh/id_*"
         return f"authentication failed for user {target.user!r} (keys offered: {keys}); check IdentityFile/User"
@@ -294,14 +380,23 @@ def explain_connect_error(exc: BaseException, target: SshTarget) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def connect_all(hosts: list[str], config: paramiko.SSHConfig, policy: HostKeyPolicy,
+def _lists(path: Path, hostname: str) -> bool:
+    """True if the known-hosts file at `path` has an entry for `hostname`."""
+    try:
+        return path.is_file() and paramiko.HostKeys(str(path)).lookup(hostname) is not None
+    except (OSError, paramiko.SSHException):
+        return False
+
+
+def connect_all(hosts: list[str], config: paramiko.SSHConfig, policy: HostKeyPolicy | None,
                 preflight: str | None = None, preflight_hint: str = "") -> dict[str, Connection]:
     """Connect to every host in parallel and optionally run a check command on each.
 
     Args:
         hosts: host aliases (hostfile names), in node order.
         config: the ssh config to resolve them with.
-        policy: host key policy (see `HostKeyPolicy`).
+        policy: host key policy for unknown hosts, or None to follow each
+            host's StrictHostKeyChecking (see [Note: host keys]).
         preflight: a shell command run on each node after connecting; a
             non-zero exit counts as a failure of that host (its output and
             `preflight_hint` become the reason).
@@ -474,7 +569,7 @@ class SshLaunch:
     notes: list[str]
 
 
-def prepare_ssh_launch(hosts: list[str], *, ssh_config: str | Path | None, policy: HostKeyPolicy, python: str,
+def prepare_ssh_launch(hosts: list[str], *, ssh_config: str | Path | None, policy: HostKeyPolicy | None, python: str,
                        cwd: str, job_id: str, master_addr: str | None, master_port: int | None) -> SshLaunch:
     """Connect to every host, check it can run the agent, and settle the rendezvous.
 

@@ -6,7 +6,8 @@ in a temporary directory, and writes an ssh config file that maps the host
 aliases `node-a` -> 127.0.0.1 and `node-b` -> 127.0.0.2. The launcher reads
 that file through `--ssh_config`, so the tests also prove ~/.ssh/config
 handling (HostName, Port, User, IdentityFile, UserKnownHostsFile,
-ProxyJump). Nothing outside loopback is contacted. A daemon that cannot
+ProxyJump). The known_hosts file lists the server's key for both addresses.
+Nothing outside loopback is contacted. A daemon that cannot
 start fails the test with its log: these tests are the proof that
 multi-node launch works, they are never skipped.
 """
@@ -146,7 +147,10 @@ MaxStartups 100
 MaxSessions 50
 LogLevel VERBOSE
 """)
+    # The nodes' key is known, as a cluster's admin would list it: dsrun refuses unknown hosts by default.
     known_hosts = d / "known_hosts"
+    host_pub = " ".join((d / "ssh_host_ed25519_key.pub").read_text().split()[:2])
+    known_hosts.write_text(f"[127.0.0.1]:{port} {host_pub}\n[127.0.0.2]:{port} {host_pub}\n")
     log = d / "sshd.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen([shutil.which("sshd") or "/usr/sbin/sshd", "-D", "-e", "-f", str(sshd_cfg)],

@@ -31,7 +31,7 @@ def test_accept_new_then_strict_and_changed_key(sshd_cluster, tmp_path):
     known = tmp_path / "known_hosts"
     cfg_path = sshd_cluster.write_config("kh_config", known_hosts=known)
     cfg = load_ssh_config(cfg_path)
-    with pytest.raises(SshConnectError, match="not in known_hosts and --ssh_host_key_policy is strict"):
+    with pytest.raises(SshConnectError, match="you have requested strict checking"):
         connect_all(["node-a"], cfg, HostKeyPolicy.STRICT)
     assert not known.exists()
     conns = connect_all(["node-a", "node-b"], cfg, HostKeyPolicy.ACCEPT_NEW)
@@ -45,7 +45,7 @@ def test_accept_new_then_strict_and_changed_key(sshd_cluster, tmp_path):
     with pytest.raises(SshConnectError) as e:
         connect_all(["node-a", "node-b"], cfg, HostKeyPolicy.ACCEPT_NEW)
     assert set(e.value.failures) == {"node-a", "node-b"}
-    assert all("host key CHANGED" in why for why in e.value.failures.values())
+    assert all("REMOTE HOST IDENTIFICATION HAS CHANGED" in why for why in e.value.failures.values())
 
 
 def test_per_host_failure_table(sshd_cluster, tmp_path):
