@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from dsrun.runtime.dist import Topology
+from dsrun.runtime.offload import build_optimizer_tier
 from dsrun.runtime.precision import PrecisionPolicy
 from dsrun.runtime.zero.api import (GatheredParameters, safe_get_full_fp32_param, safe_get_full_grad,
                                     safe_get_full_optimizer_state)
@@ -34,12 +35,13 @@ def build_zero_strategy(cfg, module: torch.nn.Module, optimizer: torch.optim.Opt
     """
     zero = cfg.zero_optimization
     precision = PrecisionPolicy.from_config(cfg)
+    tier = build_optimizer_tier(cfg, topology)
     if zero.stage in (0, 1, 2):
         return PartitionedOptimizerStrategy(
             module, optimizer, topology, precision, zero.stage,
             reduce_bucket_size=int(zero.reduce_bucket_size),
             allgather_bucket_size=int(zero.allgather_bucket_size),
-            sub_group_size=int(zero.sub_group_size))
+            sub_group_size=int(zero.sub_group_size), optimizer_tier=tier)
     if zero.stage == 3:
         return PartitionedParamStrategy(
             module, optimizer, topology, precision,
@@ -50,5 +52,5 @@ def build_zero_strategy(cfg, module: torch.nn.Module, optimizer: torch.optim.Opt
             max_reuse_distance=int(zero.stage3_max_reuse_distance),
             reduce_bucket_size=int(zero.reduce_bucket_size),
             sub_group_size=int(zero.sub_group_size),
-            unit_patterns=zero.stage3_unit_modules)
+            unit_patterns=zero.stage3_unit_modules, optimizer_tier=tier)
     raise ValueError(f"zero_optimization.stage={zero.stage} is not available")

@@ -123,6 +123,7 @@ class PartitionedParamStrategy(ZeroStrategy):
         watchdog_timeout: seconds a rank may wait on one collective before it
             reports what it is waiting on (see watchdog.py).
         group: the data-parallel process group (None = all ranks).
+        optimizer_tier: where masters and optimizer states live (offload/optimizer_tier.py).
     """
 
     stage = 3
@@ -133,11 +134,13 @@ class PartitionedParamStrategy(ZeroStrategy):
                  max_live_numel: int = 1_000_000_000, max_reuse_distance: int = 1_000_000_000,
                  reduce_bucket_size: int = 500_000_000, sub_group_size: int = 1_000_000_000,
                  unit_patterns: list[str] | None = None,
-                 watchdog_timeout: float | None = None, group=None):
+                 watchdog_timeout: float | None = None, group=None, optimizer_tier=None):
         groups = ZeroGroups.sharded(group)
-        super().__init__(optimizer, topology, precision, groups, sub_group_size, watchdog_timeout)
+        super().__init__(optimizer, topology, precision, groups, sub_group_size, watchdog_timeout,
+                         optimizer_tier=optimizer_tier)
         self.module = module
         trainable = self.trainable_groups(optimizer, module)
+        self._prepare_tier(trainable)
         seen = {id(p) for p, _, _ in trainable}
         frozen = [(p, n, None) for n, p in module.named_parameters()
                   if not p.requires_grad and id(p) not in seen]
@@ -161,7 +164,9 @@ class PartitionedParamStrategy(ZeroStrategy):
             if not members:
                 continue
             members = sorted(members, key=lambda e: (e[2] is None, -1 if e[2] is None else e[2]))
-            fset = FlatParamSet(uname, members, groups.shard, precision, 1, partition_params=True)
+            fset = FlatParamSet(uname, members, groups.shard, precision, 1, partition_params=True,
+                                master_device=self._master_device(members[0][0]),
+                                pin_memory=self.optimizer_tier.pin_memory)
             self.sets.append(fset)
             unit = Unit(len(self.units), uname, modules, fset, uname == PERSISTENT, self)
             self.units.append(unit)
