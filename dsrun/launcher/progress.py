@@ -28,7 +28,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 PROGRESS_ENV = "DSRUN_PROGRESS"
-RECORD_MARK = "\x1edsrun-progress "  # \x1e (record separator) cannot start a line of ordinary output
+# Printable on purpose: Python's str.splitlines() breaks lines at control characters such as \x1e.
+RECORD_MARK = "@@dsrun-progress@@ "
 _MARK_BYTES = RECORD_MARK.encode()
 PLAIN_INTERVAL_ENV = "DSRUN_PROGRESS_INTERVAL"
 DEFAULT_PLAIN_INTERVAL_S = 10.0
