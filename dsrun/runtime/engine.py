@@ -15,6 +15,7 @@ import torch
 
 from dsrun.runtime.checkpoint import checkpointer
 from dsrun.runtime.comm import OpStats, comms_logger
+from dsrun.runtime.compression import build_compression_strategy, takes_over
 from dsrun.runtime.config import DsConfig
 from dsrun.runtime.data_parallel import AllReduceStrategy, GradientStrategy
 from dsrun.runtime.dist import Topology
@@ -31,8 +32,12 @@ def build_strategy(cfg: DsConfig, module: torch.nn.Module, optimizer: torch.opti
     """The GradientStrategy for the config: the only switch on ZeRO stage and precision.
 
     Stage 0 in fp32 (fp32 communication) is AllReduceStrategy; everything
-    else is built by `dsrun.runtime.zero.build_zero_strategy`.
+    else is built by `dsrun.runtime.zero.build_zero_strategy`, except for
+    1-bit optimizers (which own gradient communication) and Lamb on flat
+    buffers: `dsrun.runtime.compression.build_compression_strategy`.
     """
+    if takes_over(cfg, optimizer):
+        return build_compression_strategy(cfg, module, optimizer, topology)
     if (cfg.zero_optimization.stage > 0 or cfg.fp16.enabled or cfg.bf16.enabled
             or cfg.communication_data_type not in (None, "fp32")):
         return build_zero_strategy(cfg, module, optimizer, topology)

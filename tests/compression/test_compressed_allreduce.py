@@ -66,7 +66,7 @@ def _rank_rounds(n: int, rounds: int, seed: int):
     return inputs, outputs, we, se
 
 
-@pytest.mark.parametrize("world, n", [(2, 1000), (3, 37)])
+@pytest.mark.parametrize("world, n", [(2, 1000), pytest.param(3, 37, marks=pytest.mark.slow)])
 def test_matches_single_process_reference_bit_for_bit(world, n):
     results = run_ranks(_rank_rounds, world, n, 5, 0, timeout=120)
     for out in results[1:]:
