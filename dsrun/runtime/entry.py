@@ -15,11 +15,13 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from dsrun.runtime import allocator, comm, memory_profile
+from dsrun.runtime import allocator, comm, exit_report, memory_profile
+from dsrun.runtime.agreement import check_ranks_agree
 from dsrun.runtime.config import ConfigError, DsConfig, load_config
 from dsrun.runtime.dataloader import DistributedDataLoader
 from dsrun.runtime.dist import Topology, init_distributed
 from dsrun.runtime.engine import Engine, build_strategy
+from dsrun.runtime.logging import logger
 from dsrun.runtime.lr_schedules import build_lr_scheduler
 from dsrun.runtime.optimizers import build_optimizer
 
@@ -71,10 +73,34 @@ def _broadcast_module(module: torch.nn.Module) -> None:
             comm.broadcast(tensor.data, src=0)
 
 
+def _check_model(model: torch.nn.Module) -> None:
+    """Reject a model the engine cannot train, before any collective."""
+    meta = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
+    if meta:
+        raise ValueError(
+            f"{len(meta)} parameters/buffers of the model are on the meta device (no data), first "
+            f"'{meta[0]}'; materialize them before initialize() (model.to_empty(device='cpu') then "
+            "initialize the weights), or build the model inside `with dsrun.zero.Init():`, which "
+            "creates each rank's shard directly")
+    if not any(p.requires_grad for p in model.parameters()):
+        count = sum(1 for _ in model.parameters())
+        raise ValueError(
+            f"the model has no trainable parameters ({count} parameters, none with requires_grad=True): "
+            "there is nothing to train; unfreeze some (p.requires_grad_(True)) or run the model "
+            "without initialize() for inference")
+
+
+def _notice_client_wins(section: str, config_type: str) -> None:
+    """One line on rank 0: the object passed to initialize() is used, not the config's section."""
+    if comm.get_rank() == 0:
+        what = "optimizer" if section == "optimizer" else "lr_scheduler"
+        logger.info(f"dsrun: initialize() got {what}= and the config's '{section}' section names "
+                    f"{config_type}; using the one passed to initialize(), as DeepSpeed does")
+
+
 def _build_optimizer(optimizer, params: list, cfg: DsConfig) -> torch.optim.Optimizer:
     if optimizer is not None and cfg.optimizer is not None:
-        raise ConfigError("an optimizer was passed to initialize() and the config also has an "
-                          "'optimizer' section; remove one of them")
+        _notice_client_wins("optimizer", cfg.optimizer.type)
     if isinstance(optimizer, torch.optim.Optimizer):
         return optimizer
     if callable(optimizer):
@@ -95,8 +121,7 @@ def _build_optimizer(optimizer, params: list, cfg: DsConfig) -> torch.optim.Opti
 
 def _build_scheduler(lr_scheduler, optimizer: torch.optim.Optimizer, cfg: DsConfig):
     if lr_scheduler is not None and cfg.scheduler is not None:
-        raise ConfigError("an lr_scheduler was passed to initialize() and the config also has "
-                          "a 'scheduler' section; remove one of them")
+        _notice_client_wins("scheduler", cfg.scheduler.type)
     if lr_scheduler is None:
         if cfg.scheduler is None:
             return None
@@ -120,13 +145,15 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
         model: the torch.nn.Module to train; moved to this rank's device and
             given rank 0's weights.
         optimizer: a torch.optim.Optimizer, a callable taking the parameters
-            and returning one, or None to build it from the config.
+            and returning one, or None to build it from the config. When
+            both are given, this one is used (a notice says so).
         model_parameters: parameters or parameter-group dicts for the
             optimizer (default: the model's parameters that require grad).
         training_data: a map-style Dataset; when given, a per-rank data
             loader of micro-batches is returned.
         lr_scheduler: a scheduler object, a callable taking the optimizer,
-            or None to build it from the config.
+            or None to build it from the config (this one wins over the
+            config's, with a notice).
         distributed_port: MASTER_PORT when the environment sets none.
         mpu: model-parallel unit; not supported (must be None).
         dist_init_required: False asserts the process group already exists.
@@ -137,9 +164,14 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
         (engine, optimizer, dataloader or None, lr_scheduler or None)
 
     Raises:
-        ConfigError: no config, two configs, optimizer/scheduler given twice,
-            or an invalid config.
-        ValueError: model missing, or mpu given.
+        ConfigError: no config, two configs,
+            an invalid config, or configs that differ between ranks. An
+            uncaught ConfigError prints one message without traceback and
+            exits with code 78 (see dsrun.runtime.exit_report).
+        ValueError: model missing, mpu given, parameters on the meta
+            device, no trainable parameters.
+        dsrun.runtime.agreement.RankMismatchError: ranks built different
+            models (the first differing parameter is named).
     """
     if model is None:
         raise ValueError("initialize() needs model= (the torch.nn.Module to train)")
@@ -150,9 +182,16 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
         raise RuntimeError("dist_init_required=False but torch.distributed is not initialised; "
                            "call dsrun.init_distributed() first or drop the argument")
     source = _config_source(args, config, config_params)
+    _check_model(model)
     started = memory_profile.MemorySnapshot.take()  # reads /proc only; used if the config asks
     topology: Topology = init_distributed(distributed_port=distributed_port)
-    cfg = load_config(source, world_size=topology.world_size)
+    exit_report.install()  # after torch's own hook (init_process_group's), so that ours runs first
+    cfg, error = None, None
+    try:
+        cfg = load_config(source, world_size=topology.world_size)
+    except ConfigError as exc:
+        error = exc
+    check_ranks_agree(model, cfg, error, topology.rank)  # the first collective; raises on every rank
     comm.comms_logger.configure(cfg.comms_logger.enabled, cfg.comms_logger.verbose,
                                 cfg.comms_logger.prof_all, cfg.comms_logger.prof_ops)
 
