@@ -15,14 +15,18 @@ found are raised together as one `ConfigError`.
 
 [Note: order of the checks]
 The checks run in three phases, each collecting every problem it finds:
-(1) reading the file and finding "auto" placeholders, (2) pydantic
+(1) reading the file, finding "auto" placeholders and applying DeepSpeed's
+forms (see [Note: DeepSpeed's forms and foreign keys]), (2) pydantic
 validation of all sections, which reports unknown keys, wrong types, bad
 values and the checks inside one section (e.g. NVMe offload without a
 path), together with the batch-triple arithmetic, which only needs the three
 batch keys; the checks across sections (fp16 with bf16) run in this phase
 once every section is valid; (3) `NOT_YET_SUPPORTED`, on the valid config.
 A later phase runs only when the earlier ones found nothing, so that no
-message is a consequence of another one.
+message is a consequence of another one; the one exception is
+NOT_YET_SUPPORTED, which is also checked on the raw values when phase 2
+failed, so that a config's unsupported settings are reported in the same
+round as its other problems.
 """
 from __future__ import annotations
 
@@ -140,6 +144,18 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_default=True)
     _ALIASES: ClassVar[dict[str, str]] = {}
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _strict_bool(cls, value: Any, info) -> Any:
+        """A boolean key takes only true or false: "yes", "no", 1 or "false"
+        are not coerced (pydantic would read "false" as False and "yes" as True)."""
+        field = cls.model_fields.get(info.field_name)
+        if field is not None and _unwrap(field.annotation)[0] is bool and not isinstance(value, bool):
+            if value is None and _unwrap(field.annotation)[2]:
+                return value
+            raise _Problem(f"expected true or false, got {value!r}")
+        return value
+
     @model_validator(mode="before")
     @classmethod
     def _rename_aliases(cls, data: Any) -> Any:
@@ -200,6 +216,35 @@ class OptimizerConfig(_Section):
     def _known_type(cls, value: str) -> str:
         return _canonical_name(value, OPTIMIZER_NAMES, "optimizer type")
 
+    @model_validator(mode="after")
+    def _common_params(self) -> OptimizerConfig:
+        """Check the hyperparameters most optimizers share here, with the
+        other config problems, rather than when torch builds the optimizer."""
+        problems = [(f"params.{key}", text) for key, text in _optimizer_param_problems(self.params)]
+        if problems:
+            first_key, first = problems[0]
+            rest = "".join(f"; also optimizer.{key}: {text}" for key, text in problems[1:])
+            raise _Problem(first + rest, key=first_key)
+        return self
+
+
+def _real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+
+
+def _optimizer_param_problems(params: dict[str, Any]) -> list[tuple[str, str]]:
+    """(key, problem) for each shared optimizer hyperparameter with a bad value."""
+    out = []
+    for key in ("lr", "eps", "weight_decay", "momentum", "dampening"):
+        if key in params and not (_real(params[key]) and 0 <= params[key] < float("inf")):
+            out.append((key, f"expected a finite number >= 0, got {params[key]!r}"))
+    if "betas" in params:
+        betas = params["betas"]
+        if not (isinstance(betas, (list, tuple)) and len(betas) == 2
+                and all(_real(b) and 0 <= b < 1 for b in betas)):
+            out.append(("betas", f"expected two numbers in [0, 1) such as [0.9, 0.999], got {betas!r}"))
+    return out
+
 
 class SchedulerConfig(_Section):
     """`scheduler`: which learning-rate schedule the engine builds."""
@@ -222,7 +267,10 @@ class Fp16Config(_Section):
     enabled: bool = Field(False, description="Train with fp16 parameters and fp32 master weights.")
     auto_cast: bool = Field(False, description="Cast floating-point inputs of forward to fp16.")
     loss_scale: NonNegReal = Field(0.0, description="Static loss scale; 0 selects dynamic loss scaling.")
-    initial_scale_power: Count = Field(16, description="Dynamic scaling starts at 2**initial_scale_power.")
+    initial_scale_power: Annotated[int, _NUMBER, at.Interval(ge=0, le=32)] = Field(
+        16, description="Dynamic scaling starts at 2**initial_scale_power. At most 32: fp16's largest "
+                        "value is 65504 (about 2**16), so a larger scale overflows on every step until "
+                        "halved back down.")
     loss_scale_window: PosInt = Field(1000, description="Steps without overflow before the dynamic scale "
                                                         "is doubled.")
     hysteresis: PosInt = Field(2, description="Overflows tolerated before the dynamic scale is halved.")
@@ -319,12 +367,12 @@ class ZeroConfig(_Section):
                        "3 = also parameters.")
     allgather_partitions: bool = Field(True, description="Gather updated partitions with all-gather "
                                                          "(false: a series of broadcasts).")
-    allgather_bucket_size: Count = Field(500_000_000, description="Elements per all-gather bucket.")
+    allgather_bucket_size: PosInt = Field(500_000_000, description="Elements per all-gather bucket.")
     overlap_comm: Optional[bool] = Field(None, description="Overlap gradient reduction with backward; "
                                                            "default true for stage 3, false otherwise.")
     reduce_scatter: bool = Field(True, description="Reduce gradients with reduce-scatter (false: "
                                                    "all-reduce).")
-    reduce_bucket_size: Count = Field(500_000_000, description="Elements per gradient-reduction bucket.")
+    reduce_bucket_size: PosInt = Field(500_000_000, description="Elements per gradient-reduction bucket.")
     contiguous_gradients: bool = Field(True, description="Copy gradients into one contiguous buffer as "
                                                          "they are produced (less fragmentation).")
     sub_group_size: PosInt = Field(1_000_000_000, description="Elements per optimizer sub-group stepped "
@@ -504,8 +552,16 @@ class _BatchTriple(_Section):
         None, description="Micro-batches accumulated before each optimizer step.")
 
 
+def _never_for_inf(value: Any) -> Any:
+    """steps_per_print: inf (what Accelerate writes) means never: a period no run reaches."""
+    if isinstance(value, float) and value == float("inf"):
+        return 2**63 - 1
+    return value
+
+
 # Top-level DeepSpeed sections that dsrun does not implement at all: a key
-# from this list gets this explanation instead of "unknown key".
+# from this list gets this explanation instead of "unknown key" when the
+# section sets anything but `"enabled": false` (see _deepspeed_forms).
 _DEEPSPEED_ONLY_KEYS = {
     "amp": "NVIDIA Apex AMP",
     "pipeline": "pipeline parallelism",
@@ -562,13 +618,19 @@ class DsConfig(_BatchTriple):
                                          description="Checkpoint saving and loading.")
     activation_checkpointing: ActivationCheckpointingConfig = Field(
         default_factory=ActivationCheckpointingConfig, description="Activation checkpointing options.")
-    steps_per_print: PosInt = Field(10, description="Log progress every this many optimizer steps.")
+    steps_per_print: Annotated[int, BeforeValidator(_never_for_inf), _NUMBER, at.Ge(1)] = Field(
+        10, description="Log progress every this many optimizer steps; inf (Accelerate's setting) = never "
+                        "(stored as 2**63 - 1).")
     wall_clock_breakdown: bool = Field(False, description="Time forward, backward (with its gradient "
                                        "reduction) and step, synchronizing CUDA; rank 0 logs the mean per "
                                        "step and the collectives' share every steps_per_print steps.")
     memory_breakdown: bool = Field(False, description="Measure memory per phase of each step (RSS, "
                                    "CUDA allocator, tensors held) and log it on rank 0 every "
                                    "steps_per_print steps (see Engine.memory_profile).")
+    max_consecutive_nonfinite_steps: Count = Field(
+        10, description="dsrun: stop with an error (NonFiniteStepsError, on every rank) after this many "
+                        "optimizer steps in a row were skipped for an inf/nan gradient that no dynamic "
+                        "fp16 loss scale accounts for (fp32, bf16, static fp16 scale); 0 = never stop.")
     dump_state: bool = Field(False, description="Print the engine's state after initialization.")
     tensorboard: MonitorConfig = Field(default_factory=MonitorConfig, description="TensorBoard output.")
     csv_monitor: MonitorConfig = Field(default_factory=MonitorConfig, description="CSV output.")
@@ -873,6 +935,20 @@ def _construct_mapping(loader: _YamlLoader, node: yaml.MappingNode, deep: bool =
 
 
 _YamlLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def _compose_node(loader: _YamlLoader, parent, index):
+    """Refuse aliases (`*name`) before they are expanded: nested aliases grow
+    a few lines into gigabytes (a "billion laughs" file took 45 s and 3 GB)."""
+    if loader.check_event(yaml.events.AliasEvent):
+        event = loader.peek_event()
+        raise yaml.composer.ComposerError(
+            None, None, f"YAML alias *{event.anchor} is not allowed in a dsrun config; write the value "
+            "out where it is used", event.start_mark)
+    return yaml.composer.Composer.compose_node(loader, parent, index)
+
+
+_YamlLoader.compose_node = _compose_node
 _YamlLoader.add_implicit_resolver("tag:yaml.org,2002:float",
                                   re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
                                   list("-+0123456789"))
@@ -892,15 +968,36 @@ def _read_file(path: Path) -> Any:
     if not path.is_file():
         what = "is a directory, not a file" if path.is_dir() else "does not exist"
         raise ConfigError(f"config file {what} (looked for {path.resolve()})", source=str(path))
-    text = path.read_text(encoding="utf-8")
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[:exc.start].count(b"\n") + 1
+        raise ConfigError(f"not valid UTF-8: byte 0x{data[exc.start]:02x} at line {line} (byte offset "
+                          f"{exc.start}); save the file as UTF-8", source=str(path)) from None
+    if not text.strip():
+        raise ConfigError("the config file is empty; write a JSON object or YAML mapping such as "
+                          '{"train_batch_size": 8}', source=str(path))
+    try:
+        return _parse(path, text)
+    except RecursionError:
+        raise ConfigError("nested more than a few hundred levels deep; a ds_config has at most 3 levels of "
+                          "sections", source=str(path)) from None
+
+
+def _parse(path: Path, text: str) -> Any:
     if path.suffix.lower() in (".yaml", ".yml"):
         try:
-            return yaml.load(text, Loader=_YamlLoader)  # noqa: S506 - a SafeLoader subclass
+            value = yaml.load(text, Loader=_YamlLoader)  # noqa: S506 - a SafeLoader subclass
         except yaml.YAMLError as exc:
             mark = getattr(exc, "problem_mark", None)
             where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
             problem = getattr(exc, "problem", None) or str(exc)
             raise ConfigError(f"not valid YAML{where}: {problem}", source=str(path)) from None
+        if value is None:
+            raise ConfigError("the config file has no keys (only comments or an empty document); write a "
+                              "YAML mapping such as 'train_batch_size: 8'", source=str(path))
+        return value
     try:
         return json.loads(text, object_pairs_hook=_no_duplicates)
     except json.JSONDecodeError as exc:
@@ -1065,10 +1162,101 @@ def _auto_problem(path: str) -> str:
 
 
 # ---------------------------------------------------------------------------
+# DeepSpeed's forms and foreign keys
+
+STRICT_ENV = "DSRUN_STRICT_CONFIG"
+
+# Keys a section accepts besides its fields and _ALIASES (read by its "before" validators).
+_LEGACY_KEYS: dict[str, set[str]] = {"ZeroConfig": {"cpu_offload", "cpu_offload_param",
+                                                    "cpu_offload_use_pin_memory"}}
+
+
+def _disabled(section: Any) -> bool:
+    """True for `{}`, `false` or a section whose `"enabled"` is false and whose
+    subsections enable nothing (`{"enabled": false, "x": {"enabled": false}}`)."""
+    if section is False or section == {}:
+        return True
+    if not isinstance(section, dict) or section.get("enabled") is not False:
+        return False
+    return all(_disabled(v) or not isinstance(v, dict) for k, v in section.items() if k != "enabled")
+
+
+def _deepspeed_forms(data: dict) -> None:
+    """Rewrite DeepSpeed's accepted forms in place (see [Note: DeepSpeed's forms and foreign keys]).
+
+    [Note: DeepSpeed's forms and foreign keys]
+    Real configs carry what DeepSpeed accepts without acting on it, and
+    Hugging Face injects some of it: sections of features dsrun lacks that
+    say `"enabled": false` (`hybrid_engine`, `amp`, `elasticity`, ...) are
+    dropped, because they do nothing in DeepSpeed either; any other value
+    of such a section is still rejected, naming the feature. The legacy `"zero_optimization": true` means stage 1 (false:
+    stage 0). Keys DeepSpeed does not know at all, which it ignores, are
+    treated by _drop_foreign_keys: a likely typo of a known key is an error
+    with its "did you mean"; any other unknown key warns, naming it, and is
+    dropped; DSRUN_STRICT_CONFIG=1 (or load_config(strict=True)) makes
+    every unknown key an error.
+    """
+    for key in _DEEPSPEED_ONLY_KEYS:
+        if key in data and _disabled(data[key]):
+            del data[key]
+    if isinstance(data.get("zero_optimization"), bool):
+        data["zero_optimization"] = {"stage": 1 if data["zero_optimization"] else 0}
+
+
+def _drop_foreign_keys(node: dict, model: type[BaseModel], path: str, strict: bool, source: str) -> None:
+    """Drop (with one ConfigWarning) the unknown keys of `node` and its
+    sections that are not a likely typo; typos and, when `strict`, every
+    unknown key stay for validation to report."""
+    dropped = _foreign_keys(node, model, path, strict)
+    if dropped:
+        warnings.warn(f"{source}: unknown keys ignored, as DeepSpeed ignores them: {', '.join(dropped)} "
+                      f"(set {STRICT_ENV}=1 to make unknown keys errors)", ConfigWarning, stacklevel=3)
+
+
+def _foreign_keys(node: dict, model: type[BaseModel], path: str, strict: bool) -> list[str]:
+    aliases = getattr(model, "_ALIASES", {})
+    known = [*model.model_fields, *aliases, *_LEGACY_KEYS.get(model.__name__, ())]
+    if not path:
+        known += list(_DEEPSPEED_ONLY_KEYS)
+    dropped = []
+    for key in list(node):
+        sub = f"{path}.{key}" if path else str(key)
+        name = aliases.get(key, key)
+        if name in model.model_fields:
+            inner = _model_of(model.model_fields[name])
+            if inner is not None and isinstance(node[key], dict):
+                dropped += _foreign_keys(node[key], inner, sub, strict)
+        elif key not in known and not strict and not difflib.get_close_matches(str(key), known, n=1, cutoff=0.8):
+            del node[key]
+            dropped.append(sub)
+    return dropped
+
+
+def _unsupported_raw(data: dict) -> list[str]:
+    """NOT_YET_SUPPORTED checked on raw values, for a config that failed
+    validation (see [Note: order of the checks]); values that are not of
+    the field's type are skipped (validation reported them)."""
+    problems = []
+    for entry in NOT_YET_SUPPORTED:
+        value: Any = data
+        for part in entry.path.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        try:
+            rejected = value is not None and not isinstance(value, (dict, list)) and entry.applies(value)
+        except (TypeError, ValueError):
+            continue
+        if rejected:
+            problems.append(f"{entry.path}={_show(value)}: {_RELEASE} does not support {entry.feature} "
+                            f"yet; remove it or {entry.fix}")
+    return problems
+
+
+# ---------------------------------------------------------------------------
 # Entry point
 
 
-def load_config(source: Mapping | str | os.PathLike | DsConfig, world_size: int | None = None) -> DsConfig:
+def load_config(source: Mapping | str | os.PathLike | DsConfig, world_size: int | None = None,
+                strict: bool | None = None) -> DsConfig:
     """Read, validate and resolve a ds_config.
 
     Args:
@@ -1078,6 +1266,9 @@ def load_config(source: Mapping | str | os.PathLike | DsConfig, world_size: int 
             batch triple is inferred again for `world_size`).
         world_size: data-parallel world size for the batch triple; None
             reads the WORLD_SIZE environment variable, or 1 when it is unset.
+        strict: every unknown key is an error; None reads DSRUN_STRICT_CONFIG
+            ("1" = strict). Otherwise only a likely typo of a known key is an
+            error and other unknown keys warn (ConfigWarning), naming them.
 
     Returns:
         A DsConfig whose train_batch_size, train_micro_batch_size_per_gpu and
@@ -1111,9 +1302,17 @@ def load_config(source: Mapping | str | os.PathLike | DsConfig, world_size: int 
         raise ConfigError(f"the config must be a JSON object / YAML mapping at the top level, got "
                           f"{type(raw).__name__}", source=name)
 
-    data = json.loads(json.dumps(raw, default=str))  # a private deep copy, as plain JSON data
+    try:
+        data = json.loads(json.dumps(raw, default=str))  # a private deep copy, as plain JSON data
+    except RecursionError:
+        raise ConfigError("nested more than a few hundred levels deep; a ds_config has at most 3 levels "
+                          "of sections", source=name) from None
     autos = _pop_auto(data, "")
     problems = [_auto_problem(p) for p in autos]
+    if strict is None:
+        strict = os.environ.get(STRICT_ENV, "") == "1"
+    _deepspeed_forms(data)
+    _drop_foreign_keys(data, DsConfig, "", strict, name)
     cfg = None
     try:
         cfg = DsConfig.model_validate(data)
@@ -1123,7 +1322,7 @@ def load_config(source: Mapping | str | os.PathLike | DsConfig, world_size: int 
     if isinstance(triple, list):
         problems.extend(triple)
     if problems or cfg is None or not isinstance(triple, tuple):
-        raise ConfigError(*problems, source=name)
+        raise ConfigError(*problems, *_unsupported_raw(data), source=name)
 
     problems = _unsupported(cfg)
     if problems:
