@@ -45,7 +45,8 @@ def test_top_level_typo():
                    "did you mean 'gradient_clipping'?"]
 
 
-def test_unknown_key_without_close_match_lists_valid_keys():
+def test_unknown_key_without_close_match_lists_valid_keys(monkeypatch):
+    monkeypatch.setenv("DSRUN_STRICT_CONFIG", "1")  # otherwise it only warns (tests/compat)
     (got,) = problems({**MICRO, "bf16": {"zzz": 1}})
     assert got == "bf16.zzz: unknown key 'zzz' in bf16; valid keys: enabled"
 
