@@ -16,6 +16,18 @@
 // Each element is reduced by exactly one rank, in rank order, so every rank
 // receives bit-identical results.
 //
+// [Note: shm call check] Every rank must make the same calls with the same
+// sizes. Each call writes its descriptor (operation, dtype, element count,
+// root, reduce op, call sequence number) into its RankCtl before its first
+// barrier; after that barrier every rank compares every rank's descriptor
+// with rank 0's and, on any difference, fails before reading another rank's
+// data, with a message naming rank 0's call and the first differing rank's.
+// Every rank sees the same descriptors, so every rank fails with the same
+// message. Descriptors alternate between two places by call parity, like the
+// buffers: a rank cannot write call k+2's descriptor before every rank has
+// passed a barrier of call k+1, that is, finished checking call k. A call
+// with no data still makes that one barrier, so it is checked too.
+//
 // [Note: shm crash safety] The segment's name is removed as soon as every rank
 // has mapped it (dsrun/ops/shm_comm.py), so the kernel frees it when the last
 // process exits, however it exits. A waiting rank checks that the ranks it
@@ -50,9 +62,20 @@ struct Header {
   std::atomic<int32_t> abort_rank;  // -1, or the first rank that failed
 };
 
+// One collective call as a rank made it; see [Note: shm call check].
+struct Call {
+  int32_t op;      // CallOp
+  int32_t dtype;   // dtype code of dsrun/ops/shm_comm.py (DTYPE_CODES)
+  int64_t count;   // elements (per rank for all_gather)
+  int32_t root;    // broadcast source, else -1
+  int32_t reduce;  // Op for reductions, else -1
+  uint64_t seq;    // 1 for the group's first call, then +1 per call
+};
+
 struct alignas(64) RankCtl {
   std::atomic<uint64_t> seq;  // barriers this rank has reached
   std::atomic<int32_t> pid;
+  Call call[2];               // by call parity
 };
 
 struct Group {
@@ -62,6 +85,7 @@ struct Group {
   int64_t slot_bytes = 0;
   uint64_t epoch = 0;  // barriers passed by this rank
   uint64_t step = 0;   // steps done, selects the buffer
+  uint64_t calls = 0;  // collective calls made by this rank
   double timeout_s = 300;
   Header* hdr() { return reinterpret_cast<Header*>(base); }
   RankCtl* ctl(int r) { return reinterpret_cast<RankCtl*>(base + kHeaderBytes) + r; }
@@ -147,6 +171,62 @@ int barrier(Group& g, char* err, int errlen) {
                 g.timeout_s, r);
         return -1;
       }
+    }
+  }
+  return 0;
+}
+
+// ---- the call check (see [Note: shm call check]) --------------------------
+enum CallOp { BARRIER = 0, ALL_REDUCE = 1, REDUCE_SCATTER = 2, ALL_GATHER = 3, BROADCAST = 4 };
+
+const char* call_name(int op) {
+  static const char* names[] = {"barrier", "all_reduce", "reduce_scatter", "all_gather", "broadcast"};
+  return op >= 0 && op <= BROADCAST ? names[op] : "unknown collective";
+}
+
+const char* dtype_name(int dtype) {  // the order of DTYPE_CODES in shm_comm.py
+  static const char* names[] = {"float32", "bfloat16", "float16", "float64", "int64", "int32",
+                                "int16", "int8", "uint8", "bool", "complex64", "complex128"};
+  return dtype >= 0 && dtype < static_cast<int>(sizeof names / sizeof names[0]) ? names[dtype] : "other dtype";
+}
+
+void describe(const Call& c, char* out, size_t len) {
+  static const char* reduce_names[] = {"sum", "max", "min"};
+  char extra[64] = "";
+  if (c.reduce >= 0 && c.reduce <= 2) snprintf(extra, sizeof extra, ", op %s", reduce_names[c.reduce]);
+  if (c.root >= 0) snprintf(extra, sizeof extra, ", root %d", c.root);
+  if (c.op == BARRIER) {
+    snprintf(out, len, "barrier (call #%llu)", static_cast<unsigned long long>(c.seq));
+    return;
+  }
+  snprintf(out, len, "%s(%lld %s elements%s%s) (call #%llu)", call_name(c.op), static_cast<long long>(c.count),
+           dtype_name(c.dtype), c.op == ALL_GATHER ? " per rank" : "", extra,
+           static_cast<unsigned long long>(c.seq));
+}
+
+bool same(const Call& a, const Call& b) {
+  return a.op == b.op && a.dtype == b.dtype && a.count == b.count && a.root == b.root && a.reduce == b.reduce &&
+         a.seq == b.seq;
+}
+
+// The first barrier of a call: publish this rank's descriptor, meet, compare.
+int checked_barrier(Group& g, Call c, char* err, int errlen) {
+  c.seq = ++g.calls;
+  const int parity = static_cast<int>(c.seq % 2);
+  g.ctl(g.rank)->call[parity] = c;  // published by the barrier's release store
+  if (barrier(g, err, errlen)) return -1;
+  const Call first = g.ctl(0)->call[parity];
+  for (int r = 1; r < g.world; ++r) {
+    const Call other = g.ctl(r)->call[parity];
+    if (!same(first, other)) {
+      char a[160], b[160];
+      describe(first, a, sizeof a);
+      describe(other, b, sizeof b);
+      set_err(err, errlen,
+              "ranks disagree: rank 0 called %s, rank %d called %s; every rank must make the same "
+              "collective calls in the same order with the same dtype, size and root",
+              a, r, b);
+      return -1;
     }
   }
   return 0;
@@ -314,7 +394,9 @@ void dsrun_shm_close(void* h) {
 
 int dsrun_shm_unlink(const char* name) { return shm_unlink(name) == 0 ? 0 : -errno; }
 
-int dsrun_shm_barrier(void* h, char* err, int errlen) { return barrier(*static_cast<Group*>(h), err, errlen); }
+int dsrun_shm_barrier(void* h, char* err, int errlen) {
+  return checked_barrier(*static_cast<Group*>(h), Call{BARRIER, -1, 0, -1, -1, 0}, err, errlen);
+}
 
 // data [n] in place. Returns 0 or -1 with a message.
 // [Note: shm traffic] A rank never stages what only it reads: its own piece
@@ -331,6 +413,8 @@ int dsrun_shm_all_reduce(void* h, void* data, int64_t n, int dtype, int op, char
     set_err(err, errlen, "world size %d above 1024", g.world);
     return -1;
   }
+  const Call call{ALL_REDUCE, dtype, n, -1, op, 0};
+  if (n == 0) return checked_barrier(g, call, err, errlen);
   for (int64_t off = 0; off < n; off += chunk) {
     const int64_t c = n - off < chunk ? n - off : chunk;
     const int b = static_cast<int>(g.step++ % 2);
@@ -339,7 +423,7 @@ int dsrun_shm_all_reduce(void* h, void* data, int64_t n, int dtype, int op, char
       const int64_t rlo = c * r / g.world, rhi = c * (r + 1) / g.world;
       if (r != g.rank) memcpy(mine + rlo * es, d + (off + rlo) * es, (rhi - rlo) * es);
     }
-    if (barrier(g, err, errlen)) return -1;
+    if (off == 0 ? checked_barrier(g, call, err, errlen) : barrier(g, err, errlen)) return -1;
     const int64_t lo = c * g.rank / g.world, hi = c * (g.rank + 1) / g.world;
     for (int r = 0; r < g.world; ++r) src[r] = r == g.rank ? d + (off + lo) * es : g.slot(b, r) + lo * es;
     if (reduce_any(dtype, op, d + (off + lo) * es, mine + lo * es, src, g.world, hi - lo)) {
@@ -367,13 +451,15 @@ int dsrun_shm_reduce_scatter(void* h, void* out, const void* in, int64_t n, int 
     set_err(err, errlen, "slot too small for world size %d", g.world);
     return -1;
   }
+  const Call call{REDUCE_SCATTER, dtype, n, -1, op, 0};
+  if (n == 0) return checked_barrier(g, call, err, errlen);
   for (int64_t off = 0; off < n; off += chunk) {
     const int64_t c = n - off < chunk ? n - off : chunk;
     const int b = static_cast<int>(g.step++ % 2);
     char* mine = g.slot(b, g.rank);
     for (int j = 0; j < g.world; ++j)  // see [Note: shm traffic]
       if (j != g.rank) memcpy(mine + j * c * es, s + (j * n + off) * es, c * es);
-    if (barrier(g, err, errlen)) return -1;
+    if (off == 0 ? checked_barrier(g, call, err, errlen) : barrier(g, err, errlen)) return -1;
     for (int r = 0; r < g.world; ++r)
       src[r] = r == g.rank ? const_cast<char*>(s) + (g.rank * n + off) * es : g.slot(b, r) + g.rank * c * es;
     if (reduce_any(dtype, op, static_cast<char*>(out) + off * es, nullptr, src, g.world, c)) {
@@ -384,34 +470,41 @@ int dsrun_shm_reduce_scatter(void* h, void* out, const void* in, int64_t n, int 
   return 0;  // no closing barrier needed: see [Note: shm collective protocol]
 }
 
-// in [nbytes], out [world * nbytes]: out[r] = rank r's in.
-int dsrun_shm_all_gather(void* h, void* out, const void* in, int64_t nbytes, char* err, int errlen) {
+// in [nbytes], out [world * nbytes]: out[r] = rank r's in. dtype and count
+// (elements of in) only identify the call (see [Note: shm call check]).
+int dsrun_shm_all_gather(void* h, void* out, const void* in, int64_t nbytes, int dtype, int64_t count, char* err,
+                         int errlen) {
   Group& g = *static_cast<Group*>(h);
   const int64_t chunk = g.slot_bytes;
   char* o = static_cast<char*>(out);
+  const Call call{ALL_GATHER, dtype, count, -1, -1, 0};
+  if (nbytes == 0) return checked_barrier(g, call, err, errlen);
   for (int64_t off = 0; off < nbytes; off += chunk) {
     const int64_t c = nbytes - off < chunk ? nbytes - off : chunk;
     const int b = static_cast<int>(g.step++ % 2);
     memcpy(g.slot(b, g.rank), static_cast<const char*>(in) + off, c);
     if (o + g.rank * nbytes != in)  // in may be this rank's piece of out (gather in place)
       memcpy(o + g.rank * nbytes + off, static_cast<const char*>(in) + off, c);
-    if (barrier(g, err, errlen)) return -1;
+    if (off == 0 ? checked_barrier(g, call, err, errlen) : barrier(g, err, errlen)) return -1;
     for (int r = 0; r < g.world; ++r)
       if (r != g.rank) memcpy(o + r * nbytes + off, g.slot(b, r), c);
   }
   return 0;
 }
 
-// data [nbytes] from rank src to all.
-int dsrun_shm_broadcast(void* h, void* data, int64_t nbytes, int src, char* err, int errlen) {
+// data [nbytes] from rank src to all; dtype and count identify the call.
+int dsrun_shm_broadcast(void* h, void* data, int64_t nbytes, int src, int dtype, int64_t count, char* err,
+                        int errlen) {
   Group& g = *static_cast<Group*>(h);
   const int64_t chunk = g.slot_bytes;
   char* d = static_cast<char*>(data);
+  const Call call{BROADCAST, dtype, count, src, -1, 0};
+  if (nbytes == 0) return checked_barrier(g, call, err, errlen);
   for (int64_t off = 0; off < nbytes; off += chunk) {
     const int64_t c = nbytes - off < chunk ? nbytes - off : chunk;
     const int b = static_cast<int>(g.step++ % 2);
     if (g.rank == src) memcpy(g.slot(b, src), d + off, c);
-    if (barrier(g, err, errlen)) return -1;
+    if (off == 0 ? checked_barrier(g, call, err, errlen) : barrier(g, err, errlen)) return -1;
     if (g.rank != src) memcpy(d + off, g.slot(b, src), c);
   }
   return 0;

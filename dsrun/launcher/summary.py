@@ -8,6 +8,7 @@ from rich.table import Table
 from rich.text import Text
 
 from dsrun.launcher.failure import AgentFailure, RankFailure
+from dsrun.runtime.exit_report import CONFIG_ERROR_EXIT_CODE
 
 # What a signal usually means for a training rank.
 _SIGNAL_HINTS = {
@@ -24,6 +25,7 @@ _SIGNAL_HINTS = {
 _EXIT_HINTS = {
     126: "command could not be executed (permissions)",
     127: "command not found (check the Python path on that node)",
+    CONFIG_ERROR_EXIT_CODE: "invalid dsrun config (message below)",
 }
 
 

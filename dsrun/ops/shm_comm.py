@@ -14,8 +14,12 @@ semantics.
     group.broadcast(t, src=0)
 
 Every rank of the group must make the same calls in the same order with the
-same sizes, as with any collective. See [Note: shm collective protocol] and
-[Note: shm crash safety] in csrc/shm_comm/shm_comm.cpp.
+same sizes, as with any collective; a call that differs on some rank
+(operation, dtype, element count, root, reduce op, or its place in the
+sequence) fails on every rank with a ShmCollectiveError naming rank 0's call
+and the differing rank's, before any data is read. See [Note: shm collective
+protocol], [Note: shm call check] and [Note: shm crash safety] in
+csrc/shm_comm/shm_comm.cpp.
 """
 from __future__ import annotations
 
@@ -28,6 +32,12 @@ import torch
 from dsrun.ops.builder import get_op
 
 REDUCE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# Codes naming a call's dtype in [Note: shm call check]; the native side
+# prints names in this order. Others travel as _OTHER_DTYPE.
+DTYPE_CODES = {dt: i for i, dt in enumerate((
+    torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.int16,
+    torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128))}
+_OTHER_DTYPE = 255
 OPS = {"sum": 0, "max": 1, "min": 2}
 DEFAULT_SLOT_BYTES = 4 << 20  # 2 buffers x 2 ranks x 4 MiB stay in a 32 MiB L3 between copy and read
 _ERRLEN = 512
@@ -51,8 +61,10 @@ def _native():
                                              ctypes.c_int, *err]
         lib.dsrun_shm_reduce_scatter.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                                                  ctypes.c_int, ctypes.c_int, *err]
-        lib.dsrun_shm_all_gather.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, *err]
-        lib.dsrun_shm_broadcast.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, *err]
+        lib.dsrun_shm_all_gather.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                             ctypes.c_int, ctypes.c_int64, *err]
+        lib.dsrun_shm_broadcast.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
+                                            ctypes.c_int, ctypes.c_int64, *err]
         lib._dsrun_typed = True
     return lib
 
@@ -171,7 +183,8 @@ class ShmGroup:
             raise ValueError(f"all_gather: output must have world_size ({self.world_size}) x input's "
                              f"{input.numel()} elements of {input.dtype}, got {output.numel()} of {output.dtype}")
         self._call(self._lib.dsrun_shm_all_gather, output.data_ptr(), input.data_ptr(),
-                   input.numel() * input.element_size())
+                   input.numel() * input.element_size(), DTYPE_CODES.get(input.dtype, _OTHER_DTYPE),
+                   input.numel())
         return output
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
@@ -179,7 +192,8 @@ class ShmGroup:
         self._check("broadcast", tensor, False)
         if not 0 <= src < self.world_size:
             raise ValueError(f"broadcast: src {src} outside the group of {self.world_size} ranks")
-        self._call(self._lib.dsrun_shm_broadcast, tensor.data_ptr(), tensor.numel() * tensor.element_size(), src)
+        self._call(self._lib.dsrun_shm_broadcast, tensor.data_ptr(), tensor.numel() * tensor.element_size(), src,
+                   DTYPE_CODES.get(tensor.dtype, _OTHER_DTYPE), tensor.numel())
         return tensor
 
 

@@ -144,6 +144,18 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_default=True)
     _ALIASES: ClassVar[dict[str, str]] = {}
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _strict_bool(cls, value: Any, info) -> Any:
+        """A boolean key takes only true or false: "yes", "no", 1 or "false"
+        are not coerced (pydantic would read "false" as False and "yes" as True)."""
+        field = cls.model_fields.get(info.field_name)
+        if field is not None and _unwrap(field.annotation)[0] is bool and not isinstance(value, bool):
+            if value is None and _unwrap(field.annotation)[2]:
+                return value
+            raise _Problem(f"expected true or false, got {value!r}")
+        return value
+
     @model_validator(mode="before")
     @classmethod
     def _rename_aliases(cls, data: Any) -> Any:
@@ -204,6 +216,35 @@ class OptimizerConfig(_Section):
     def _known_type(cls, value: str) -> str:
         return _canonical_name(value, OPTIMIZER_NAMES, "optimizer type")
 
+    @model_validator(mode="after")
+    def _common_params(self) -> OptimizerConfig:
+        """Check the hyperparameters most optimizers share here, with the
+        other config problems, rather than when torch builds the optimizer."""
+        problems = [(f"params.{key}", text) for key, text in _optimizer_param_problems(self.params)]
+        if problems:
+            first_key, first = problems[0]
+            rest = "".join(f"; also optimizer.{key}: {text}" for key, text in problems[1:])
+            raise _Problem(first + rest, key=first_key)
+        return self
+
+
+def _real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+
+
+def _optimizer_param_problems(params: dict[str, Any]) -> list[tuple[str, str]]:
+    """(key, problem) for each shared optimizer hyperparameter with a bad value."""
+    out = []
+    for key in ("lr", "eps", "weight_decay", "momentum", "dampening"):
+        if key in params and not (_real(params[key]) and 0 <= params[key] < float("inf")):
+            out.append((key, f"expected a finite number >= 0, got {params[key]!r}"))
+    if "betas" in params:
+        betas = params["betas"]
+        if not (isinstance(betas, (list, tuple)) and len(betas) == 2
+                and all(_real(b) and 0 <= b < 1 for b in betas)):
+            out.append(("betas", f"expected two numbers in [0, 1) such as [0.9, 0.999], got {betas!r}"))
+    return out
+
 
 class SchedulerConfig(_Section):
     """`scheduler`: which learning-rate schedule the engine builds."""
@@ -226,7 +267,10 @@ class Fp16Config(_Section):
     enabled: bool = Field(False, description="Train with fp16 parameters and fp32 master weights.")
     auto_cast: bool = Field(False, description="Cast floating-point inputs of forward to fp16.")
     loss_scale: NonNegReal = Field(0.0, description="Static loss scale; 0 selects dynamic loss scaling.")
-    initial_scale_power: Count = Field(16, description="Dynamic scaling starts at 2**initial_scale_power.")
+    initial_scale_power: Annotated[int, _NUMBER, at.Interval(ge=0, le=32)] = Field(
+        16, description="Dynamic scaling starts at 2**initial_scale_power. At most 32: fp16's largest "
+                        "value is 65504 (about 2**16), so a larger scale overflows on every step until "
+                        "halved back down.")
     loss_scale_window: PosInt = Field(1000, description="Steps without overflow before the dynamic scale "
                                                         "is doubled.")
     hysteresis: PosInt = Field(2, description="Overflows tolerated before the dynamic scale is halved.")
@@ -323,12 +367,12 @@ class ZeroConfig(_Section):
                        "3 = also parameters.")
     allgather_partitions: bool = Field(True, description="Gather updated partitions with all-gather "
                                                          "(false: a series of broadcasts).")
-    allgather_bucket_size: Count = Field(500_000_000, description="Elements per all-gather bucket.")
+    allgather_bucket_size: PosInt = Field(500_000_000, description="Elements per all-gather bucket.")
     overlap_comm: Optional[bool] = Field(None, description="Overlap gradient reduction with backward; "
                                                            "default true for stage 3, false otherwise.")
     reduce_scatter: bool = Field(True, description="Reduce gradients with reduce-scatter (false: "
                                                    "all-reduce).")
-    reduce_bucket_size: Count = Field(500_000_000, description="Elements per gradient-reduction bucket.")
+    reduce_bucket_size: PosInt = Field(500_000_000, description="Elements per gradient-reduction bucket.")
     contiguous_gradients: bool = Field(True, description="Copy gradients into one contiguous buffer as "
                                                          "they are produced (less fragmentation).")
     sub_group_size: PosInt = Field(1_000_000_000, description="Elements per optimizer sub-group stepped "
@@ -583,6 +627,10 @@ class DsConfig(_BatchTriple):
     memory_breakdown: bool = Field(False, description="Measure memory per phase of each step (RSS, "
                                    "CUDA allocator, tensors held) and log it on rank 0 every "
                                    "steps_per_print steps (see Engine.memory_profile).")
+    max_consecutive_nonfinite_steps: Count = Field(
+        10, description="dsrun: stop with an error (NonFiniteStepsError, on every rank) after this many "
+                        "optimizer steps in a row were skipped for an inf/nan gradient that no dynamic "
+                        "fp16 loss scale accounts for (fp32, bf16, static fp16 scale); 0 = never stop.")
     dump_state: bool = Field(False, description="Print the engine's state after initialization.")
     tensorboard: MonitorConfig = Field(default_factory=MonitorConfig, description="TensorBoard output.")
     csv_monitor: MonitorConfig = Field(default_factory=MonitorConfig, description="CSV output.")
@@ -887,6 +935,20 @@ def _construct_mapping(loader: _YamlLoader, node: yaml.MappingNode, deep: bool =
 
 
 _YamlLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def _compose_node(loader: _YamlLoader, parent, index):
+    """Refuse aliases (`*name`) before they are expanded: nested aliases grow
+    a few lines into gigabytes (a "billion laughs" file took 45 s and 3 GB)."""
+    if loader.check_event(yaml.events.AliasEvent):
+        event = loader.peek_event()
+        raise yaml.composer.ComposerError(
+            None, None, f"YAML alias *{event.anchor} is not allowed in a dsrun config; write the value "
+            "out where it is used", event.start_mark)
+    return yaml.composer.Composer.compose_node(loader, parent, index)
+
+
+_YamlLoader.compose_node = _compose_node
 _YamlLoader.add_implicit_resolver("tag:yaml.org,2002:float",
                                   re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
                                   list("-+0123456789"))
@@ -906,15 +968,36 @@ def _read_file(path: Path) -> Any:
     if not path.is_file():
         what = "is a directory, not a file" if path.is_dir() else "does not exist"
         raise ConfigError(f"config file {what} (looked for {path.resolve()})", source=str(path))
-    text = path.read_text(encoding="utf-8")
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[:exc.start].count(b"\n") + 1
+        raise ConfigError(f"not valid UTF-8: byte 0x{data[exc.start]:02x} at line {line} (byte offset "
+                          f"{exc.start}); save the file as UTF-8", source=str(path)) from None
+    if not text.strip():
+        raise ConfigError("the config file is empty; write a JSON object or YAML mapping such as "
+                          '{"train_batch_size": 8}', source=str(path))
+    try:
+        return _parse(path, text)
+    except RecursionError:
+        raise ConfigError("nested more than a few hundred levels deep; a ds_config has at most 3 levels of "
+                          "sections", source=str(path)) from None
+
+
+def _parse(path: Path, text: str) -> Any:
     if path.suffix.lower() in (".yaml", ".yml"):
         try:
-            return yaml.load(text, Loader=_YamlLoader)  # noqa: S506 - a SafeLoader subclass
+            value = yaml.load(text, Loader=_YamlLoader)  # noqa: S506 - a SafeLoader subclass
         except yaml.YAMLError as exc:
             mark = getattr(exc, "problem_mark", None)
             where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
             problem = getattr(exc, "problem", None) or str(exc)
             raise ConfigError(f"not valid YAML{where}: {problem}", source=str(path)) from None
+        if value is None:
+            raise ConfigError("the config file has no keys (only comments or an empty document); write a "
+                              "YAML mapping such as 'train_batch_size: 8'", source=str(path))
+        return value
     try:
         return json.loads(text, object_pairs_hook=_no_duplicates)
     except json.JSONDecodeError as exc:
@@ -1219,7 +1302,11 @@ def load_config(source: Mapping | str | os.PathLike | DsConfig, world_size: int 
         raise ConfigError(f"the config must be a JSON object / YAML mapping at the top level, got "
                           f"{type(raw).__name__}", source=name)
 
-    data = json.loads(json.dumps(raw, default=str))  # a private deep copy, as plain JSON data
+    try:
+        data = json.loads(json.dumps(raw, default=str))  # a private deep copy, as plain JSON data
+    except RecursionError:
+        raise ConfigError("nested more than a few hundred levels deep; a ds_config has at most 3 levels "
+                          "of sections", source=name) from None
     autos = _pop_auto(data, "")
     problems = [_auto_problem(p) for p in autos]
     if strict is None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import math
 
 import torch
 
@@ -33,12 +34,21 @@ class StepOutcome:
         grad_norm: global L2 norm of the gradients (all ranks, all
             parameters, after averaging and unscaling, before clipping);
             None when the strategy did not compute it (e.g. on overflow).
-        applied: False when the step was skipped (fp16 overflow); the engine
-            then skips the LR scheduler step and counts a skipped step.
+        applied: False when the step was skipped (fp16 overflow, or a
+            non-finite gradient in any precision); the engine then skips the
+            LR scheduler step and counts a skipped step.
+        nonfinite: the step was skipped because a gradient was inf/nan and
+            no dynamic fp16 loss scale accounts for it (fp32, bf16, static
+            fp16 scale); the engine stops the run after
+            `max_consecutive_nonfinite_steps` of these in a row.
+        first_nonfinite: qualified name of the first parameter (in the
+            strategy's order) whose gradient was not finite, when known.
     """
 
     grad_norm: float | None
     applied: bool
+    nonfinite: bool = False
+    first_nonfinite: str | None = None
 
 
 class GradientStrategy(abc.ABC):
@@ -194,6 +204,7 @@ class AllReduceStrategy(GradientStrategy):
         self.topology = topology
         self._group = group
         self._params = [p for p in module.parameters() if p.requires_grad]
+        self._names = {id(p): n for n, p in module.named_parameters()}
         self._buckets = [
             _Bucket(ps, torch.zeros(sum(p.numel() for p in ps), dtype=ps[0].dtype, device=ps[0].device))
             for ps in plan_buckets(list(reversed(self._params)), bucket_size)
@@ -255,6 +266,11 @@ class AllReduceStrategy(GradientStrategy):
         # Gradients are identical on every rank after the all-reduce, so the
         # local norm is the global norm: no communication needed.
         norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
+        if not math.isfinite(float(norm)):
+            # inf/nan survive the sum, so every rank sees it and skips alike.
+            first = next((p for p in params if not bool(torch.isfinite(p.grad).all())), None)
+            return StepOutcome(grad_norm=None, applied=False, nonfinite=True,
+                               first_nonfinite=None if first is None else self._names.get(id(first)))
         if max_grad_norm > 0:
             torch.nn.utils.clip_grads_with_norm_(params, max_grad_norm, norm)
         self.optimizer.step()

@@ -20,7 +20,7 @@ from dsrun.runtime.config import DsConfig
 from dsrun.runtime.data_parallel import AllReduceStrategy, GradientStrategy
 from dsrun.runtime.dist import Topology
 from dsrun.runtime.engine_compat import DeepSpeedEngineCompat
-from dsrun.runtime.logging import ProgressLog, log_rank0
+from dsrun.runtime.logging import ProgressLog, log_rank0, logger
 from dsrun.runtime.memory_profile import MemoryProfiler, format_memory_profile, no_phase, recorded_phases
 from dsrun.runtime.monitor import MonitorMaster
 from dsrun.runtime.telemetry import StepTelemetry
@@ -43,6 +43,19 @@ def build_strategy(cfg: DsConfig, module: torch.nn.Module, optimizer: torch.opti
         return build_zero_strategy(cfg, module, optimizer, topology)
     return AllReduceStrategy(module, optimizer, topology,
                              bucket_size=int(cfg.zero_optimization.reduce_bucket_size))
+
+
+class NonFiniteStepsError(RuntimeError):
+    """Too many optimizer steps in a row were skipped for inf/nan gradients
+    (config `max_consecutive_nonfinite_steps`); raised on every rank at once."""
+
+
+def _describe_loss(loss: Any) -> str:
+    if isinstance(loss, (tuple, list)):
+        return f"a {type(loss).__name__} of {len(loss)} elements"
+    if isinstance(loss, dict):
+        return f"a dict with keys {sorted(map(str, loss))[:6]}"
+    return f"a {type(loss).__name__}"
 
 
 class Engine(DeepSpeedEngineCompat, torch.nn.Module):
@@ -99,6 +112,8 @@ class Engine(DeepSpeedEngineCompat, torch.nn.Module):
         self._in_no_sync = False
         self._grad_norm: float | None = None
         self._step_applied = False
+        self._consecutive_nonfinite = 0
+        self._backward_since_step = False
         self._progress = ProgressLog(topology, config.steps_per_print)
         # monitors, timers, progress records and the flops profile (dsrun/runtime/telemetry.py)
         self.monitor = MonitorMaster(config, topology.rank)
@@ -171,13 +186,31 @@ class Engine(DeepSpeedEngineCompat, torch.nn.Module):
 
         Returns:
             The loss that autograd ran on (divided by G when scale_wrt_gas).
+
+        Raises:
+            TypeError: `loss` is not a tensor (e.g. the tuple or dict a
+                forward returned): pass the loss element.
+            ValueError: `loss` has more than one element, or does not
+                require grad (nothing trainable produced it).
         """
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(f"engine.backward() needs the scalar loss tensor, got {_describe_loss(loss)}; "
+                            "when the model's forward returns several outputs, pass the loss, e.g. "
+                            "engine.backward(outputs[0]) or engine.backward(outputs['loss'])")
+        if loss.numel() != 1:
+            raise ValueError(f"engine.backward() needs a scalar loss, got a tensor of shape "
+                             f"{tuple(loss.shape)}; reduce it first (e.g. loss.mean())")
+        if not loss.requires_grad:
+            raise ValueError("engine.backward(): the loss does not require grad, so no trainable "
+                             "parameter contributed to it (computed under torch.no_grad(), detached, "
+                             "or from frozen parameters only)")
         self._telemetry.observe_loss(loss)
         if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
             loss = loss / self.gradient_accumulation_steps()
         sync = self.is_gradient_accumulation_boundary() and not self._in_no_sync
         with self._phase("backward"), self._telemetry.phase("backward"):
             self.strategy.backward(loss, sync=sync, retain_graph=retain_graph)
+        self._backward_since_step = True
         return loss
 
     def step(self) -> None:
@@ -185,8 +218,16 @@ class Engine(DeepSpeedEngineCompat, torch.nn.Module):
 
         Raises:
             RuntimeError: called inside `no_sync()` at the boundary (the
-                gradients would be stale on other ranks).
+                gradients would be stale on other ranks), or with no
+                `backward()` since the previous `step()`.
+            NonFiniteStepsError: `max_consecutive_nonfinite_steps` steps in
+                a row had inf/nan gradients (every rank raises together).
         """
+        if not self._backward_since_step:
+            raise RuntimeError(
+                f"engine.step() without engine.backward() since the previous step() (micro-step "
+                f"{self.micro_steps}): call engine.backward(loss) once per micro-batch before step()")
+        self._backward_since_step = False
         self._step_applied = False
         if self.is_gradient_accumulation_boundary():
             if self._in_no_sync:
@@ -199,6 +240,7 @@ class Engine(DeepSpeedEngineCompat, torch.nn.Module):
                 self._grad_norm = outcome.grad_norm
                 self._step_applied = outcome.applied
                 if outcome.applied:
+                    self._consecutive_nonfinite = 0
                     if self.lr_scheduler is not None:
                         self.lr_scheduler.step()
                 else:
@@ -206,12 +248,34 @@ class Engine(DeepSpeedEngineCompat, torch.nn.Module):
                 self.strategy.zero_grad()
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
+            if outcome.nonfinite:
+                self._on_nonfinite_step(outcome.first_nonfinite)
             self._progress.after_step(self.global_steps, self.skipped_steps,
                                       self.global_samples, self.get_lr(), self.get_mom())
             if self._memory_profiler is not None:
                 self._end_memory_step()
             self._telemetry.end_step()
         self.micro_steps += 1
+
+    def _on_nonfinite_step(self, first: str | None) -> None:
+        """Warn about a step skipped for inf/nan gradients; stop after too many in a row.
+
+        Every rank skips the same steps (the non-finite check is global), so
+        every rank raises together and none is left waiting in a collective."""
+        self._consecutive_nonfinite += 1
+        limit = self.config.max_consecutive_nonfinite_steps
+        where = f"first in parameter {first}" if first else "parameter unknown"
+        if limit and self._consecutive_nonfinite >= limit:
+            raise NonFiniteStepsError(
+                f"rank {self.global_rank}: {self._consecutive_nonfinite} optimizer steps in a row "
+                f"(steps {self.global_steps + 1 - self._consecutive_nonfinite}-{self.global_steps}) had "
+                f"non-finite (inf/nan) gradients ({where}) and were skipped; the loss or the data "
+                "produce inf/nan. Lower the learning rate, check the inputs, use gradient_clipping, "
+                "or raise max_consecutive_nonfinite_steps in the config (0 = never stop)")
+        if self.topology.is_rank_zero:
+            logger.warning("step %d: non-finite (inf/nan) gradient (%s); update skipped on every rank "
+                           "(%d in a row%s)", self.global_steps, where, self._consecutive_nonfinite,
+                           f"; the run stops at {limit}" if limit else "")
 
     def zero_grad(self) -> None:
         """Drop accumulated gradients."""

@@ -15,7 +15,8 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from dsrun.runtime import allocator, comm, memory_profile
+from dsrun.runtime import allocator, comm, exit_report, memory_profile
+from dsrun.runtime.agreement import check_ranks_agree
 from dsrun.runtime.config import ConfigError, DsConfig, load_config
 from dsrun.runtime.dataloader import DistributedDataLoader
 from dsrun.runtime.dist import Topology, init_distributed
@@ -70,6 +71,23 @@ def _broadcast_module(module: torch.nn.Module) -> None:
     with torch.no_grad():
         for tensor in list(module.parameters()) + list(module.buffers()):
             comm.broadcast(tensor.data, src=0)
+
+
+def _check_model(model: torch.nn.Module) -> None:
+    """Reject a model the engine cannot train, before any collective."""
+    meta = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
+    if meta:
+        raise ValueError(
+            f"{len(meta)} parameters/buffers of the model are on the meta device (no data), first "
+            f"'{meta[0]}'; materialize them before initialize() (model.to_empty(device='cpu') then "
+            "initialize the weights), or build the model inside `with dsrun.zero.Init():`, which "
+            "creates each rank's shard directly")
+    if not any(p.requires_grad for p in model.parameters()):
+        count = sum(1 for _ in model.parameters())
+        raise ValueError(
+            f"the model has no trainable parameters ({count} parameters, none with requires_grad=True): "
+            "there is nothing to train; unfreeze some (p.requires_grad_(True)) or run the model "
+            "without initialize() for inference")
 
 
 def _notice_client_wins(section: str, config_type: str) -> None:
@@ -147,8 +165,13 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
 
     Raises:
         ConfigError: no config, two configs,
-            or an invalid config.
-        ValueError: model missing, or mpu given.
+            an invalid config, or configs that differ between ranks. An
+            uncaught ConfigError prints one message without traceback and
+            exits with code 78 (see dsrun.runtime.exit_report).
+        ValueError: model missing, mpu given, parameters on the meta
+            device, no trainable parameters.
+        dsrun.runtime.agreement.RankMismatchError: ranks built different
+            models (the first differing parameter is named).
     """
     if model is None:
         raise ValueError("initialize() needs model= (the torch.nn.Module to train)")
@@ -159,9 +182,16 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
         raise RuntimeError("dist_init_required=False but torch.distributed is not initialised; "
                            "call dsrun.init_distributed() first or drop the argument")
     source = _config_source(args, config, config_params)
+    _check_model(model)
     started = memory_profile.MemorySnapshot.take()  # reads /proc only; used if the config asks
     topology: Topology = init_distributed(distributed_port=distributed_port)
-    cfg = load_config(source, world_size=topology.world_size)
+    exit_report.install()  # after torch's own hook (init_process_group's), so that ours runs first
+    cfg, error = None, None
+    try:
+        cfg = load_config(source, world_size=topology.world_size)
+    except ConfigError as exc:
+        error = exc
+    check_ranks_agree(model, cfg, error, topology.rank)  # the first collective; raises on every rank
     comm.comms_logger.configure(cfg.comms_logger.enabled, cfg.comms_logger.verbose,
                                 cfg.comms_logger.prof_all, cfg.comms_logger.prof_ops)
 

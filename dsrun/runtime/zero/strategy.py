@@ -175,7 +175,8 @@ class ZeroStrategy(GradientStrategy):
         self.precision.scaler.update(not finite)  # raises LossScaleUnderflowError at the floor
         if not finite:
             self._report_nonfinite(scale)
-            return StepOutcome(grad_norm=None, applied=False)
+            return StepOutcome(grad_norm=None, applied=False, nonfinite=not self.precision.scaler.dynamic,
+                               first_nonfinite=self.last_overflow_param)
         norm = math.sqrt(sq) / scale
         factor = 1.0 / scale
         if max_grad_norm > 0 and norm > max_grad_norm:
@@ -203,7 +204,7 @@ class ZeroStrategy(GradientStrategy):
             comm.all_reduce(index, op=torch.distributed.ReduceOp.MIN, group=self.groups.shard.group)
         found = int(index.item())
         self.last_overflow_param = names[found] if found < len(names) else None
-        if self.topology.rank == 0:
+        if self.topology.rank == 0 and self.precision.scaler.dynamic:  # else the engine warns
             what = ("fp16 gradient overflow" if self.precision.compute_dtype == torch.float16
                     else "non-finite gradient")
             log.warning("%s (first in parameter %s); skipping step, loss scale %g -> %g", what,
