@@ -33,12 +33,11 @@ per module are counted recursively (a module's own and its children's).
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable, TextIO
+from typing import Any, Iterable
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
@@ -188,8 +187,19 @@ class FlopsProfiler:
         self._total_flops = int(self._counter.get_total_flops())
         for name, prof in self._profiles.items():
             prof.flops = self._flops_by_name.get(name, 0)
+        if "" in self._profiles:
+            self._sum_containers("")
         self._remove_hooks()
         self.started = False
+
+    def _sum_containers(self, name: str) -> tuple[int, float]:
+        """A module whose forward never ran (ModuleList, ModuleDict) gets its children's sums."""
+        prof = self._profiles[name]
+        sums = [self._sum_containers(child) for child in prof.children]
+        if prof.calls == 0 and prof.flops == 0:
+            prof.flops = sum(f for f, _ in sums)
+            prof.duration = sum(d for _, d in sums)
+        return prof.flops, prof.duration
 
     def reset_profile(self) -> None:
         """Forget counts and timings (hooks stay if profiling)."""
@@ -400,14 +410,3 @@ def get_model_profile(model: torch.nn.Module, input_shape: tuple[int, ...] | Non
     if as_string:
         return number_to_string(flops), number_to_string(macs, "MACs"), number_to_string(params)
     return flops, macs, params
-
-
-@contextlib.contextmanager
-def profiled(model: torch.nn.Module) -> Any:
-    """`with profiled(model) as prof: model(x)` -- start/stop around the body."""
-    prof = FlopsProfiler(model)
-    prof.start_profile()
-    try:
-        yield prof
-    finally:
-        prof.stop_profile()
