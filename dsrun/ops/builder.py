@@ -21,6 +21,19 @@ concurrent ranks build once: the first builds, the others wait and load.
 A marker file written after a successful build guards against a half-written
 library left by a killed build.
 
+[Note: trusting the cache] Whatever is in the cache gets dlopen'ed by every
+rank, so only what this user built is loaded. The cache root and each
+`<op>-<key>` entry must be directories owned by the current user that no
+group or other user can write (dsrun creates them 0700; a root that fails
+is refused with a message, an entry of ours with a wider mode is rebuilt,
+an entry of someone else's is refused). The marker (`BUILD_OK`) is JSON
+holding the library's bare file name (no path: it cannot point outside its
+entry) and the SHA-256 of the library written at build time, which is
+checked before every load; a library that does not match is rebuilt. Lock
+and marker files are opened with O_NOFOLLOW, so a planted symbolic link
+cannot make dsrun write to another file. Prebuilt libraries inside the
+installed package pass the same checks, owned by this user or root.
+
 An op that cannot be built (no compiler, missing library headers, a compile
 error, `DSRUN_OPS_DISABLE`) is reported once with one line saying why, and
 the caller uses its pure-PyTorch fallback.
@@ -28,12 +41,16 @@ the caller uses its pure-PyTorch fallback.
 from __future__ import annotations
 
 import ctypes
+import errno
 import fcntl
 import hashlib
+import json
 import logging
 import os
 import platform
+import re
 import shutil
+import stat
 import subprocess
 from dataclasses import dataclass
 from functools import lru_cache
@@ -48,6 +65,8 @@ _PKG_DIR = Path(__file__).resolve().parent
 # that setup.py puts inside the installed package.
 _CSRC_CANDIDATES = (_PKG_DIR.parent.parent / "csrc", _PKG_DIR / "csrc")
 PREBUILT_DIR = _PKG_DIR / "_prebuilt"
+MARKER = "BUILD_OK"
+_LIB_FILE = re.compile(r"^[A-Za-z0-9_.+-]+\.so$")
 
 
 class OpBuildError(RuntimeError):
@@ -211,17 +230,115 @@ def check_compatible(spec: OpSpec) -> None:
     _probe_headers(spec, cxx)
 
 
-def built_library(spec: OpSpec) -> Path | None:
-    """The complete library for the current key, prebuilt or in the cache, or None."""
-    candidates = [PREBUILT_DIR / f"{spec.name}-{source_key(spec)}" / "BUILD_OK"]
+def _check_private(path: Path, owners: set[int], what: str) -> None:
+    """Raise OpBuildError unless `path` (not a symbolic link) is owned by one of `owners` and not
+    writable by group or others (see [Note: trusting the cache])."""
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        raise OpBuildError(f"{what} {path} is a symbolic link; dsrun loads only files it built: remove it")
+    if st.st_uid not in owners:
+        raise OpBuildError(f"{what} {path} belongs to uid {st.st_uid}, not to you (uid {os.geteuid()}); dsrun "
+                           "does not load native code others can replace: remove it, or set DSRUN_OPS_CACHE "
+                           "to a directory of your own")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise OpBuildError(f"{what} {path} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o}), "
+                           "so anyone could plant a library in it; chmod 700 it, or set DSRUN_OPS_CACHE to a "
+                           "directory only you can write")
+
+
+def private_cache_root() -> Path:
+    """cache_root(), created 0700 if missing; raises OpBuildError if it is not private to this user."""
+    root = cache_root()
+    root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    _check_private(root.resolve(), {os.geteuid()}, "the ops build cache")
+    return root
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _open_nofollow(path: Path, flags: int, mode: int = 0o600) -> int:
+    """os.open with O_NOFOLLOW; a symbolic link at `path` is an OpBuildError naming it."""
     try:
-        candidates.append(cache_root() / f"{spec.name}-{cache_key(spec)}" / "BUILD_OK")
+        return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise OpBuildError(f"{path} is a symbolic link (planted?); remove it") from None
+        raise
+
+
+def _write_marker(out_dir: Path, lib: Path) -> None:
+    """Record a finished build: the library's file name and SHA-256, written atomically."""
+    tmp = out_dir / f".{MARKER}.tmp"
+    tmp.unlink(missing_ok=True)
+    fd = _open_nofollow(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"library": lib.name, "sha256": _sha256(lib)}, f)
+    os.replace(tmp, out_dir / MARKER)
+
+
+def _verified_library(out_dir: Path, owners: set[int]) -> Path | None:
+    """The library of a complete, untampered build in `out_dir`, or None if there is none to load.
+
+    Raises OpBuildError when `out_dir` or the library fails the ownership
+    checks; logs why a present build is not used (a bad marker, a library
+    that does not match its SHA-256), so that the caller rebuilds.
+    """
+    try:
+        fd = _open_nofollow(out_dir / MARKER, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    _check_private(out_dir, owners, "ops build directory")
+    with os.fdopen(fd) as f:
+        text = f.read(4096)
+    try:
+        record = json.loads(text)
+        name, digest = record["library"], record["sha256"]
+    except (ValueError, TypeError, KeyError):
+        log.warning("dsrun.ops: %s does not hold a library name and SHA-256 (an older dsrun?); rebuilding",
+                    out_dir / MARKER)
+        return None
+    if not isinstance(name, str) or not _LIB_FILE.match(name):
+        log.warning("dsrun.ops: %s names %r, not a library file in its directory; rebuilding", out_dir / MARKER, name)
+        return None
+    lib = out_dir / name
+    if not lib.exists():
+        return None
+    _check_private(lib, owners, "ops library")
+    if _sha256(lib) != digest:
+        log.warning("dsrun.ops: %s does not match the SHA-256 recorded when it was built; rebuilding", lib)
+        return None
+    return lib
+
+
+def built_library(spec: OpSpec) -> Path | None:
+    """The complete, verified library for the current key, prebuilt or in the cache, or None.
+
+    Raises OpBuildError when the cache is not private to this user (see [Note: trusting the cache]).
+    """
+    prebuilt = PREBUILT_DIR / f"{spec.name}-{source_key(spec)}"
+    if prebuilt.is_dir():
+        try:
+            lib = _verified_library(prebuilt, {os.geteuid(), 0})
+        except OpBuildError as e:
+            log.warning("dsrun.ops: not loading the prebuilt %s: %s", spec.name, e)
+            lib = None
+        if lib is not None:
+            return lib
+    try:
+        key = cache_key(spec)
     except OpBuildError:
-        pass  # no compiler: only a prebuilt library can serve
-    for done in candidates:
-        if done.exists() and (done.parent / done.read_text().strip()).exists():
-            return done.parent / done.read_text().strip()
-    return None
+        return None  # no compiler: only a prebuilt library can serve
+    entry = private_cache_root() / f"{spec.name}-{key}"
+    try:
+        return _verified_library(entry, {os.geteuid()}) if entry.is_dir() else None
+    except OpBuildError:
+        return None  # build() rebuilds an entry of ours, or refuses someone else's, with its message
 
 
 def build(spec: OpSpec, build_dir: Path | None = None, verbose: bool = False) -> Path:
@@ -233,13 +350,26 @@ def build(spec: OpSpec, build_dir: Path | None = None, verbose: bool = False) ->
     """
     check_compatible(spec)
     key = cache_key(spec)
-    out_dir = build_dir or cache_root() / f"{spec.name}-{key}"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    done = out_dir / "BUILD_OK"  # holds the library's file name once a build completed
-    with open(out_dir / ".lock", "w") as lock:
+    if build_dir is None:
+        out_dir = private_cache_root() / f"{spec.name}-{key}"
+    else:
+        out_dir = build_dir
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+    out_dir.mkdir(mode=0o700, exist_ok=True)
+    try:
+        _check_private(out_dir, {os.geteuid()}, "ops build directory")
+    except OpBuildError as e:
+        if os.lstat(out_dir).st_uid != os.geteuid() or out_dir.is_symlink():
+            raise
+        log.warning("dsrun.ops: %s; removing it and rebuilding", e)  # ours, but others could have written in it
+        shutil.rmtree(out_dir)
+        out_dir.mkdir(mode=0o700)
+    with os.fdopen(_open_nofollow(out_dir / ".lock", os.O_WRONLY | os.O_CREAT), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # other ranks wait here while one builds
-        if done.exists() and (out_dir / done.read_text().strip()).exists():
-            return out_dir / done.read_text().strip()
+        done = _verified_library(out_dir, {os.geteuid()})
+        if done is not None:
+            return done
+        (out_dir / MARKER).unlink(missing_ok=True)
         # Leftovers of a killed build: a possibly half-written library, and
         # torch's own lock file, which would make load() wait forever. Nobody
         # else is building here: we hold the lock.
@@ -262,7 +392,7 @@ def build(spec: OpSpec, build_dir: Path | None = None, verbose: bool = False) ->
             lines = str(e).splitlines() or [type(e).__name__]
             first = next((ln.strip() for ln in lines if "error:" in ln), lines[0])  # the compiler's diagnostic
             raise OpBuildError(f"build failed: {first[:300]} (log: {out_dir / 'build.log'})") from None
-        done.write_text(Path(path).name)
+        _write_marker(out_dir, Path(path))
         return Path(path)
 
 
@@ -321,7 +451,10 @@ class NativeOp:
             compatible, reason = True, self._reason
         except OpBuildError as e:
             compatible, reason = False, str(e)
-        path = self._path or (built_library(self.spec) if compatible else None)
+        try:
+            path = self._path or (built_library(self.spec) if compatible else None)
+        except OpBuildError as e:
+            path, reason = None, str(e)
         if reason is None and self._lib is None:
             reason = "not built yet (run without --no-build)" if path is None else "built, not loaded"
         return OpStatus(self.spec.name, compatible, path is not None, self._lib is not None, reason,
