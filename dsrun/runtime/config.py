@@ -770,8 +770,6 @@ NOT_YET_SUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("zero_optimization.zero_quantized_weights", _on, "ZeRO++ quantized weights"),
     Unsupported("zero_optimization.zero_quantized_gradients", _on, "ZeRO++ quantized gradients"),
     Unsupported("zero_optimization.mics_shard_size", lambda v: v > 0, "MiCS sharding", "set it to -1"),
-    Unsupported("zero_optimization.offload_param.device", lambda v: v != "none",
-                "parameter offload", "set it to \"none\""),
     Unsupported("activation_checkpointing.partition_activations", _on, "partitioned activations"),
     Unsupported("activation_checkpointing.cpu_checkpointing", _on, "activation checkpoints in CPU memory"),
     Unsupported("activation_checkpointing.contiguous_memory_optimization", _on,

@@ -1,9 +1,11 @@
-"""offload_optimizer cpu / nvme at stages 1-3 against no offload, on 2 real gloo ranks.
+"""offload_optimizer cpu / nvme at stages 1-3 and offload_param cpu / nvme at
+stage 3 against no offload, on 2 real gloo ranks.
 
 The offloaded step runs the same dsrun CPU Adam on the same elements (only
-where masters and moments live differs, see [Note: optimizer tiers]), so
-losses and the final fp32 masters must equal no offload bit for bit, in
-fp32, bf16 and fp16. One spawn runs the whole matrix.
+where masters, moments and partitions live differs, see [Note: optimizer
+tiers] and [Note: parameter tiers]), so losses and the final fp32 masters
+must equal no offload bit for bit, in fp32, bf16 and fp16. One spawn runs
+the whole matrix.
 """
 import os
 
@@ -14,14 +16,20 @@ from tests.dist_helpers import run_ranks
 from tests.zero.models import base_config, train
 
 CASES = [(stage, prec) for prec in ("fp32", "bf16") for stage in (1, 2, 3)] + [(2, "fp16"), (3, "fp16")]
+# Stage 3 parameter offload: (name, offload_optimizer.device, offload_param.device).
+PARAM_CASES = [("param_cpu", "none", "cpu"), ("param_nvme", "none", "nvme"), ("both_cpu", "cpu", "cpu"),
+               ("both_nvme", "nvme", "nvme")]
 
 
-def _config(stage, prec, device, path, **extra):
+def _config(stage, prec, device, path, param_device="none"):
     off = {"device": device}
     if device == "nvme":
         off.update(nvme_path=path, buffer_count=3)
     cfg = base_config(stage, prec, gas=2, sub_group_size=100, reduce_bucket_size=300,
-                      stage3_param_persistence_threshold=0, offload_optimizer=off, **extra)
+                      stage3_param_persistence_threshold=40, stage3_prefetch_bucket_size=600,
+                      stage3_max_live_parameters=1500, offload_optimizer=off,
+                      **({"offload_param": {"device": param_device, "nvme_path": path, "buffer_count": 2}}
+                         if stage == 3 else {}))
     cfg["gradient_clipping"] = 1.0
     return cfg
 
@@ -40,6 +48,15 @@ def _matrix(path):
             tier.close()
             if swap:
                 out[(stage, prec, device)]["removed"] = not swap.exists()
+    for prec in ("fp32", "bf16"):
+        for name, opt, param in PARAM_CASES:
+            losses, full, engine = train(_config(3, prec, opt, path, param), steps=3, optimizer="config")
+            tier = engine.strategy.param_tier
+            out[(3, prec, name)] = dict(losses=losses, full=full, kind=tier.device_kind,
+                                        read=getattr(tier, "stats", {}).get("read_bytes", 0),
+                                        nvme=engine.memory_breakdown().get("nvme_swap", {}).get("fp32", 0))
+            engine.strategy.optimizer_tier.close()
+            tier.close()
     return out
 
 
@@ -61,6 +78,20 @@ def test_losses_and_masters_equal_no_offload(matrix, stage, prec, device):
         assert off["losses"][-1] < off["losses"][0]
         for name, value in base["full"].items():
             assert torch.equal(off["full"][name], value), name
+
+
+@pytest.mark.parametrize("prec", ["fp32", "bf16"])
+@pytest.mark.parametrize("name,opt,param", PARAM_CASES)
+def test_param_offload_equals_no_offload(matrix, prec, name, opt, param):
+    results, _ = matrix
+    for rank_out in results:
+        base, off = rank_out[(3, prec, "none")], rank_out[(3, prec, name)]
+        assert off["kind"] == param
+        assert off["losses"] == base["losses"]
+        for n, value in base["full"].items():
+            assert torch.equal(off["full"][n], value), n
+        if param == "nvme":
+            assert off["read"] > 0 and off["nvme"] > 0  # partitions were read back from params.swp
 
 
 def test_nvme_states_live_in_swap_files(matrix):

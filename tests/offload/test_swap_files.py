@@ -90,7 +90,7 @@ def test_too_little_space_is_refused_with_sizes(tmp_path, monkeypatch):
         f_bavail, f_frsize = 256, 4096
     monkeypatch.setattr(swap.os, "statvfs", lambda p: Small)
     with pytest.raises(swap.SwapError, match=r"needs 0\.01 GiB .* has 0\.00 GiB available"):
-        swap.SwapDir.create(tmp_path, 0, {"exp_avg": 8 << 20}, "offload_optimizer.nvme_path")
+        swap.SwapDir.create(tmp_path, 0, {"exp_avg": 8 << 20}, "offload_optimizer.nvme_path", "optimizer")
     assert os.listdir(tmp_path) == []
 
 
@@ -135,8 +135,8 @@ def test_bad_paths_on_one_rank(small_tmpfs, tmp_path):
 
 def test_swap_directory_is_per_job_and_rank(tmp_path, monkeypatch):
     monkeypatch.setenv("DSRUN_JOB_ID", "job/42")
-    d = swap.SwapDir.create(tmp_path, 3, {"exp_avg": 4096}, "offload_optimizer.nvme_path")
-    assert d.path == tmp_path.resolve() / "dsrun-job_42" / "rank3"
+    d = swap.SwapDir.create(tmp_path, 3, {"exp_avg": 4096}, "offload_optimizer.nvme_path", "optimizer")
+    assert d.path == tmp_path.resolve() / "dsrun-job_42" / "rank3.optimizer"
     assert d.files["exp_avg"].stat().st_size == 4096  # preallocated
     d.remove()
     assert os.listdir(tmp_path) == []

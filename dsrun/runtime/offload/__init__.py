@@ -19,3 +19,13 @@ def build_optimizer_tier(cfg, topology):
         return NvmeOptimizerTier(off.nvme_path, topology.rank, off.buffer_count, int(zero.sub_group_size),
                                  off.pin_memory, cfg.aio)
     return OptimizerTier(host=off.device == "cpu", pin_memory=off.pin_memory, sub_group_size=int(zero.sub_group_size))
+
+
+def build_param_tier(cfg, topology):
+    """The ParamTier for `cfg.zero_optimization.offload_param` (stage 3) on this rank."""
+    from dsrun.runtime.offload.param_tier import NvmeParamTier, ParamTier
+
+    off = cfg.zero_optimization.offload_param
+    if off.device == "nvme":
+        return NvmeParamTier(off.nvme_path, topology.rank, off.buffer_count, cfg.aio)
+    return ParamTier(host=off.device == "cpu", pin_memory=off.pin_memory)

@@ -101,8 +101,8 @@ class OptimizerTier:
 
     # ---- the step -----------------------------------------------------------------------
     def step(self, strategy, factor: float) -> None:
-        """Apply the optimizer to every span with gradients multiplied by `factor`."""
-        self.settle(strategy)
+        """Apply the optimizer to every span with gradients multiplied by `factor`
+        (call `settle` first)."""
         if strategy._fused:
             self._fused_step(strategy, factor)
         else:
@@ -121,21 +121,26 @@ class OptimizerTier:
 
     def _fused_step(self, s, factor: float) -> None:
         """See [Note: fused step] in zero/strategy.py."""
-        for fset, span, master in s._views:
-            state = self.adam_state(s.optimizer, master)
-            state["step"] += 1
-            args = native_adam.adam_hyperparams(s.optimizer.param_groups[span.group], s.optimizer)
-            args.update(step=int(state["step"].item()), grad_scale=factor)
-            grad, copy = fset.grad_view(span), fset.copy_view(span)
-            if master.device.type == "cuda":
-                cuda_adam.multi_tensor_adam([master], [grad if grad.dtype == master.dtype else grad.float()],
-                                            [state["exp_avg"]], [state["exp_avg_sq"]], **args)
-                if copy is not None:
-                    copy.copy_(master)
-                continue
-            for lo, hi in _chunks(master.numel(), self.sub_group_size):
-                self._cpu_adam(master[lo:hi], grad[lo:hi], state["exp_avg"][lo:hi], state["exp_avg_sq"][lo:hi],
-                               None if copy is None else copy[lo:hi], args)
+        with s.param_tier.stepping() as resident:
+            for fset, span, master in s._views:
+                resident(fset)
+                self._fused_span(s, fset, span, master, factor)
+
+    def _fused_span(self, s, fset, span, master, factor: float) -> None:
+        state = self.adam_state(s.optimizer, master)
+        state["step"] += 1
+        args = native_adam.adam_hyperparams(s.optimizer.param_groups[span.group], s.optimizer)
+        args.update(step=int(state["step"].item()), grad_scale=factor)
+        grad, copy = fset.grad_view(span), fset.copy_view(span)
+        if master.device.type == "cuda":
+            cuda_adam.multi_tensor_adam([master], [grad if grad.dtype == master.dtype else grad.float()],
+                                        [state["exp_avg"]], [state["exp_avg_sq"]], **args)
+            if copy is not None:
+                copy.copy_(master)
+            return
+        for lo, hi in _chunks(master.numel(), self.sub_group_size):
+            self._cpu_adam(master[lo:hi], grad[lo:hi], state["exp_avg"][lo:hi], state["exp_avg_sq"][lo:hi],
+                           None if copy is None else copy[lo:hi], args)
 
     def _cpu_adam(self, master, grad, exp_avg, exp_avg_sq, copy, args: dict) -> None:
         """dsrun's CPU Adam on host tensors; `grad` and `copy` may be on the device."""
@@ -164,11 +169,13 @@ class OptimizerTier:
             if factor != 1.0:
                 grad.mul_(factor)  # in place: the buffer is zeroed after the step anyway
             master.grad = grad.to(master.device, master.dtype)  # no copy when both match
+        s.param_tier.materialize(s)  # every compute partition resident for the write-back
         s.optimizer.step()
         for fset, span, master in s._views:
             master.grad = None
         for fset in s.sets:
             fset.write_back_master()
+        s.param_tier.settle(s)
 
     # ---- access outside the step --------------------------------------------------------
     def materialize(self, strategy) -> None:
@@ -248,7 +255,7 @@ class NvmeOptimizerTier(OptimizerTier):
         self._capacity = sum(-(-n // world_size) + 1 for n in param_numels)
         self._names = (["master"] if self._needs_master(strategy) else []) + ["exp_avg", "exp_avg_sq"]
         files = {name: self._capacity * 4 for name in self._names}
-        self.swap = SwapDir.create(self.nvme_path, self.rank, files, "offload_optimizer.nvme_path")
+        self.swap = SwapDir.create(self.nvme_path, self.rank, files, "offload_optimizer.nvme_path", "optimizer")
         weakref.finalize(self, self.swap.remove)  # an engine dropped before exit frees its files
         if not self.swap.o_direct and self.rank == 0:
             log.warning("offload_optimizer.nvme_path=%s: the filesystem does not support O_DIRECT; swap files "
@@ -330,6 +337,11 @@ class NvmeOptimizerTier(OptimizerTier):
             state["step"] += 1
             hyper = native_adam.adam_hyperparams(s.optimizer.param_groups[span.group], s.optimizer)
             args[id(key)] = dict(hyper, step=int(state["step"].item()), grad_scale=factor)
+        with s.param_tier.stepping() as resident:
+            self._stream(s, resident, args)
+        self.stats["step_s"] = time.perf_counter() - start
+
+    def _stream(self, s, resident, args: dict) -> None:
         nb, groups = len(self._buffers), self._groups
         if groups:
             self._read(0)
@@ -338,6 +350,7 @@ class NvmeOptimizerTier(OptimizerTier):
                 self._read(k + 1)  # in flight while k is updated
             buf = self._buffers[k % nb]
             self._wait(buf.handle)  # sub-group k is in the buffer
+            resident(g.fset)
             t0 = time.perf_counter()
             n = g.hi - g.lo
             copy = g.fset.copy_view(g.span)
@@ -354,7 +367,6 @@ class NvmeOptimizerTier(OptimizerTier):
                 self._read(k + 1)
         for b in self._buffers:
             self._wait(b.handle)
-        self.stats["step_s"] = time.perf_counter() - start
 
     def _torch_step(self, s, factor: float) -> None:
         raise TypeError("offload_optimizer.device nvme streams Adam states through dsrun's CPU Adam; "

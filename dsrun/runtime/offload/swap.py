@@ -1,7 +1,8 @@
 """Per-job, per-rank swap files for NVMe offload: checks, layout, I/O errors, cleanup.
 
 [Note: swap directory life cycle]
-A rank's swap files live in `<nvme_path>/dsrun-<job>/rank<r>/`, where
+A rank's swap files live in `<nvme_path>/dsrun-<job>/rank<r>.<kind>/`
+(kind: optimizer or params), where
 <job> is DSRUN_JOB_ID (set by the dsrun launcher) or `pid<pid>` of the rank
 without one. Before training starts `SwapDir.create` refuses, with a
 `SwapError` saying what to change, a path that is missing, not a directory,
@@ -111,8 +112,9 @@ class SwapDir:
         self._removed = False
 
     @classmethod
-    def create(cls, nvme_path: Path | str, rank: int, files: dict[str, int], what: str) -> "SwapDir":
-        """Check nvme_path, make `<nvme_path>/dsrun-<job>/rank<rank>/` and
+    def create(cls, nvme_path: Path | str, rank: int, files: dict[str, int], what: str,
+               kind: str) -> "SwapDir":
+        """Check nvme_path, make `<nvme_path>/dsrun-<job>/rank<rank>.<kind>/` and
         preallocate one file per entry of `files` (name -> bytes).
 
         Raises SwapError (see `check_path`); a directory of this job and rank
@@ -121,10 +123,10 @@ class SwapDir:
         """
         base = check_path(nvme_path, sum(files.values()), what)
         job = base / job_name()
-        path = job / f"rank{rank}"
+        path = job / f"rank{rank}.{kind}"
         serial = 1
-        while path in _CREATED:  # a second engine in this process: rank<r>.1, rank<r>.2, ...
-            path, serial = job / f"rank{rank}.{serial}", serial + 1
+        while path in _CREATED:  # a second engine in this process: rank<r>.<kind>.1, ...
+            path, serial = job / f"rank{rank}.{kind}.{serial}", serial + 1
         job.mkdir(exist_ok=True)
         try:
             path.mkdir()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from dsrun.runtime.dist import Topology
-from dsrun.runtime.offload import build_optimizer_tier
+from dsrun.runtime.offload import build_optimizer_tier, build_param_tier
 from dsrun.runtime.precision import PrecisionPolicy
 from dsrun.runtime.zero.api import (GatheredParameters, safe_get_full_fp32_param, safe_get_full_grad,
                                     safe_get_full_optimizer_state)
@@ -52,5 +52,6 @@ def build_zero_strategy(cfg, module: torch.nn.Module, optimizer: torch.optim.Opt
             max_reuse_distance=int(zero.stage3_max_reuse_distance),
             reduce_bucket_size=int(zero.reduce_bucket_size),
             sub_group_size=int(zero.sub_group_size),
-            unit_patterns=zero.stage3_unit_modules, optimizer_tier=tier)
+            unit_patterns=zero.stage3_unit_modules, optimizer_tier=tier,
+            param_tier=build_param_tier(cfg, topology))
     raise ValueError(f"zero_optimization.stage={zero.stage} is not available")

@@ -66,6 +66,8 @@ class FlatParamSet:
             parameters). Another device than the parameters' (optimizer
             offload to host memory) gives a separate master even in fp32.
         pin_memory: page-lock a master kept on the CPU for a CUDA model.
+        partition_device: where the stage-3 compute partition lives (None:
+            with the parameters; parameter offload puts it in host memory).
 
     Raises:
         ValueError: frozen parameters before trainable ones, or a group's
@@ -75,7 +77,8 @@ class FlatParamSet:
     def __init__(self, name: str, members: list[tuple[torch.nn.Parameter, str, int | None]],
                  shard: RankGroup, precision: PrecisionPolicy, bucket_numel: int | None,
                  partition_params: bool, grad_in_full: bool = False,
-                 master_device: torch.device | None = None, pin_memory: bool = False):
+                 master_device: torch.device | None = None, pin_memory: bool = False,
+                 partition_device: torch.device | None = None):
         keys = [k for _, _, k in members]
         if None in keys and any(k is not None for k in keys[keys.index(None):]):
             raise ValueError(f"{name}: frozen parameters must come after trainable ones")
@@ -100,7 +103,9 @@ class FlatParamSet:
         compute, accum = precision.compute_dtype, precision.grad_accum_dtype
         if partition_params:
             self.full = None
-            self.partition = torch.zeros(self.layout.shard_numel, dtype=compute, device=device)
+            where = torch.device(device if partition_device is None else partition_device)
+            self.partition = torch.zeros(self.layout.shard_numel, dtype=compute, device=where,
+                                         pin_memory=pin_memory and where != torch.device(device))
         else:
             # Untouched pages cost nothing: they fill as parameters move in and
             # the originals are freed, so the model never exists twice.

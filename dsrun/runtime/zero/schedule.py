@@ -107,6 +107,22 @@ class GatherSchedule:
             budget -= unit.numel
             live += unit.numel
             unit.gather(phase + " prefetch")
+        self._prefetch_partitions()
+
+    def _prefetch_partitions(self) -> None:
+        """Start reading the offloaded partitions of the next units of the
+        trace not gathered yet (see [Note: parameter tiers])."""
+        tier = self.units[0].owner.param_tier if self.units else None
+        if tier is None or not tier.lookahead:
+            return
+        ahead = 0
+        for index in self.trace[self.pos:]:
+            unit = self.units[index]
+            if unit.state is UnitState.SHARDED:
+                tier.prefetch(unit.fset)
+                ahead += 1
+                if ahead >= tier.lookahead:
+                    break
 
     def _next_use_distance(self, unit: Unit) -> int | None:
         """Elements fetched between now and `unit`'s next use in the trace."""

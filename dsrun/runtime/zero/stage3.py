@@ -124,6 +124,7 @@ class PartitionedParamStrategy(ZeroStrategy):
             reports what it is waiting on (see watchdog.py).
         group: the data-parallel process group (None = all ranks).
         optimizer_tier: where masters and optimizer states live (offload/optimizer_tier.py).
+        param_tier: where the compute partitions live (offload/param_tier.py).
     """
 
     stage = 3
@@ -134,7 +135,7 @@ class PartitionedParamStrategy(ZeroStrategy):
                  max_live_numel: int = 1_000_000_000, max_reuse_distance: int = 1_000_000_000,
                  reduce_bucket_size: int = 500_000_000, sub_group_size: int = 1_000_000_000,
                  unit_patterns: list[str] | None = None,
-                 watchdog_timeout: float | None = None, group=None, optimizer_tier=None):
+                 watchdog_timeout: float | None = None, group=None, optimizer_tier=None, param_tier=None):
         groups = ZeroGroups.sharded(group)
         super().__init__(optimizer, topology, precision, groups, sub_group_size, watchdog_timeout,
                          optimizer_tier=optimizer_tier)
@@ -144,6 +145,9 @@ class PartitionedParamStrategy(ZeroStrategy):
         seen = {id(p) for p, _, _ in trainable}
         frozen = [(p, n, None) for n, p in module.named_parameters()
                   if not p.requires_grad and id(p) not in seen]
+        if param_tier is not None:
+            self.param_tier = param_tier
+            self.param_tier.prepare(self, [_numel(p) for p, _, _ in trainable + frozen], groups.shard.size)
         unit_mods = find_units(module, unit_patterns)
         unit_names = [n for n, _ in unit_mods]
         by_unit = _assign(module, unit_names, trainable + frozen)
@@ -166,7 +170,8 @@ class PartitionedParamStrategy(ZeroStrategy):
             members = sorted(members, key=lambda e: (e[2] is None, -1 if e[2] is None else e[2]))
             fset = FlatParamSet(uname, members, groups.shard, precision, 1, partition_params=True,
                                 master_device=self._master_device(members[0][0]),
-                                pin_memory=self.optimizer_tier.pin_memory)
+                                pin_memory=self.optimizer_tier.pin_memory or self.param_tier.pin_memory,
+                                partition_device=self.param_tier.partition_device(self._param_device(members)))
             self.sets.append(fset)
             unit = Unit(len(self.units), uname, modules, fset, uname == PERSISTENT, self)
             self.units.append(unit)
@@ -174,6 +179,8 @@ class PartitionedParamStrategy(ZeroStrategy):
             unit.drop_values()
         _cast_unmanaged(module, precision)
         self._bind_optimizer()
+        for fset in self.sets:  # after the optimizer holds its views: offloaded partitions go now
+            self.param_tier.adopt(fset)
         self.schedule = GatherSchedule(self.units, int(prefetch_numel), int(max_live_numel),
                                        int(max_reuse_distance))
         # Reduction order: units in reverse (backward runs them so), the persistent one last;
@@ -223,6 +230,12 @@ class PartitionedParamStrategy(ZeroStrategy):
         unit = self._last_region.get(id(region))
         if unit is not None:  # the unit's last gradients are on their way: its values are not needed
             self.schedule.done(unit)
+
+    @staticmethod
+    def _param_device(members) -> torch.device:
+        p = members[0][0]
+        rec = record_of(p)
+        return rec.init_shard.device if rec is not None and rec.init_shard is not None else p.device
 
     def _gather_persistent(self) -> None:
         for unit in self.units:

@@ -42,6 +42,7 @@ from dsrun.runtime.data_parallel import GradientStrategy, StepOutcome
 from dsrun.runtime.dist import Topology
 from dsrun.runtime.memory import tensor_breakdown
 from dsrun.runtime.offload.optimizer_tier import OptimizerTier
+from dsrun.runtime.offload.param_tier import ParamTier
 from dsrun.runtime.precision import PrecisionPolicy
 from dsrun.runtime.zero.flat_params import FlatParamSet, Span
 from dsrun.runtime.zero.groups import ZeroGroups
@@ -98,6 +99,7 @@ class ZeroStrategy(GradientStrategy):
         self._views: list[tuple[FlatParamSet, Span, torch.Tensor]] = []
         self._fused = isinstance(optimizer, native_adam.NativeAdam)
         self.optimizer_tier = optimizer_tier or OptimizerTier(sub_group_size=self.sub_group_size)
+        self.param_tier = ParamTier()  # stage 3 may offload its partitions (offload/param_tier.py)
 
     # ---- construction helpers ------------------------------------------
     def _prepare_tier(self, trainable) -> None:
@@ -181,6 +183,7 @@ class ZeroStrategy(GradientStrategy):
         factor = 1.0 / scale
         if max_grad_norm > 0 and norm > max_grad_norm:
             factor *= max_grad_norm / (norm + 1e-6)  # torch.nn.utils.clip_grad_norm_'s epsilon
+        self._settle()
         self.optimizer_tier.step(self, factor)  # see [Note: optimizer tiers] in offload/optimizer_tier.py
         self._after_step()
         return StepOutcome(grad_norm=norm, applied=True)
@@ -219,11 +222,11 @@ class ZeroStrategy(GradientStrategy):
 
     # ---- state -------------------------------------------------------------
     def state_dict(self) -> dict:
-        self.optimizer_tier.materialize(self)
+        self._materialize()
         return {"optimizer": self.optimizer.state_dict(), "scaler": self.precision.scaler.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.optimizer_tier.materialize(self)
+        self._materialize()
         self.optimizer.load_state_dict(state["optimizer"])
         self.precision.scaler.load_state_dict(state["scaler"])
 
@@ -259,7 +262,18 @@ class ZeroStrategy(GradientStrategy):
         return out
 
     def _nvme_bytes(self) -> int:
-        return self.optimizer_tier.nvme_bytes()
+        return self.optimizer_tier.nvme_bytes() + self.param_tier.nvme_bytes()
+
+    def _materialize(self) -> None:
+        """Offloaded masters, states and partitions as ordinary tensors, for
+        code outside the step (see [Note: streamed step])."""
+        self.optimizer_tier.materialize(self)
+        self.param_tier.materialize(self)
+
+    def _settle(self) -> None:
+        """Back to their tiers (written back) after `_materialize`."""
+        self.optimizer_tier.settle(self)
+        self.param_tier.settle(self)
 
     def _full_from_partition(self, param: torch.nn.Parameter,
                              source: Callable[[FlatParamSet], torch.Tensor]) -> torch.Tensor | None:
@@ -278,7 +292,7 @@ class ZeroStrategy(GradientStrategy):
         """After `params` (full values, e.g. inside GatheredParameters) were
         modified identically on every rank, copy this rank's pieces of them
         into the master weights and, for stage 3, the compute partition."""
-        self.optimizer_tier.materialize(self)  # written back at the next step
+        self._materialize()  # written back at the next step
         for p in params:
             rec = record_of(p)
             if rec is None or rec.strategy is not self:
@@ -297,7 +311,7 @@ class ZeroStrategy(GradientStrategy):
 
     def full_fp32_param(self, param):
         """Full fp32 master value of `param` (its compute value if frozen; collective)."""
-        self.optimizer_tier.materialize(self)
+        self._materialize()
         def source(fset: FlatParamSet) -> torch.Tensor:
             out = fset.partition_of(fset.master_view)
             if fset.partition is not None:  # frozen parameters (stage 3) have no master
@@ -313,7 +327,7 @@ class ZeroStrategy(GradientStrategy):
 
     def full_optimizer_state(self, param, key: str):
         """Full optimizer state `key` (e.g. "exp_avg") of `param` (collective)."""
-        self.optimizer_tier.materialize(self)
+        self._materialize()
         views = {(id(f), s): v for f, s, v in self._views}
 
         def read(fset, span):
@@ -329,7 +343,7 @@ class ZeroStrategy(GradientStrategy):
         3) at the compute partition. Replicas split what they write evenly.
         Offloaded masters and states are read into memory first (see
         [Note: streamed step]) and stay there until the next step."""
-        self.optimizer_tier.materialize(self)
+        self._materialize()
         rep = self.groups.replicate
         pieces = []
         for fset in self.sets:
@@ -363,4 +377,4 @@ class ZeroStrategy(GradientStrategy):
         for fset in self.sets:
             fset.write_back_master()
         self._after_step()
-        self.optimizer_tier.settle(self)  # offloaded states go back to their tier
+        self._settle()  # offloaded states go back to their tiers

@@ -90,8 +90,9 @@ class Unit:
         layout, fset = self.fset.layout, self.fset
         with torch.no_grad():
             self.full.untyped_storage().resize_(self._nbytes)
-            for view, dst in own_shard_views(layout, layout.buckets, self.full, fset.rank):
-                view.copy_(fset.partition[dst:dst + view.numel()])
+            with self.owner.param_tier.resident(fset):  # read from NVMe when offloaded there
+                for view, dst in own_shard_views(layout, layout.buckets, self.full, fset.rank):
+                    view.copy_(fset.partition[dst:dst + view.numel()])
             # Issuing may block too (synchronous transports such as shm).
             with self.owner.watchdog.waiting(f"all-gather of unit '{self.name}' ({phase})"):
                 self.handle = all_gather_region(layout, layout.buckets, self.full, self.owner.groups.shard,
