@@ -16,15 +16,16 @@ import click
 from dsrun.runtime.monitor import events
 from dsrun.runtime.monitor.csv_monitor import csv_file_name
 
-# (title, y label, [(event, legend label, scale)]) per panel; a panel with no data is left blank.
+# Per panel: title, then (event, legend label, scale, y axis label) per line; the first
+# line's axis is on the left, a line with another axis label gets a right-hand axis.
 PANELS = (
-    ("loss", "loss", [(events.TRAIN_LOSS, "train loss (rank 0)", 1.0)]),
-    ("learning rate", "lr", [(events.LR, "lr", 1.0)]),
-    ("throughput", "per second", [(events.SAMPLES_PER_SEC, "samples/s", 1.0),
-                                  (events.TOKENS_PER_SEC, "tokens/s / 1000", 1e-3)]),
-    ("memory and step time", "GiB | ms", [(events.PEAK_MEMORY_BYTES, "peak memory, GiB (max over ranks)", 2.0**-30),
-                                          (events.STEP_TIME_MS, "step time, ms", 1.0),
-                                          (events.COMM_TIME_MS, "collectives, ms", 1.0)]),
+    ("loss", [(events.TRAIN_LOSS, "train loss (rank 0)", 1.0, "loss")]),
+    ("learning rate", [(events.LR, "lr", 1.0, "lr")]),
+    ("throughput", [(events.SAMPLES_PER_SEC, "samples/s", 1.0, "samples/s"),
+                    (events.TOKENS_PER_SEC, "tokens/s", 1.0, "tokens/s")]),
+    ("memory and time", [(events.PEAK_MEMORY_BYTES, "peak memory (max over ranks)", 2.0**-30, "GiB"),
+                         (events.STEP_TIME_MS, "step time", 1.0, "ms"),
+                         (events.COMM_TIME_MS, "collectives", 1.0, "ms")]),
 )
 
 
@@ -76,7 +77,7 @@ def plot_run(run_dir: str | os.PathLike, output: str | os.PathLike | None = None
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise PlotError(f"{run_dir} is not a directory; pass the CSV monitor's output_path/job_name")
-    data = {e: read_series(run_dir, e) for _, _, lines in PANELS for e, _, _ in lines}
+    data = {line[0]: read_series(run_dir, line[0]) for _, lines in PANELS for line in lines}
     if not any(xs for xs, _ in data.values()):
         raise PlotError(f"{run_dir} has no dsrun event files ({csv_file_name(events.TRAIN_LOSS)}, ...); "
                         "enable csv_monitor in the config and point dsrun-plot at output_path/job_name")
@@ -88,26 +89,32 @@ def plot_run(run_dir: str | os.PathLike, output: str | os.PathLike | None = None
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 2, figsize=(12, 8), constrained_layout=True)
-    for ax, (title, ylabel, lines) in zip(axes.flat, PANELS):
-        drawn = False
-        for event, label, scale in lines:
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, (title, lines) in zip(axes.flat, PANELS):
+        axis_of = {lines[0][3]: ax}
+        handles = []
+        for i, (event, label, scale, unit) in enumerate(lines):
             xs, ys = data[event]
             if not xs:
                 continue
+            if unit not in axis_of:
+                axis_of[unit] = ax.twinx()
+                axis_of[unit].set_ylabel(unit)
+            target, color = axis_of[unit], colors[i % len(colors)]
             ys = [y * scale for y in ys]
             if event == events.TRAIN_LOSS and len(ys) >= 20:
-                ax.plot(xs, ys, alpha=0.3, label=label)
                 window = max(len(ys) // 20, 2)
-                ax.plot(xs, _moving_average(ys, window), label=f"mean of {window} steps")
+                handles += target.plot(xs, ys, alpha=0.3, color=color, label=label)
+                handles += target.plot(xs, _moving_average(ys, window), color=colors[1],
+                                       label=f"mean of {window} steps")
             else:
-                ax.plot(xs, ys, label=label)
-            drawn = True
+                handles += target.plot(xs, ys, color=color, label=label)
         ax.set_title(title)
         ax.set_xlabel("samples")
-        ax.set_ylabel(ylabel)
+        ax.set_ylabel(lines[0][3])
         ax.grid(alpha=0.3)
-        if drawn:
-            ax.legend(loc="best", fontsize="small")
+        if handles:
+            ax.legend(handles=handles, loc="best", fontsize="small")
         else:
             ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
     fig.suptitle(f"dsrun run {run_dir.resolve().name}")
