@@ -269,6 +269,8 @@ def _rank_payload(engine, pieces: list[HeldPiece], client_state, exclude_frozen:
                                       f"({type(v).__name__}"
                                       f"{list(v.shape) if isinstance(v, torch.Tensor) else ''}) "
                                       "is neither element-wise nor a scalar; dsrun cannot checkpoint it yet")
+    for gname, t in _optimizer_extras(engine.optimizer, rank).items():
+        put(gname, [t.numel()], t.reshape(-1), 0, t.numel(), True)
     rng_key = f"rng/rank{rank}/torch_cpu"
     put(rng_key, [torch.get_rng_state().numel()], torch.get_rng_state(), 0, torch.get_rng_state().numel())
     if torch.cuda.is_available() and engine.device.type == "cuda":
@@ -546,6 +548,36 @@ def _load_tensors(engine, index: Index, reader: SliceReader, names: set[str], op
                 state[key] = value if rec["dtype"] is None else torch.tensor(value, dtype=dtype_of(rec["dtype"]))
 
 
+def _optimizer_extras(optimizer, rank: int) -> dict[str, torch.Tensor]:
+    """Tensors a 1-bit optimizer keeps outside its per-parameter state (see
+    [Note: error buffers in checkpoints] in dsrun/runtime/fp16/onebit/base.py):
+    "optim_rank/rank<r>/<key>" for this rank's own, "optim_shared/<key>"
+    (rank 0 writes them) for those every rank holds alike."""
+    if not hasattr(optimizer, "checkpoint_extras"):
+        return {}
+    out = {f"optim_rank/rank{rank}/{k}": t for k, t in optimizer.checkpoint_extras().items()}
+    if rank == 0:
+        out.update({f"optim_shared/{k}": t for k, t in optimizer.replicated_extras().items()})
+    return out
+
+
+def _load_optimizer_extras(engine, index: Index, reader: SliceReader) -> None:
+    """Give a 1-bit optimizer its extras back: the shared ones always, this
+    rank's own when the world size is the one that saved; rank 0 logs what
+    happened to the error-feedback buffers."""
+    optimizer, rank = engine.optimizer, engine.topology.rank
+    if not hasattr(optimizer, "load_checkpoint_extras"):
+        return
+
+    def read(prefix: str) -> dict[str, torch.Tensor]:
+        return {n[len(prefix):]: reader.read_full(n) for n in index.tensors if n.startswith(prefix)}
+    optimizer.load_replicated_extras(read("optim_shared/"))
+    own = read(f"optim_rank/rank{rank}/") if index.world_size == engine.topology.world_size else None
+    what = optimizer.load_checkpoint_extras(own)
+    if rank == 0:
+        log.info("%s: %s", type(optimizer).__name__, what)
+
+
 def _restore_param_groups(optimizer: torch.optim.Optimizer, saved: list[dict], tag_dir: str) -> None:
     if len(saved) != len(optimizer.param_groups):
         raise CheckpointError(f"checkpoint {tag_dir} has {len(saved)} optimizer param groups, the optimizer "
@@ -559,7 +591,7 @@ def _read_rng(engine, index: Index, reader: SliceReader) -> dict[str, torch.Tens
     """This rank's saved torch RNG states ({"cpu", "cuda"?}), or None when
     the world size changed (the states are per rank)."""
     rank = engine.topology.rank
-    if index.world_size != engine.topology.world_size:
+    if index.world_size != engine.topology.world_size or not index.rng:  # not index.rng: an import
         return None
     out = {"cpu": reader.read_full(f"rng/rank{rank}/torch_cpu")}
     if f"rng/rank{rank}/cuda" in index.tensors and engine.device.type == "cuda":
@@ -572,7 +604,9 @@ def _restore_rng(engine, index: Index, states: dict[str, torch.Tensor] | None) -
     the world size is the one that saved; else a warning."""
     rank, world = engine.topology.rank, engine.topology.world_size
     if states is None:
-        if rank == 0:
+        if rank == 0 and not index.rng:
+            log.warning("the checkpoint holds no RNG states (imported): RNG states are not restored")
+        elif rank == 0:
             log.warning("checkpoint written by %d ranks, loaded on %d: RNG states are not restored",
                         index.world_size, world)
         return
@@ -626,6 +660,8 @@ def load(engine, load_dir: str, tag: str | None = None, load_module_strict: bool
         if not load_module_only:  # read now, so that a bad file fails every rank together
             rng = _read_rng(engine, index, reader)
             client_state = _decode_client(index.client_state, reader) if index.client_state is not None else {}
+        if optim:
+            _load_optimizer_extras(engine, index, reader)
     except Exception as e:
         error = e
     _raise_unless_all(rdv.agree("read", error is None), error, f"loading checkpoint {tag_dir}")

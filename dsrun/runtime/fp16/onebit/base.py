@@ -140,6 +140,8 @@ class CompressedCommOptimizer(torch.optim.Optimizer, abc.ABC):
         self._clear_extras()
         if problem:
             return f"error-feedback buffers restart from zero ({problem})"
+        if not saved:
+            return "the checkpoint holds no error-feedback buffers (saved before compression started)"
         self._restore(saved)
         return f"error-feedback buffers restored ({len(saved)} tensors of this rank)"
 

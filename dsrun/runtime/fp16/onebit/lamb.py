@@ -220,5 +220,5 @@ class OnebitLamb(Segmented, CompressedCommOptimizer):
         for key, value in saved.items():
             gpart, tpart, _ = key.split(".", 2)
             index = (int(gpart[1:]), int(tpart[1:]))
-            if index in params and value.shape == (len(self._segments_of(params[index])), 3):
-                self._layer[index] = value.to(torch.float64).clone()
+            if index in params and value.numel() == 3 * len(self._segments_of(params[index])):
+                self._layer[index] = value.to(torch.float64).reshape(-1, 3).clone()
