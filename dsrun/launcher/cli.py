@@ -1,9 +1,10 @@
 """The `dsrun` command: parse the command line, build the job, run it through the head.
 
     dsrun [--num_procs N] [--master_port P] [--master_addr A] [--log_dir DIR]
-          [--module] [--pass_local_rank] [--grace_period S] script.py [script args...]
+          [--module] [--no_local_rank] [--grace_period S] script.py [script args...]
 
-Everything after the script is passed to it untouched. Every launch, a
+Everything after the script is passed to it untouched, followed by
+`--local_rank=N` as DeepSpeed's launcher does (`--no_local_rank`: not). Every launch, a
 plain local one included, goes through `multinode.run_multinode`: there is
 one code path whatever the flags (`--env`, `--print_env` and `--dry_run`
 only add to it).
@@ -104,7 +105,10 @@ def rank_command(script: str, script_args: tuple[str, ...], module: bool) -> lis
 @click.option("--log_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Also write each rank's output to DIR/rank_N.log.")
 @click.option("--module", is_flag=True, help="Run SCRIPT as a module (python -m SCRIPT).")
-@click.option("--pass_local_rank", is_flag=True, help="Append --local_rank=N to the script's arguments (DeepSpeed style).")
+@click.option("--no_local_rank", is_flag=True,
+              help="Do not append --local_rank=N to the script's arguments (DeepSpeed's flag; by default "
+                   "dsrun appends it, as DeepSpeed's launcher does). The rank's LOCAL_RANK is set either way.")
+@click.option("--pass_local_rank", is_flag=True, hidden=True, help="Append --local_rank=N (the default).")
 @click.option("--grace_period", type=click.FloatRange(min=0), default=10.0, show_default=True,
               callback=_finite_seconds, help="Seconds between SIGTERM and SIGKILL when stopping ranks.")
 @click.argument("script")
@@ -118,6 +122,7 @@ def cli(
     rendezvous_timeout: float,
     log_dir: Path | None,
     module: bool,
+    no_local_rank: bool,
     pass_local_rank: bool,
     grace_period: float,
     script: str,
@@ -125,6 +130,8 @@ def cli(
     multinode: MultinodeOptions,
 ) -> None:
     """Launch SCRIPT as a distributed job: one process per rank, torch.distributed environment set."""
+    if no_local_rank and pass_local_rank:
+        raise click.UsageError("--no_local_rank and --pass_local_rank contradict each other; give one")
     if not module and Path(script).is_dir():
         raise click.BadParameter(f"'{script}' is a directory; give the path of the training script (a .py file), "
                                  "or pass --module to run a package by name", param_hint="SCRIPT")
@@ -142,7 +149,7 @@ def cli(
             raise click.BadParameter(f"cannot create '{log_dir}': {exc.strerror}", param_hint="--log_dir") from exc
     ctx.exit(run_multinode(multinode, RankCommand(
         rank_command(script, script_args, module), num_procs, master_addr, master_port, grace_period,
-        pass_local_rank, str(log_dir) if log_dir else None, rendezvous_timeout), console))
+        not no_local_rank, str(log_dir) if log_dir else None, rendezvous_timeout), console))
 
 
 def main(argv: list[str] | None = None) -> None:

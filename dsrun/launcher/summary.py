@@ -39,6 +39,11 @@ def describe(failure: RankFailure) -> str:
         return f"{failure.signal}: {hint}" if hint else failure.signal
     if failure.exit_code in _EXIT_HINTS:
         return _EXIT_HINTS[failure.exit_code]
+    if failure.exit_code == 2 and any("unrecognized arguments" in line and "--local_rank" in line
+                                      for line in failure.stderr_tail):
+        return ("the script's argument parser rejects --local_rank, which dsrun appends as DeepSpeed's "
+                "launcher does: pass --no_local_rank to dsrun, or accept it in the script "
+                "(parser.add_argument('--local_rank', type=int, default=-1))")
     if failure.traceback is not None:
         return "Python exception (traceback below)"
     return f"exited with code {failure.exit_code}"

@@ -31,14 +31,20 @@ ConfigSource = dict | str | Path | DsConfig
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add DeepSpeed's arguments to `parser` and return it.
 
-    Adds a "DeepSpeed" argument group with `--deepspeed` (flag) and
-    `--config` (alias `--deepspeed_config`, stored as `args.deepspeed_config`).
+    Adds a "DeepSpeed" argument group: `--deepspeed` (flag),
+    `--deepspeed_config PATH` (alias `--deepscale_config`, DeepSpeed's old
+    name; stored as `args.deepspeed_config`), `--deepscale` (old name of
+    `--deepspeed`, accepted and ignored), and `--config` as a further alias
+    when the script does not define `--config` itself.
     """
+    taken = set(parser._option_string_actions)  # the parser's own options win over our aliases
     group = parser.add_argument_group("DeepSpeed", "DeepSpeed-compatible configuration")
     group.add_argument("--deepspeed", default=False, action="store_true",
                        help="enable the dsrun/DeepSpeed runtime (accepted for compatibility)")
-    group.add_argument("--config", "--deepspeed_config", dest="deepspeed_config", default=None,
-                       type=str, help="ds_config file (.json, .yaml or .yml)")
+    group.add_argument("--deepscale", default=False, action="store_true", help=argparse.SUPPRESS)
+    names = [n for n in ("--deepspeed_config", "--config", "--deepscale_config") if n not in taken]
+    group.add_argument(*names, dest="deepspeed_config", default=None, type=str,
+                       help="ds_config file (.json, .yaml or .yml)")
     return parser
 
 
@@ -49,11 +55,11 @@ def _config_source(args: Any, config: ConfigSource | None,
         raise ConfigError("initialize(): both config= and config_params= were given; "
                           "pass the config once (config_params is an old alias of config)")
     given = config if config is not None else config_params
+    # args.config counts only without args.deepspeed_config: a script may own a --config
+    # option of its own (add_config_arguments then leaves it alone).
     from_args = {name: getattr(args, name, None) for name in ("deepspeed_config", "config")}
     from_args = {k: v for k, v in from_args.items() if v is not None}
-    if len(set(map(str, from_args.values()))) > 1:
-        raise ConfigError(f"args.deepspeed_config={from_args['deepspeed_config']!r} and "
-                          f"args.config={from_args['config']!r} disagree; pass one")
+    from_args = dict(list(from_args.items())[:1])
     if from_args and given is not None:
         name = next(iter(from_args))
         raise ConfigError(f"a config was passed to initialize() and also as args.{name}="

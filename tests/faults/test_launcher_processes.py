@@ -65,7 +65,8 @@ def test_daemons_of_ranks_die_with_the_job_and_do_not_delay_it(launcher, tmp_pat
     """Item 9: a rank's daemon (double fork + setsid) holding its stdout is killed at teardown, quickly."""
     pidfile = tmp_path / "daemon"
     start = time.monotonic()
-    result = launcher.run("--num_procs", "2", "--grace_period", "2", str(SCRIPTS / "spawn_daemon.py"), str(code),
+    result = launcher.run("--num_procs", "2", "--grace_period", "2", "--no_local_rank",
+                          str(SCRIPTS / "spawn_daemon.py"), str(code),
                           str(pidfile), timeout=60)
     elapsed = time.monotonic() - start
     assert result.returncode == code, result.stderr

@@ -31,7 +31,8 @@ def _rank_records(stdout: str) -> dict[int, dict]:
 
 def test_env_contract_and_untouched_args(launcher, tmp_path):
     args = ["--foo", "bar", "-x", "--num_procs", "7", "--", "tail"]
-    result = launcher.run("--num_procs", "2", "--log_dir", "logs", str(SCRIPTS / "print_env.py"), *args)
+    result = launcher.run("--num_procs", "2", "--log_dir", "logs", "--no_local_rank", str(SCRIPTS / "print_env.py"),
+                          *args)
     assert result.returncode == 0, result.stderr
     records = _rank_records(result.stdout)
     assert sorted(records) == [0, 1]
@@ -52,8 +53,8 @@ def test_env_contract_and_untouched_args(launcher, tmp_path):
         assert sorted(log) == sorted([f"ENV {json.dumps(record)}", f"to stderr from rank {rank}"])
 
 
-def test_pass_local_rank_appends_the_argument(launcher):
-    result = launcher.run("--num_gpus", "2", "--pass_local_rank", str(SCRIPTS / "print_env.py"), "a")
+def test_local_rank_is_appended_by_default(launcher):
+    result = launcher.run("--num_gpus", "2", str(SCRIPTS / "print_env.py"), "a")
     assert result.returncode == 0, result.stderr
     records = _rank_records(result.stdout)
     assert {rank: r["argv"] for rank, r in records.items()} == {0: ["a", "--local_rank=0"], 1: ["a", "--local_rank=1"]}
@@ -63,7 +64,7 @@ def test_module_mode_runs_python_dash_m(launcher, tmp_path):
     (tmp_path / "rankmod.py").write_text("import os, sys; print('module', os.environ['RANK'], sys.argv[1:])\n")
     result = launcher.run("--num_procs", "1", "--module", "rankmod", "--x")
     assert result.returncode == 0, result.stderr
-    assert "[rank 0] module 0 ['--x']" in result.stdout
+    assert "[rank 0] module 0 ['--x', '--local_rank=0']" in result.stdout
 
 
 def test_a_raising_rank_ends_the_job_fast_and_its_traceback_is_shown(launcher):

@@ -45,7 +45,8 @@ def test_add_config_arguments() -> None:
     ({"config": BASE, "config_params": BASE}, "both config= and config_params="),
     ({"config": BASE, "args": argparse.Namespace(deepspeed_config="x.json")},
      "also as args.deepspeed_config"),
-    ({"args": argparse.Namespace(deepspeed_config="x.json", config="y.json")}, "disagree"),
+    ({"args": argparse.Namespace(deepspeed_config="x.json", config="model.yaml")},
+     "x.json"),  # the script's own --config is not the ds_config: deepspeed_config wins
     ({}, "no config"),
 ])
 def test_config_sources_conflicts(kwargs: dict, match: str) -> None:

@@ -27,6 +27,7 @@ p.add_argument("--fail_rank", type=int, default=-1)
 p.add_argument("--piddir", default="")
 p.add_argument("--secret_var", default="HF_TOKEN")
 p.add_argument("--dsrun_init", action="store_true", help="join the group with dsrun.init_distributed()")
+p.add_argument("--local_rank", type=int, default=-1)  # appended by the launcher, as DeepSpeed's does
 args = p.parse_args()
 if args.dsrun_init:  # e.g. under srun with one task per rank: dsrun finds the rank in SLURM_* variables
     import dsrun
