@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # CPU build of torch unless an NVIDIA driver is present (then the default CUDA build).
 TORCH_SPEC := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch" || echo "torch==2.13.0")
 
-.PHONY: install demo test test-quick bench clean
+.PHONY: install demo test test-quick bench docs clean
 
 $(VENV)/.installed: pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,5 +26,9 @@ test: install
 test-quick: install
 	$(PY) -m pytest -q -m "not slow"
 
+# The documentation site (MkDocs + Material) into site/; strict: a warning is an error.
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build site *.egg-info
