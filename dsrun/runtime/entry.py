@@ -17,6 +17,7 @@ import torch
 
 from dsrun.runtime import allocator, comm, exit_report, memory_profile
 from dsrun.runtime.agreement import check_ranks_agree
+from dsrun.runtime.activation_checkpointing import checkpointing
 from dsrun.runtime.config import ConfigError, DsConfig, load_config
 from dsrun.runtime.dataloader import DistributedDataLoader
 from dsrun.runtime.dist import Topology, init_distributed
@@ -187,17 +188,20 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
     if dist_init_required is False and not comm.is_initialized():
         raise RuntimeError("dist_init_required=False but torch.distributed is not initialised; "
                            "call dsrun.init_distributed() first or drop the argument")
+    exit_report.install()
     source = _config_source(args, config, config_params)
     _check_model(model)
     started = memory_profile.MemorySnapshot.take()  # reads /proc only; used if the config asks
     topology: Topology = init_distributed(distributed_port=distributed_port)
-    exit_report.install()  # after torch's own hook (init_process_group's), so that ours runs first
+    exit_report.install()  # again after torch's own hook (init_process_group's): ours runs first
     cfg, error = None, None
     try:
         cfg = load_config(source, world_size=topology.world_size)
     except ConfigError as exc:
         error = exc
     check_ranks_agree(model, cfg, error, topology.rank)  # the first collective; raises on every rank
+    if "activation_checkpointing" in cfg.model_fields_set and not checkpointing.is_configured():
+        checkpointing.configure(None, deepspeed_config=cfg)  # DeepSpeed scripts may call configure() themselves
     comm.comms_logger.configure(cfg.comms_logger.enabled, cfg.comms_logger.verbose,
                                 cfg.comms_logger.prof_all, cfg.comms_logger.prof_ops)
 
