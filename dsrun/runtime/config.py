@@ -462,7 +462,8 @@ class AioConfig(_Section):
 
 
 class ActivationCheckpointingConfig(_Section):
-    """`activation_checkpointing`: options of the activation checkpointing API."""
+    """`activation_checkpointing`: options of dsrun.checkpointing (applied by initialize() unless the
+    script called checkpointing.configure() first; see activation_checkpointing/checkpointing.py)."""
 
     partition_activations: bool = Field(False, description="Partition checkpointed activations across "
                                                            "model-parallel ranks.")
@@ -770,10 +771,6 @@ NOT_YET_SUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("zero_optimization.zero_quantized_weights", _on, "ZeRO++ quantized weights"),
     Unsupported("zero_optimization.zero_quantized_gradients", _on, "ZeRO++ quantized gradients"),
     Unsupported("zero_optimization.mics_shard_size", lambda v: v > 0, "MiCS sharding", "set it to -1"),
-    Unsupported("activation_checkpointing.partition_activations", _on, "partitioned activations"),
-    Unsupported("activation_checkpointing.cpu_checkpointing", _on, "activation checkpoints in CPU memory"),
-    Unsupported("activation_checkpointing.contiguous_memory_optimization", _on,
-                "contiguous activation checkpoints"),
     Unsupported("sparse_gradients", _on, "sparse gradients"),
     Unsupported("checkpoint.use_node_local_storage", _on, "node-local checkpoint storage (dsrun needs "
                 "one directory every rank can read)"),
@@ -817,9 +814,8 @@ NO_EFFECT_YET: dict[str, Any] = {
     "zero_optimization.load_from_fp32_weights": True,  # checkpoints always restore the fp32 masters
     "zero_optimization.memory_efficient_linear": True,
     "zero_allow_untested_optimizer": True,
+    "activation_checkpointing.contiguous_memory_optimization": False,  # no copy into one buffer
     "activation_checkpointing.number_checkpoints": None,
-    "activation_checkpointing.synchronize_checkpoint_boundary": False,
-    "activation_checkpointing.profile": False,
     "checkpoint.tag_validation": "Fail",
     "checkpoint.load_universal": True,
     "comms_logger.debug": False,  # callers of collectives are not recorded

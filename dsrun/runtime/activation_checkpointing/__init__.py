@@ -1,0 +1,1 @@
+"""Activation checkpointing (`deepspeed.checkpointing`); see checkpointing.py."""
