@@ -12,6 +12,15 @@ variance), one rank holds
     stage 2:  2 Ψ + (2 + K) Ψ / N     = 2 Ψ + 14 Ψ / N
     stage 3: (2 + 2 + K) Ψ / N        = 16 Ψ / N   (+ the live working set)
 
+With offload (Ren et al., ZeRO-Offload, ATC 2021; Rajbhandari et al.,
+ZeRO-Infinity, SC21) the same bytes move to another tier: offload_optimizer
+cpu puts master and optimizer states in host memory, nvme in swap files;
+offload_param (stage 3) does the same with the 16-bit partitions. NVMe
+offload adds host streaming buffers (buffer_count x 3 x 4 bytes x
+sub_group_size for the optimizer). `MemoryEstimate.tiers()` splits the
+total into device, host and NVMe bytes (on a CPU-only machine device and
+host are both the rank's RAM).
+
 `estimate_zero_memory` evaluates the same terms with the actual element sizes
 (fp32 training keeps no separate master copy, so K = 8 for Adam; gradients
 use data_types.grad_accum_dtype, fp32 by default) and with the padding that
@@ -20,7 +29,7 @@ its result equals `Engine.memory_breakdown()` for the persistent buffers.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
 import torch
@@ -38,6 +47,8 @@ class MemoryEstimate:
     Each category maps dtype name -> bytes. `total` is the sum. Stage 3's
     live working set (gathered units, persistent small parameters, in-flight
     buckets) is reported separately in `working_set` and not in `total`.
+    `placement` maps a category to "device", "host" or "nvme" (missing:
+    device); see `tiers`.
     """
 
     stage: int
@@ -45,10 +56,19 @@ class MemoryEstimate:
     num_params: int
     categories: dict[str, dict[str, int]]
     working_set: int = 0
+    placement: dict[str, str] = field(default_factory=dict)
 
     @property
     def total(self) -> int:
         return sum(sum(d.values()) for d in self.categories.values())
+
+    def tiers(self) -> dict[str, int]:
+        """Bytes per rank in device memory, host memory and NVMe swap files
+        (the working set counts as device memory)."""
+        out = {"device": self.working_set, "host": 0, "nvme": 0}
+        for cat, d in self.categories.items():
+            out[self.placement.get(cat, "device")] += sum(d.values())
+        return out
 
     def bytes_per_param(self) -> float:
         """Total bytes / Ψ (16 for stage 0 mixed Adam, 16/N for stage 3, ...)."""
@@ -79,7 +99,9 @@ def _num_and_padded(model_or_num_params, world_size: int, bucket_numel: int | No
 def estimate_zero_memory(model_or_num_params, world_size: int, stage: int, dtype: str = "bf16",
                          grad_accum_dtype: str | None = None, optimizer_states: int = 2,
                          bucket_numel: int | None = None, padded_numel: int | None = None,
-                         working_set_numel: int = 0) -> MemoryEstimate:
+                         working_set_numel: int = 0, offload_optimizer: str = "none",
+                         offload_param: str = "none", sub_group_size: int = 1_000_000_000,
+                         buffer_count: int = 4) -> MemoryEstimate:
     """Predict the persistent per-rank bytes of ZeRO stage 0-3.
 
     model_or_num_params: an nn.Module (its trainable parameters) or Ψ.
@@ -90,9 +112,13 @@ def estimate_zero_memory(model_or_num_params, world_size: int, stage: int, dtype
     momentum 1). bucket_numel: dsrun's bucket size (reduce_bucket_size),
     which sets the padding; padded_numel: give the padded size directly
     (e.g. the sum over stage-3 units). working_set_numel: elements of the
-    stage-3 live set (reported apart).
+    stage-3 live set (reported apart). offload_optimizer, offload_param:
+    "none", "cpu" or "nvme" (ds_config's offload devices; parameters only at
+    stage 3); sub_group_size and buffer_count size the NVMe optimizer's
+    host buffers (category "offload_buffers").
 
-    Raises ValueError for an unknown dtype or stage, or N < 1.
+    Raises ValueError for an unknown dtype, stage or offload device, N < 1,
+    or parameter offload below stage 3.
     """
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
@@ -101,6 +127,11 @@ def estimate_zero_memory(model_or_num_params, world_size: int, stage: int, dtype
     for name in (dtype, grad_accum_dtype):
         if name is not None and name not in _BYTES:
             raise ValueError(f"unknown dtype {name!r}; use one of {sorted(_BYTES)}")
+    for what, device in (("offload_optimizer", offload_optimizer), ("offload_param", offload_param)):
+        if device not in ("none", "cpu", "nvme"):
+            raise ValueError(f"{what} must be none, cpu or nvme, got {device!r}")
+    if offload_param != "none" and stage != 3:
+        raise ValueError(f"offload_param needs stage 3, got stage {stage}")
     psi, padded = _num_and_padded(model_or_num_params, world_size, bucket_numel)
     if padded_numel is not None:
         padded = padded_numel
@@ -120,7 +151,17 @@ def estimate_zero_memory(model_or_num_params, world_size: int, stage: int, dtype
         "master": {"fp32": master * 4} if mixed else {},
         "optimizer_states": {"fp32": states * 4 * optimizer_states} if optimizer_states else {},
     }
-    return MemoryEstimate(stage, world_size, psi, cats, working_set_numel * _BYTES[dtype])
+    tier_of = {"cpu": "host", "nvme": "nvme"}
+    placement = {}
+    if offload_optimizer != "none":
+        placement.update(master=tier_of[offload_optimizer], optimizer_states=tier_of[offload_optimizer])
+        if offload_optimizer == "nvme" and optimizer_states:
+            per_buffer = 3 * 4 * min(int(sub_group_size), shard)
+            cats["offload_buffers"] = {"fp32": int(buffer_count) * per_buffer}
+            placement["offload_buffers"] = "host"
+    if offload_param != "none":
+        placement["params"] = tier_of[offload_param]
+    return MemoryEstimate(stage, world_size, psi, cats, working_set_numel * _BYTES[dtype], placement)
 
 
 def tensor_breakdown(held: Mapping[str, Iterable[torch.Tensor]]) -> dict[str, dict[str, int]]:

@@ -34,6 +34,16 @@ def _config(stage, prec, device, path, param_device="none"):
     return cfg
 
 
+def _estimate(engine, prec, opt, param):
+    import dsrun
+
+    sets = engine.strategy.sets
+    est = dsrun.estimate_zero_memory(engine.module, 2, 3, prec, offload_optimizer=opt, offload_param=param,
+                                     padded_numel=sum(f.layout.padded_numel for f in sets),
+                                     sub_group_size=100, buffer_count=3)
+    return est.tiers(), est.categories, sum(len(f.layout.slots) for f in sets)
+
+
 def _matrix(path):
     out = {}
     for stage, prec in CASES:
@@ -52,9 +62,12 @@ def _matrix(path):
         for name, opt, param in PARAM_CASES:
             losses, full, engine = train(_config(3, prec, opt, path, param), steps=3, optimizer="config")
             tier = engine.strategy.param_tier
+            engine.strategy._settle()  # train() read full masters: back to the swap files
+            breakdown = engine.memory_breakdown()
             out[(3, prec, name)] = dict(losses=losses, full=full, kind=tier.device_kind,
                                         read=getattr(tier, "stats", {}).get("read_bytes", 0),
-                                        nvme=engine.memory_breakdown().get("nvme_swap", {}).get("fp32", 0))
+                                        nvme=breakdown.get("nvme_swap", {}).get("fp32", 0), breakdown=breakdown,
+                                        estimate=_estimate(engine, prec, opt, param))
             engine.strategy.optimizer_tier.close()
             tier.close()
     return out
@@ -92,6 +105,24 @@ def test_param_offload_equals_no_offload(matrix, prec, name, opt, param):
             assert torch.equal(off["full"][n], value), n
         if param == "nvme":
             assert off["read"] > 0 and off["nvme"] > 0  # partitions were read back from params.swp
+
+
+@pytest.mark.parametrize("prec", ["fp32", "bf16"])
+def test_estimate_matches_offloaded_engine(matrix, prec):
+    """estimate_zero_memory's NVMe bytes are the swap files' (which reserve at
+    most one more element per parameter and file), its host buffers the
+    optimizer tier's, and nothing of the optimizer is left in memory."""
+    results, _ = matrix
+    for rank_out in results:
+        run = rank_out[(3, prec, "both_nvme")]
+        tiers, cats, nparams = run["estimate"]
+        files = 3 if prec == "bf16" else 2  # master (16-bit runs), exp_avg, exp_avg_sq; params.swp apart
+        elt = 2 if prec == "bf16" else 4
+        assert tiers["nvme"] <= run["nvme"] <= tiers["nvme"] + nparams * (4 * files + elt) + 2 * 4 * files
+        page_padding = 3 * 4096  # each buffer starts on a page boundary
+        assert run["breakdown"]["offload_buffers"]["fp32"] <= cats["offload_buffers"]["fp32"] + page_padding
+        assert "master" not in run["breakdown"] or not run["breakdown"]["master"]
+        assert not run["breakdown"].get("optimizer_states")
 
 
 def test_nvme_states_live_in_swap_files(matrix):
