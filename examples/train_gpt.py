@@ -164,7 +164,10 @@ def train(args: argparse.Namespace) -> None:
     tokens_per_step = engine.train_batch_size() * args.seq_len  # all ranks together
     progress = make_progress(console)
     task = progress.add_task("train", total=args.steps, loss=math.nan, tok_s=0.0, lr=engine.get_lr()[0])
-    if rank == 0:
+    # Under dsrun's launcher the output is a pipe and the launcher draws rank 0's
+    # live progress itself (from the engine's progress records): no bar here then.
+    live = rank == 0 and console.is_terminal
+    if live:
         progress.start()
     start = time.perf_counter()
     for step in range(1, args.steps + 1):
@@ -176,7 +179,7 @@ def train(args: argparse.Namespace) -> None:
                 progress.console.print(f"step {step}/{args.steps}  loss {loss:.4f}  "
                                        f"{tok_s:,.0f} tok/s  lr {engine.get_lr()[0]:.3e}")
     elapsed = time.perf_counter() - start
-    if rank == 0:
+    if live:
         progress.stop()
 
     val_after = evaluate(engine, val_x, val_y)

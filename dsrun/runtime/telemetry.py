@@ -93,9 +93,13 @@ class StepTelemetry:
                 self._flops.stop_profile()
 
     def observe_inputs(self, args: tuple, kwargs: dict) -> None:
-        """Count tokens: the first integer tensor of >= 2 dims among the forward's inputs (token ids)."""
+        """Count tokens: the first integer tensor of >= 2 dims among the forward's inputs (token ids).
+
+        Forwards in eval mode or under no_grad (validation) are not counted."""
         if self._step_start is None:
             self._step_start = time.perf_counter()
+        if not (torch.is_grad_enabled() and self._engine.module.training):
+            return
         for value in (*args, *kwargs.values()):
             if isinstance(value, torch.Tensor) and value.dim() >= 2 and not value.is_floating_point() \
                     and not value.is_complex() and value.dtype != torch.bool:
