@@ -19,10 +19,11 @@ from dsrun.runtime.zero.module_hints import register_external_parameter, unregis
 from dsrun.runtime.zero.stage12 import PartitionedOptimizerStrategy
 from dsrun.runtime.zero.stage3 import PartitionedParamStrategy
 from dsrun.runtime.zero.strategy import ZeroStrategy
+from dsrun.runtime.zero.tiling import TiledLinear
 
 __all__ = ["Init", "GatheredParameters", "safe_get_full_fp32_param", "safe_get_full_grad",
            "safe_get_full_optimizer_state", "register_external_parameter", "unregister_external_parameter",
-           "build_zero_strategy", "ZeroStrategy",
+           "build_zero_strategy", "ZeroStrategy", "TiledLinear",
            "PartitionedOptimizerStrategy", "PartitionedParamStrategy"]
 
 
@@ -53,5 +54,5 @@ def build_zero_strategy(cfg, module: torch.nn.Module, optimizer: torch.optim.Opt
             reduce_bucket_size=int(zero.reduce_bucket_size),
             sub_group_size=int(zero.sub_group_size),
             unit_patterns=zero.stage3_unit_modules, optimizer_tier=tier,
-            param_tier=build_param_tier(cfg, topology))
+            param_tier=build_param_tier(cfg, topology), quantized_weights=zero.zero_quantized_weights)
     raise ValueError(f"zero_optimization.stage={zero.stage} is not available")
