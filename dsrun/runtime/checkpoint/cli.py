@@ -3,6 +3,7 @@
     dsrun-ckpt inspect DIR                       tags, complete or not, world size, stage, precision, size
     dsrun-ckpt verify DIR [--tag TAG]            sizes and sha256 of every file; names the first bad one
     dsrun-ckpt export DIR OUT [--tag TAG] [--dtype fp32|bf16|fp16] [--max-shard-size 5GB]
+    dsrun-ckpt import-deepspeed DIR OUT [--tag TAG]   a DeepSpeed checkpoint in dsrun's format
 
 `export` writes the Hugging Face layout: `model.safetensors`, or
 `model-0000k-of-0000n.safetensors` plus `model.safetensors.index.json` when
@@ -128,6 +129,23 @@ def export(directory: str, out: str, tag: str | None, dtype: str, max_shard_size
     """Write the model weights of a tag in Hugging Face's safetensors layout."""
     files = export_hf(_tag_dir(directory, tag), out, _DTYPES[dtype], parse_size(max_shard_size))
     click.echo(f"wrote {len(files)} file(s) to {out}")
+
+
+@main.command("import-deepspeed")
+@click.argument("directory", type=click.Path(exists=True, file_okay=False))
+@click.argument("out", type=click.Path(file_okay=False))
+@click.option("--tag", default=None, help="DeepSpeed tag to convert (default: the one its `latest` names).")
+@_reported
+def import_deepspeed_cmd(directory: str, out: str, tag: str | None) -> None:
+    """Convert a DeepSpeed checkpoint (ZeRO 0-3, fp32/bf16/fp16) into dsrun's format in OUT.
+
+    DeepSpeed's pickles are read restrictively: tensors, plain containers and
+    an allow-list of four DeepSpeed classes; anything else is refused.
+    """
+    from dsrun.runtime.checkpoint.deepspeed_import import import_deepspeed
+
+    new = import_deepspeed(directory, out, tag)
+    Console().print(f"wrote {new} (load it with engine.load_checkpoint({out!r}) on any world size and stage)")
 
 
 def export_hf(tag_dir: str, out: str, dtype: torch.dtype, max_shard_bytes: int) -> list[str]:

@@ -257,6 +257,8 @@ def resolve_tag(load_dir: str, tag: str | None) -> tuple[str | None, list[str]]:
             return named, incomplete
     complete = [t for t in tags if t not in incomplete]
     if not complete:
+        if os.path.isfile(latest):
+            refuse_deepspeed(os.path.join(load_dir, named))
         return None, incomplete
     return max(complete, key=lambda t: index_time(os.path.join(load_dir, t))), incomplete
 
@@ -272,6 +274,14 @@ def index_time(tag_dir: str) -> int:
         return -1
 
 
+def refuse_deepspeed(tag_dir: str) -> None:
+    """Raise CheckpointError saying how to convert, if `tag_dir` holds a DeepSpeed checkpoint."""
+    if os.path.isdir(tag_dir) and any(f.endswith("model_states.pt") for f in os.listdir(tag_dir)):
+        raise CheckpointError(f"{tag_dir} is a DeepSpeed checkpoint; convert it once with `dsrun-ckpt "
+                              f"import-deepspeed {os.path.dirname(os.path.normpath(tag_dir)) or '.'} OUT` "
+                              "and load OUT")
+
+
 def load_index(tag_dir: str) -> Index:
     """The parsed index of a tag. Raises CheckpointError for a missing tag,
     a tag without index (incomplete save) or an unreadable index."""
@@ -279,6 +289,7 @@ def load_index(tag_dir: str) -> Index:
         raise CheckpointError(f"checkpoint tag directory {tag_dir} does not exist")
     path = os.path.join(tag_dir, INDEX)
     if not os.path.isfile(path):
+        refuse_deepspeed(tag_dir)
         raise CheckpointError(f"{tag_dir} has no {INDEX}: its save did not complete; it cannot be loaded")
     try:
         with open(path) as f:
