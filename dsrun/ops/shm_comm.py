@@ -141,9 +141,13 @@ class ShmGroup:
 
     def _call(self, fn, *args) -> None:
         if not self._h:
-            raise ShmCollectiveError("the group is closed")
+            raise ShmCollectiveError(f"rank {self.rank}: the group is closed (after an earlier error, or by "
+                                     "close()); collectives on it cannot run")
         err = ctypes.create_string_buffer(_ERRLEN)
         if fn(self._h, *args, err, _ERRLEN) != 0:
+            # The ranks may now be at different buffer steps: a later call
+            # would read the wrong slots, so the group is done.
+            self.close()
             raise ShmCollectiveError(f"rank {self.rank}: {err.value.decode()}")
 
     @staticmethod

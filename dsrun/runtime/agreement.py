@@ -40,24 +40,26 @@ class RankMismatchError(ValueError):
     """Ranks built different models (names, shapes, dtypes, requires_grad)."""
 
 
-def all_gather_bytes(data: bytes, group=None) -> list[bytes]:
+def all_gather_bytes(data: bytes, device: torch.device, group=None) -> list[bytes]:
     """Every rank's `data`, in rank order (collective over `group`).
 
-    Two tensor all_gathers: the lengths (int64 [world]), then the bytes
-    padded to the longest (uint8 [world * longest]). Small control data
-    only: every rank holds world x the longest payload.
+    Two tensor all_gathers on `device` (the backend's: cuda under NCCL):
+    the lengths (int64 [world]), then the bytes padded to the longest
+    (uint8 [world * longest]). Small control data only: every rank holds
+    world x the longest payload.
     """
     world = comm.get_world_size(group)
-    length = torch.tensor([len(data)], dtype=torch.int64)
-    lengths = torch.empty(world, dtype=torch.int64)
+    length = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    lengths = torch.empty(world, dtype=torch.int64, device=device)
     comm.all_gather_into_tensor(lengths, length, group=group)
     longest = int(lengths.max())
     mine = torch.zeros(max(longest, 1), dtype=torch.uint8)
     if data:
         mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    out = torch.empty(world * mine.numel(), dtype=torch.uint8)
+    mine = mine.to(device)
+    out = torch.empty(world * mine.numel(), dtype=torch.uint8, device=device)
     comm.all_gather_into_tensor(out, mine, group=group)
-    rows = out.view(world, -1)
+    rows = out.view(world, -1).cpu()
     return [bytes(rows[r, :int(lengths[r])].tolist()) for r in range(world)]
 
 
@@ -119,7 +121,7 @@ def _shown_by_rank0(error: ConfigError, rank: int, world: int) -> None:
 
 
 def check_ranks_agree(module: torch.nn.Module, cfg: DsConfig | None,
-                      error: ConfigError | None, rank: int) -> None:
+                      error: ConfigError | None, rank: int, device: torch.device) -> None:
     """Raise on every rank unless all ranks hold a valid config, the same
     resolved config and the same model (see [Note: rank agreement protocol]).
     Collective over the default group; call it on every rank before any
@@ -130,6 +132,7 @@ def check_ranks_agree(module: torch.nn.Module, cfg: DsConfig | None,
         cfg: this rank's resolved config, or None when it was invalid.
         error: the ConfigError this rank got instead of a config, or None.
         rank: this rank's global rank.
+        device: where the backend's collectives run (cuda:N under NCCL).
 
     Raises:
         ConfigError: some rank's config is invalid (each invalid rank raises
@@ -146,9 +149,10 @@ def check_ranks_agree(module: torch.nn.Module, cfg: DsConfig | None,
     config_text = (str(error) if error is not None else "\n".join(config_description(cfg)))
     model_text = "\n".join(model_description(module))
     record = bytes([0 if error is not None else 1]) + _digest([config_text]) + _digest([model_text])
-    mine = torch.tensor(list(record), dtype=torch.uint8)
-    gathered = torch.empty(world * _RECORD, dtype=torch.uint8)
+    mine = torch.tensor(list(record), dtype=torch.uint8, device=device)
+    gathered = torch.empty(world * _RECORD, dtype=torch.uint8, device=device)
     comm.all_gather_into_tensor(gathered, mine)
+    gathered = gathered.cpu()
     rows = [bytes(gathered[r * _RECORD:(r + 1) * _RECORD].tolist()) for r in range(world)]
     invalid = [r for r, row in enumerate(rows) if row[0] == 0]
     configs_equal = all(row[1:1 + _DIGEST] == rows[0][1:1 + _DIGEST] for row in rows)
@@ -160,11 +164,11 @@ def check_ranks_agree(module: torch.nn.Module, cfg: DsConfig | None,
             _shown_by_rank0(error, rank, world)  # the same message: rank 0 prints it for the job
         raise error
     if not configs_equal:
-        texts = [b.decode() for b in all_gather_bytes(config_text.encode())]
+        texts = [b.decode() for b in all_gather_bytes(config_text.encode(), device)]
         problem = ConfigError(_differing(texts, "resolved config"))
         _shown_by_rank0(problem, rank, world)
         raise problem
     if any(row[1 + _DIGEST:] != rows[0][1 + _DIGEST:] for row in rows):
-        texts = [b.decode() for b in all_gather_bytes(model_text.encode())]
+        texts = [b.decode() for b in all_gather_bytes(model_text.encode(), device)]
         raise RankMismatchError(f"rank {rank}: " + _differing(texts, "model (parameter names, shapes, "
                                                               "dtypes, requires_grad)"))

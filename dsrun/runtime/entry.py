@@ -199,7 +199,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
         cfg = load_config(source, world_size=topology.world_size)
     except ConfigError as exc:
         error = exc
-    check_ranks_agree(model, cfg, error, topology.rank)  # the first collective; raises on every rank
+    # The first collective of training; raises on every rank when they disagree.
+    check_ranks_agree(model, cfg, error, topology.rank, topology.device)
     if "activation_checkpointing" in cfg.model_fields_set and not checkpointing.is_configured():
         checkpointing.configure(None, deepspeed_config=cfg)  # DeepSpeed scripts may call configure() themselves
     comm.comms_logger.configure(cfg.comms_logger.enabled, cfg.comms_logger.verbose,

@@ -67,49 +67,17 @@ def test_process_group_destroyed_at_clean_exit_only(tmp_path):
     assert other.returncode == 0 and other.stdout.split() == ["done", "destroyed"], other.stderr
 
 
-# 50 back-to-back 2-rank jobs, each rank a fork of one process that imported
-# torch once (spawning 100 fresh interpreters costs minutes on 2 cores). A
-# forked rank still ends by a normal interpreter exit -- atexit handlers,
-# finalisation, C++ static destructors -- which is where gloo aborts.
-_RUNS = """\
-import os, socket, sys
-import torch
-import torch.distributed as dist
-from dsrun.runtime.dist import init_distributed
-
-def port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-codes = []
-for run in range(int(sys.argv[1])):
-    master_port, pids = str(port()), []
-    for rank in range(2):
-        pid = os.fork()
-        if pid == 0:
-            os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-                              MASTER_ADDR="127.0.0.1", MASTER_PORT=master_port)
-            init_distributed()
-            t = torch.ones(4)
-            dist.all_reduce(t)
-            sys.exit(0 if t.tolist() == [2.0] * 4 else 3)  # a normal interpreter exit
-        pids.append(pid)
-    codes += [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
-print("codes", *codes)
-"""
-
-
 @pytest.mark.slow
 def test_fifty_back_to_back_two_rank_runs_all_exit_0(tmp_path):
-    script = tmp_path / "runs.py"
-    script.write_text(_RUNS)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, str(script), "50"], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    codes = [int(c) for c in proc.stdout.split("codes", 1)[1].split()]
-    assert len(codes) == 100
-    failed = {i: c for i, c in enumerate(codes) if c != 0}
-    assert not failed, f"runs/ranks that failed (index = 2 x run + rank: exit code): {failed}\n" \
-                       f"{proc.stderr[-3000:]}"
+    """Each rank a fresh interpreter, as under a launcher: without the teardown
+    at exit, 4 of 30 such runs (5 of 60 ranks) aborted with SIGABRT here. A
+    rank forked from one process that imported torch never did (0 of 100),
+    so the ranks are not forked to save the imports."""
+    script = tmp_path / "rank.py"
+    script.write_text(_RANK)
+    failed = []
+    for run in range(50):
+        for rank, proc in enumerate(_run_pair(script, "clean")):
+            if proc.returncode != 0 or proc.stdout.split() != ["done", "destroyed"]:
+                failed.append(f"run {run} rank {rank}: exit {proc.returncode}: {proc.stderr[-300:]}")
+    assert not failed, "\n".join(failed)

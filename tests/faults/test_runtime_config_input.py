@@ -120,9 +120,9 @@ def test_bad_config_under_two_ranks_prints_one_message_and_exit_code_78(tmp_path
     (tmp_path / "train.py").write_text(_TRAIN)
     (tmp_path / "bad.json").write_text('{"train_batch_size": 4, "bf16": {"enabled": "yes"}}')
     env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
-    proc = subprocess.run([sys.executable, "-m", "dsrun.launcher.cli", "--num_procs", "2", "--no_local_rank",
-                           "--master_port", str(free_port()), "train.py", "--config", "bad.json"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=120)
+    argv = [sys.executable, "-m", "dsrun.launcher.cli", "--num_procs", "2", "--no_local_rank",
+            "--master_port", str(free_port()), "train.py", "--config", "bad.json"]
+    proc = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 78, out
     assert "Traceback" not in out and "initialized" not in out

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 
-import pytest
 import torch
 
 from tests.dist_helpers import run_ranks
@@ -51,6 +50,7 @@ def _poisoned_steps(stage: int, precision: str, steps: int, limit: int | None):
             engine.step()
     except NonFiniteStepsError as exc:
         error = str(exc)
+    logging.getLogger("dsrun").removeHandler(records)
     after = [p.detach().float().clone() for p in model.parameters()] if stage < 3 else None
     return {"applied": engine.was_step_applied(), "skipped": engine.skipped_steps,
             "global_steps": engine.global_steps, "sched": sched.last_batch_iteration,
@@ -60,23 +60,26 @@ def _poisoned_steps(stage: int, precision: str, steps: int, limit: int | None):
             "warnings": records.messages, "error": error}
 
 
-@pytest.mark.parametrize("stage, precision", [(0, "fp32"), (3, "bf16")])
-def test_nonfinite_step_is_skipped_on_every_rank_with_a_warning(stage, precision):
-    results = run_ranks(_poisoned_steps, 2, stage, precision, 2, None, timeout=120)
-    for rank, r in enumerate(results):
-        assert not r["applied"] and r["skipped"] == 2 and r["global_steps"] == 2, r
-        assert r["sched"] == -1, "the LR schedule moved on a skipped step"
-        assert r["unchanged"] and r["finite"], "a non-finite update was applied"
-        assert r["error"] is None
-    warnings = [m for m in results[0]["warnings"] if "non-finite" in m]
-    assert warnings and "step 1: non-finite (inf/nan) gradient (first in parameter 1.weight)" in warnings[0]
-    assert "2 in a row; the run stops at 10" in warnings[-1]
+def _all_cases():
+    """The cases below, one after the other in one job."""
+    return {"skip stage 0 fp32": _poisoned_steps(0, "fp32", 2, None),
+            "skip stage 3 bf16": _poisoned_steps(3, "bf16", 2, None),
+            "stop stage 0": _poisoned_steps(0, "fp32", 5, 3)}
 
 
-@pytest.mark.parametrize("stage", [0])
-def test_consecutive_nonfinite_steps_stop_every_rank(stage):
-    results = run_ranks(_poisoned_steps, 2, stage, "fp32", 5, 3, timeout=120)
-    for rank, r in enumerate(results):
+def test_nonfinite_steps_are_skipped_then_stop_every_rank():
+    results = run_ranks(_all_cases, 2, timeout=180)
+    for case in ("skip stage 0 fp32", "skip stage 3 bf16"):
+        for rank, r in enumerate(result[case] for result in results):
+            assert not r["applied"] and r["skipped"] == 2 and r["global_steps"] == 2, (case, r)
+            assert r["sched"] == -1, "the LR schedule moved on a skipped step"
+            assert r["unchanged"] and r["finite"], "a non-finite update was applied"
+            assert r["error"] is None
+        warnings = [m for m in results[0][case]["warnings"] if "non-finite" in m]
+        assert "step 1: non-finite (inf/nan) gradient (first in parameter 1.weight)" in warnings[0], warnings
+        assert "2 in a row; the run stops at 10" in warnings[-1]
+    for rank, result in enumerate(results):  # max_consecutive_nonfinite_steps: 3
+        r = result["stop stage 0"]
         assert r["error"] is not None, f"rank {rank} did not stop"
         assert f"rank {rank}: 3 optimizer steps in a row (steps 1-3) had non-finite" in r["error"]
         assert "first in parameter 1.weight" in r["error"] and "max_consecutive_nonfinite_steps" in r["error"]
