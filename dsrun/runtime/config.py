@@ -407,7 +407,8 @@ class ZeroConfig(_Section):
                                           "gathered weight before backward.")
     zero_hpz_partition_size: PosInt = Field(1, description="ZeRO++ hierarchical partitioning: ranks in a "
                                             "secondary partition group; 1 = off.")
-    zero_quantized_weights: bool = Field(False, description="ZeRO++: all-gather weights quantized to int8.")
+    zero_quantized_weights: bool = Field(False, description="ZeRO++ qwZ (stage 3): forward/backward "
+                                         "all-gathers send weights as block-wise int8 with fp32 scales.")
     zero_quantized_gradients: bool = Field(False, description="ZeRO++: reduce gradients quantized to int4.")
     mics_shard_size: Int = Field(-1, description="MiCS: ranks a model state is sharded over; -1 = off.")
     offload_optimizer: OffloadOptimizerConfig = Field(default_factory=OffloadOptimizerConfig,
@@ -450,6 +451,10 @@ class ZeroConfig(_Section):
 
 
 class AioConfig(_Section):
+        if self.zero_quantized_weights and self.stage != 3:
+            raise _Problem(f"quantized weight all-gathers (ZeRO++ qwZ) need stage 3 (stage is {self.stage}); "
+                           "set zero_optimization.stage to 3 or remove zero_quantized_weights",
+                           key="zero_quantized_weights")
     """`aio`: asynchronous file I/O used by NVMe offload."""
 
     _ALIASES: ClassVar[dict[str, str]] = {"thread_count": "intra_op_parallelism"}
@@ -768,7 +773,6 @@ NOT_YET_SUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("fp16.fp16_master_weights_and_grads", _on, "fp16 master weights"),
     Unsupported("zero_optimization.zero_hpz_partition_size", lambda v: v > 1, "ZeRO++ hierarchical "
                 "partitioning", "set it to 1"),
-    Unsupported("zero_optimization.zero_quantized_weights", _on, "ZeRO++ quantized weights"),
     Unsupported("zero_optimization.zero_quantized_gradients", _on, "ZeRO++ quantized gradients"),
     Unsupported("zero_optimization.mics_shard_size", lambda v: v > 0, "MiCS sharding", "set it to -1"),
     Unsupported("sparse_gradients", _on, "sparse gradients"),

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from dsrun.runtime.comm import collectives
+from dsrun.runtime.comm import quantized
 from dsrun.runtime.comm.logger import comms_logger
 from dsrun.runtime.zero.groups import RankGroup, ZeroGroups
 from dsrun.runtime.zero.partition import BucketSlot, FlatLayout
@@ -132,18 +133,24 @@ def reduce_region(layout: FlatLayout, buckets: Sequence[BucketSlot], full: torch
 
 
 def all_gather_region(layout: FlatLayout, buckets: Sequence[BucketSlot], full: torch.Tensor,
-                      shard: RankGroup, async_op: bool = False) -> RegionHandle:
+                      shard: RankGroup, async_op: bool = False, quantize_block: int = 0) -> RegionHandle:
     """Complete a full region from every shard-group rank's shards, in place.
 
     full: shape (region elements,), any dtype, parameter-major (the layout's
     views apply). On entry it must hold this rank's shards at their own
     positions (see `own_shard_views`); everything else is overwritten.
+    quantize_block > 0: ZeRO++ qwZ, see `_all_gather_quantized`.
     Raises ValueError when the sizes do not match the layout.
     """
     _check(layout, buckets, full, shard)
     comms_logger.record(LOGICAL_ALL_GATHER, full)
     if shard.size == 1:
         return RegionHandle([])
+    if quantize_block > 0:
+        handle = _all_gather_quantized(layout, buckets, full, shard, quantize_block)
+        if not async_op:
+            handle.wait()
+        return handle
     works = []
     if uses_all_reduce(shard):
         for r in range(shard.size):
@@ -161,6 +168,30 @@ def all_gather_region(layout: FlatLayout, buckets: Sequence[BucketSlot], full: t
     if not async_op:
         handle.wait()
     return handle
+
+
+def _all_gather_quantized(layout: FlatLayout, buckets: Sequence[BucketSlot], full: torch.Tensor,
+                          shard: RankGroup, block: int) -> RegionHandle:
+    """ZeRO++ qwZ: every rank sends its shards of the region as block-wise
+    int8 with fp32 scales (dsrun/runtime/comm/quantized.py) in one
+    all-gather; `wait()` decodes every rank's shards, this rank's too, so
+    all ranks compute with the same (quantized) weights. The partitions and
+    master weights are untouched: only this gathered copy is approximate."""
+    own = _relative_spans(layout, buckets, shard.rank)
+    width = sum(w for _, _, w in own)  # the same on every rank: buckets are padded to the shard size
+    values = torch.cat([full[src:src + w] for src, _, w in own])
+    mine = quantized.pack_message(values, block)
+    gathered = torch.empty(shard.size * mine.numel(), dtype=torch.int8, device=full.device)
+    work = collectives.all_gather_into_tensor(gathered, mine, group=shard.group, async_op=True)
+
+    def finish() -> None:
+        for r, message in enumerate(gathered.view(shard.size, -1)):
+            decoded = quantized.unpack_message(message, width, block, full.dtype)
+            at = 0
+            for src, _, w in _relative_spans(layout, buckets, r):
+                full[src:src + w].copy_(decoded[at:at + w])
+                at += w
+    return RegionHandle([work], finish)
 
 
 def own_shard_views(layout: FlatLayout, buckets: Sequence[BucketSlot], full: torch.Tensor,

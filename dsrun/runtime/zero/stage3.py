@@ -106,6 +106,9 @@ def _assign(module: torch.nn.Module, unit_names: list[str], members) -> dict[str
     return out
 
 
+QWZ_BLOCK = 256  # elements per int8 block of ZeRO++ qwZ (4 bytes of scale per 256 values)
+
+
 class PartitionedParamStrategy(ZeroStrategy):
     """ZeRO stage 3 (see the module docstring).
 
@@ -125,6 +128,9 @@ class PartitionedParamStrategy(ZeroStrategy):
         group: the data-parallel process group (None = all ranks).
         optimizer_tier: where masters and optimizer states live (offload/optimizer_tier.py).
         param_tier: where the compute partitions live (offload/param_tier.py).
+        quantized_weights: ZeRO++ qwZ (zero_quantized_weights): forward and
+            backward all-gathers send block-wise int8 (QWZ_BLOCK elements
+            per fp32 scale; collectives.py `_all_gather_quantized`).
     """
 
     stage = 3
@@ -135,11 +141,13 @@ class PartitionedParamStrategy(ZeroStrategy):
                  max_live_numel: int = 1_000_000_000, max_reuse_distance: int = 1_000_000_000,
                  reduce_bucket_size: int = 500_000_000, sub_group_size: int = 1_000_000_000,
                  unit_patterns: list[str] | None = None,
-                 watchdog_timeout: float | None = None, group=None, optimizer_tier=None, param_tier=None):
+                 watchdog_timeout: float | None = None, group=None, optimizer_tier=None, param_tier=None,
+                 quantized_weights: bool = False):
         groups = ZeroGroups.sharded(group)
         super().__init__(optimizer, topology, precision, groups, sub_group_size, watchdog_timeout,
                          optimizer_tier=optimizer_tier)
         self.module = module
+        self.quantized_weights_block = QWZ_BLOCK if quantized_weights else 0
         trainable = self.trainable_groups(optimizer, module)
         self._prepare_tier(trainable)
         seen = {id(p) for p, _, _ in trainable}

@@ -96,9 +96,16 @@ class Unit:
             # Issuing may block too (synchronous transports such as shm).
             with self.owner.watchdog.waiting(f"all-gather of unit '{self.name}' ({phase})"):
                 self.handle = all_gather_region(layout, layout.buckets, self.full, self.owner.groups.shard,
-                                                async_op=True)
+                                                async_op=True, quantize_block=self._quantize_block(phase))
         self.state = UnitState.GATHERING
         self._set_params(self._empty, ZeroParamStatus.INFLIGHT)
+
+    def _quantize_block(self, phase: str) -> int:
+        """ZeRO++ qwZ block size for this gather, 0 for exact: only the
+        training gathers (forward, backward, their prefetches) are quantized;
+        persistent units and GatheredParameters get exact values."""
+        training = phase.startswith(("forward", "backward")) and not self.persistent
+        return self.owner.quantized_weights_block if training else 0
 
     def wait(self, phase: str) -> None:
         """Any state -> GATHERED (gathers first when SHARDED)."""
