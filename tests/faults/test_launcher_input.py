@@ -40,7 +40,8 @@ def test_env_name_forwards_the_value_without_putting_it_in_argv(tmp_path):
     (tmp_path / "show.py").write_text(
         "import os\n"
         "print('KEY', os.environ['WANDB_API_KEY'] == 'wandb-s3cret-0123456789')\n")
-    run = dsrun(tmp_path, "--env", "WANDB_API_KEY", "--print_env", "show.py", env={"WANDB_API_KEY": secret})
+    run = dsrun(tmp_path, "--num_procs", "1", "--env", "WANDB_API_KEY", "--print_env", "show.py",
+                env={"WANDB_API_KEY": secret})
     assert run.returncode == 0, run.stderr
     assert "[rank 0] KEY True" in run.stdout
     assert secret not in run.stderr and "WANDB_API_KEY=<23 chars>" in flat(run.stderr)

@@ -16,6 +16,8 @@ import pytest
 
 from tests.launcher.conftest import Launcher, assert_no_leftovers
 
+pytestmark = pytest.mark.slow
+
 SCRIPTS = Path(__file__).parent / "scripts"
 LAUNCHER_SCRIPTS = Path(__file__).parents[1] / "launcher" / "scripts"
 
