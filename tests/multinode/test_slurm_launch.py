@@ -50,7 +50,7 @@ def wait_for_job(job_id: str, cluster, timeout: float = 120) -> str:
 def test_sbatch_script_runs_and_failing_rank_fails_the_job(slurm_cluster, tmp_path):
     """One rank per node keeps this cheap; the script and the job are the same as with more."""
     def submit(name: str, *script_args: str) -> tuple[str, str]:
-        out = tmp_path / f"{name}.out"
+        out = tmp_path / f"{name} #1.out"  # quoted in the #SBATCH line: sbatch's own parser must undo it
         proc = run([sys.executable, "-m", "dsrun.launcher.sbatch", "--nodes", "2", "--ranks-per-node", "1",
                     "--time", "5", "--job-name", name, "--output", str(out), "--script", str(tmp_path / f"{name}.sbatch"),
                     "--dsrun-arg=--grace_period=3", "--submit", SCRIPT, *script_args], slurm_cluster)
