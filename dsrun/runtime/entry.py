@@ -88,7 +88,7 @@ def _check_model(model: torch.nn.Module) -> None:
             f"{len(meta)} parameters/buffers of the model are on the meta device (no data), first "
             f"'{meta[0]}'; materialize them before initialize() (model.to_empty(device='cpu') then "
             "initialize the weights), or build the model inside `with dsrun.zero.Init():`, which "
-            "creates each rank's shard directly")
+            "materializes meta parameters and initialises them with their module's reset_parameters()")
     if not any(p.requires_grad for p in model.parameters()):
         count = sum(1 for _ in model.parameters())
         raise ValueError(

@@ -64,8 +64,42 @@ def _misuse():
     return out
 
 
-def test_backward_of_a_tuple_and_step_without_backward_are_errors():
-    out, = run_ranks(_misuse, 1, timeout=120)
+class _Bare(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.empty(3))
+
+
+def _meta_under_zero_init():
+    """zero.Init materializes meta parameters with reset_parameters(): the
+    values a CPU build with the same seed gets; a module without one is an error."""
+    torch.manual_seed(0)
+    reference = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.LayerNorm(2))
+    torch.manual_seed(0)
+    with dsrun.zero.Init():
+        with torch.device("meta"):
+            model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.LayerNorm(2))
+    same = all(torch.equal(p.ds_tensor[:r.numel()], r.detach().reshape(-1))
+               for p, r in zip(model.parameters(), reference.parameters()))
+    engine, *_ = dsrun.initialize(model=model, config=dict(BASE, zero_optimization={"stage": 3}))
+    engine.backward(engine(torch.ones(2, 3)).sum())
+    engine.step()
+    try:
+        with dsrun.zero.Init():
+            with torch.device("meta"):
+                _Bare()
+        error = None
+    except ValueError as exc:
+        error = str(exc)
+    return {"same_as_cpu_build": same, "trained": engine.was_step_applied(), "bare": error}
+
+
+def _misuse_cases():
+    return {**_misuse(), "meta": _meta_under_zero_init()}
+
+
+def test_engine_misuse_errors_and_meta_parameters_under_zero_init():
+    out, = run_ranks(_misuse_cases, 1, timeout=120)
     assert out["tuple"].startswith("TypeError: engine.backward() needs the scalar loss tensor, got a tuple "
                                    "of 2 elements"), out
     assert "engine.backward(outputs[0])" in out["tuple"]
@@ -77,3 +111,6 @@ def test_backward_of_a_tuple_and_step_without_backward_are_errors():
     assert out["after_bad_step"] == [0, 0, -1, True], "a step without backward counted or moved the LR"
     assert out["after_good_step"] == [1, 0, True]
     assert "without engine.backward()" in out["second_step"]
+    assert out["meta"]["same_as_cpu_build"] and out["meta"]["trained"], out["meta"]
+    assert out["meta"]["bare"].startswith("zero.Init: _Bare created parameters ['w'] on the meta device and "
+                                          "has no reset_parameters()"), out["meta"]

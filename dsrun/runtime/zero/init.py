@@ -14,6 +14,12 @@ stage-3 layout (one bucket per parameter, see stage3.py), so the stage-3
 strategy adopts it without ever rebuilding full values. Stages 0-2 need
 full values and get them back one parameter at a time (`restore_full`).
 
+Parameters a constructor creates on the meta device (e.g. inside
+`with torch.device("meta"):`) are materialized on this rank's device as
+soon as their module's constructor returns, and initialised by that module's
+`reset_parameters()` (every torch.nn layer has one); a module without one is
+an error naming it, since its values would be uninitialised memory.
+
 Limits (as in DeepSpeed): code that initialises weights of a sub-module
 AFTER that sub-module was constructed (e.g. `self.apply(self._init_weights)`
 at the end of the outer constructor) sees empty tensors; wrap it in
@@ -143,12 +149,35 @@ class Init:
     def __enter__(self) -> "Init":
         if not self.enabled:
             return self
-        init_distributed()
+        self.device = init_distributed().device
         for cls in [torch.nn.Module] + _all_subclasses(torch.nn.Module):
             if "__init__" in cls.__dict__:
                 self._patched.append((cls, cls.__dict__["__init__"]))
                 cls.__init__ = self._wrap(cls.__dict__["__init__"])
         return self
+
+    def _materialize(self, module: torch.nn.Module) -> None:
+        """Give `module`'s own meta parameters storage and initial values
+        (see the module docstring). Raises ValueError when it has no
+        reset_parameters()."""
+        if not any(p.is_meta for p in module.parameters(recurse=False)):
+            return
+        reset = getattr(module, "reset_parameters", None)
+        if not callable(reset):
+            names = [n for n, p in module.named_parameters(recurse=False) if p.is_meta]
+            raise ValueError(
+                f"zero.Init: {type(module).__name__} created parameters {names} on the meta device and has "
+                "no reset_parameters() to initialise them; create them on a real device inside zero.Init "
+                "(its shards never hold the whole model anyway), or give the module reset_parameters()")
+        for name, p in list(module.named_parameters(recurse=False)):
+            if p.is_meta:  # a new Parameter: a meta tensor's data cannot be swapped for a real one
+                real = torch.empty(p.shape, dtype=p.dtype, device=self.device)
+                setattr(module, name, torch.nn.Parameter(real, requires_grad=p.requires_grad))
+        for name, b in list(module.named_buffers(recurse=False)):
+            if b.is_meta:
+                setattr(module, name, torch.zeros(b.shape, dtype=b.dtype, device=self.device))
+        with torch.no_grad():
+            reset()
 
     def _wrap(self, original):
         ctx = self
@@ -159,6 +188,7 @@ class Init:
             # Only the most-derived constructor partitions: a subclass may
             # still initialise what its parent created.
             if type(module).__init__ is wrapper:
+                ctx._materialize(module)
                 for p in module.parameters(recurse=False):
                     ctx._partition(p)
         return wrapper
