@@ -447,14 +447,14 @@ class ZeroConfig(_Section):
         if self.offload_param.device != "none" and self.stage != 3:
             raise _Problem(f"offloading parameters needs stage 3 (stage is {self.stage}); set "
                            f"zero_optimization.stage to 3 or remove offload_param", key="offload_param")
-        return self
-
-
-class AioConfig(_Section):
         if self.zero_quantized_weights and self.stage != 3:
             raise _Problem(f"quantized weight all-gathers (ZeRO++ qwZ) need stage 3 (stage is {self.stage}); "
                            "set zero_optimization.stage to 3 or remove zero_quantized_weights",
                            key="zero_quantized_weights")
+        return self
+
+
+class AioConfig(_Section):
     """`aio`: asynchronous file I/O used by NVMe offload."""
 
     _ALIASES: ClassVar[dict[str, str]] = {"thread_count": "intra_op_parallelism"}
