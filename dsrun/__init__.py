@@ -24,7 +24,7 @@ __version__ = "0.1.0"
 _LAZY_API = {
     "comm": ("dsrun.comm", None),
     "Topology": ("dsrun.runtime.dist", "Topology"),
-    "init_distributed": ("dsrun.runtime.dist", "init_distributed"),
+    "init_distributed": ("dsrun.runtime.comm.deepspeed_api", "init_distributed"),
     "Engine": ("dsrun.runtime.engine", "Engine"),
     "DeepSpeedEngine": ("dsrun.runtime.engine", "Engine"),
     "add_config_arguments": ("dsrun.runtime.entry", "add_config_arguments"),

@@ -23,7 +23,7 @@ from dsrun.runtime.comm.list_collectives import (all_gather, all_to_all, all_to_
                                                  broadcast_object_list, gather, irecv, isend, monitored_barrier,
                                                  recv, reduce, reduce_scatter, scatter, send)
 from dsrun.runtime.comm.logger import CommsLogger, OpStats, comms_logger
-from dsrun.runtime.dist import DEFAULT_TIMEOUT
+from dsrun.runtime.dist import DEFAULT_TIMEOUT, Topology
 from dsrun.runtime.dist import init_distributed as _init_process_group
 
 __all__ = [
@@ -43,8 +43,8 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
                      distributed_port: int = 29500, verbose: bool = True,
                      timeout: datetime.timedelta = DEFAULT_TIMEOUT, init_method: str | None = None,
                      dist_init_required: bool | None = None, config: dict | None = None,
-                     rank: int = -1, world_size: int = -1) -> None:
-    """Start the default process group (DeepSpeed's signature).
+                     rank: int = -1, world_size: int = -1) -> Topology | None:
+    """Start the default process group (DeepSpeed's signature); `dsrun.init_distributed`.
 
     Args:
         dist_backend: "gloo", "nccl", ...; default nccl with CUDA, else gloo.
@@ -62,6 +62,10 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
         rank, world_size: this process's rank and the job size when the
             environment does not give them (-1: from the environment).
 
+    Returns:
+        This rank's Topology (DeepSpeed returns None), or None with
+        dist_init_required=False and no process group.
+
     Raises:
         ValueError: an init_method other than env:// or tcp://, or rank
             given without world_size.
@@ -69,21 +73,23 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     """
     if config is not None and isinstance(config.get("comms_logger"), dict):
         configure(deepspeed_config=config)
-    if dist_init_required is False or (dist_init_required is None and dist.is_initialized()):
-        return
     if init_method not in (None, "env://"):
         url = urlparse(init_method)
         if url.scheme != "tcp" or not url.hostname or not url.port:
             raise ValueError(f"init_distributed(init_method={init_method!r}): dsrun accepts env:// or "
                              "tcp://HOST:PORT; set MASTER_ADDR/MASTER_PORT instead")
-        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = url.hostname, str(url.port)
     if (rank >= 0) != (world_size >= 0):
         raise ValueError(f"init_distributed(rank={rank}, world_size={world_size}): give both or neither")
+    if dist.is_initialized() or dist_init_required is False:
+        return _init_process_group() if dist.is_initialized() else None  # describes the existing group
+    if init_method not in (None, "env://"):
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = url.hostname, str(url.port)
     if rank >= 0:
         os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world_size)
     topology = _init_process_group(dist_backend, timeout=timeout, distributed_port=distributed_port)
     if verbose and topology.is_rank_zero:
         print(f"dsrun: process group ready: {topology.world_size} ranks, backend {topology.backend}", flush=True)
+    return topology
 
 
 def is_available() -> bool:
