@@ -71,6 +71,8 @@ _LIBC = ctypes.CDLL(None, use_errno=True)
 _POLL_S = 0.05
 # How long to wait for a rank's output pipes to drain after it exited, seconds.
 _DRAIN_S = 2.0
+# How often exited orphans (re-parented to the agent, see [Note: agent process tree]) are reaped, seconds.
+_REAP_S = 1.0
 # Exit status when stdin reached EOF: like a SIGHUP ("the controlling side hung up").
 EOF_EXIT = 128 + signal.SIGHUP
 
@@ -265,7 +267,7 @@ class Agent:
         threading.Thread(target=self._read_control, daemon=True, name="agent-stdin").start()
         for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(signum, lambda s, _f: self._events.put(("signal", s)))
-        self._watch()
+        self._watch(watchdog.pid)
         kill_descendants(spare={watchdog.pid})
         for rank in self._ranks:
             self._drain(rank)
@@ -358,8 +360,12 @@ class Agent:
                 continue  # not a control line we know; keep listening for the ones we do
         self._events.put(("eof", None))
 
-    def _watch(self) -> None:
+    def _watch(self, watchdog_pid: int) -> None:
+        next_reap = time.monotonic() + _REAP_S
         while True:
+            if time.monotonic() >= next_reap:  # zombies of orphans must not pile up over a long job
+                _reap_orphans(spare={watchdog_pid, *(r.popen.pid for r in self._ranks)})
+                next_reap = time.monotonic() + _REAP_S
             newly_failed = []
             for rank in self._running():
                 returncode = rank.popen.poll()
@@ -452,6 +458,16 @@ class Agent:
         if self._external_status is not None:
             return self._external_status
         return next((exit_status(r.returncode) for r in self._ranks if r.returncode != 0), 0)
+
+
+def _reap_orphans(spare: set[int]) -> None:
+    """Collect exited children of the agent other than `spare` (the ranks, whose status Popen collects)."""
+    for child in psutil.Process().children():
+        try:
+            if child.pid not in spare and child.status() == psutil.STATUS_ZOMBIE:
+                os.waitpid(child.pid, os.WNOHANG)
+        except (psutil.NoSuchProcess, ChildProcessError):
+            continue
 
 
 def _reap_children() -> None:

@@ -128,7 +128,8 @@ def run_multinode(opts: MultinodeOptions, rc: RankCommand, console: Console) -> 
         raise click.UsageError(str(exc)) from exc
 
 
-def _hosts(opts: MultinodeOptions, launcher: str, num_procs: int | None) -> tuple[list[Host], int | None]:
+def _hosts(opts: MultinodeOptions, launcher: str, num_procs: int | None,
+           console: Console) -> tuple[list[Host], int | None]:
     """The candidate hosts, and the --num_procs still to apply per host."""
     if launcher == "slurm":
         from dsrun.launcher.slurm import SlurmError, allocation_from_env
@@ -145,7 +146,7 @@ def _hosts(opts: MultinodeOptions, launcher: str, num_procs: int | None) -> tupl
         return parse_hostfile(opts.hostfile), num_procs
     if opts.include or opts.exclude or opts.num_nodes is not None or launcher == "ssh":
         raise ValueError("--include/--exclude/--num_nodes and --launcher ssh need --hostfile")
-    from dsrun.launcher.cli import console, default_num_procs, warn_if_oversubscribed
+    from dsrun.launcher.cli import default_num_procs, warn_if_oversubscribed
     if num_procs is None:
         num_procs = default_num_procs()
     warn_if_oversubscribed(num_procs, console)
@@ -153,7 +154,7 @@ def _hosts(opts: MultinodeOptions, launcher: str, num_procs: int | None) -> tupl
 
 
 def _run(opts: MultinodeOptions, rc: RankCommand, launcher: str, console: Console) -> int:
-    hosts, per_host = _hosts(opts, launcher, rc.num_procs)
+    hosts, per_host = _hosts(opts, launcher, rc.num_procs, console)
     selection = select_slots(hosts, opts.include, opts.exclude, opts.num_nodes, per_host)
     placement = build_placement(selection)
     cwd = opts.remote_cwd or os.getcwd()

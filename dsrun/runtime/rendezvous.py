@@ -23,7 +23,6 @@ import torch.distributed as dist
 
 # Environment variable set by the dsrun launcher: seconds to wait for every rank.
 TIMEOUT_VAR = "DSRUN_RENDEZVOUS_TIMEOUT"
-_ARRIVED = "dsrun/rendezvous/arrived"
 _POLL_S = 0.05
 
 
@@ -79,17 +78,19 @@ def join(rank: int, world_size: int, addr: str, port: int, timeout: float,
             f"rank {rank} could not {doing}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}; "
             "check that MASTER_ADDR is rank 0's host as every node sees it and that MASTER_PORT is free there "
             f"and open, or wait longer ({how})") from None
-    store.set(f"dsrun/rendezvous/rank/{rank}", "1")
+    # torchrun's agent store outlives a restart of the ranks: count each attempt apart.
+    key = f"dsrun/rendezvous/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    store.set(f"{key}/rank/{rank}", "1")
     deadline = time.monotonic() + timeout
-    arrived = store.add(_ARRIVED, 1)
+    arrived = store.add(f"{key}/arrived", 1)
     while arrived < world_size:
         if time.monotonic() >= deadline:
-            missing = [r for r in range(world_size) if not store.check([f"dsrun/rendezvous/rank/{r}"])]
+            missing = [r for r in range(world_size) if not store.check([f"{key}/rank/{r}"])]
             raise RendezvousError(
                 f"{_names(missing)} never arrived at the rendezvous at {addr}:{port} within {timeout:g} s "
                 f"(rank {rank} waited; {world_size - len(missing)} of {world_size} arrived): not started, "
                 f"crashed before init_distributed, or unable to reach {addr}:{port}; wait longer with {how}")
         time.sleep(_POLL_S)
-        arrived = store.add(_ARRIVED, 0)
+        arrived = store.add(f"{key}/arrived", 0)
     store.set_timeout(pg_timeout)
     return dist.PrefixStore("default_pg", store)

@@ -124,3 +124,31 @@ def test_traceback_behind_torch_rank_prefix_is_the_root_cause(launcher, tmp_path
     summary = result.stderr.split("Root cause:", 1)[1]
     assert "Python exception (traceback below)" in summary and "exited with code 1" not in summary
     assert "[rank1]: ValueError: bad batch shape" in summary
+
+
+def test_orphans_that_exit_during_the_job_are_reaped(launcher, tmp_path):
+    """Item 9: as a subreaper the agent inherits orphans; those that exit must not stay zombies until the end."""
+    (tmp_path / "orphans.py").write_text(
+        "import os, time\n"
+        "for _ in range(5):\n"
+        "    if os.fork() == 0:\n"
+        "        if os.fork() == 0:\n"
+        "            time.sleep(0.2)\n"
+        "            os._exit(0)\n"
+        "        os._exit(0)\n"
+        "    os.wait()\n"
+        "time.sleep(4)\n"
+        "print('AGENT', os.getppid(), flush=True)\n"
+        "time.sleep(2)\n")
+    proc = launcher.popen("--num_procs", "1", "orphans.py")
+    try:
+        line = ""
+        while not line.startswith("[rank 0] AGENT"):
+            line = proc.stdout.readline()
+            assert line or proc.poll() is None, proc.stderr.read()
+        agent = psutil.Process(int(line.split()[-1]))
+        zombies = [c.pid for c in agent.children() if c.status() == psutil.STATUS_ZOMBIE]
+        assert not zombies, f"unreaped orphans of the agent: {zombies}"
+    finally:
+        proc.communicate(timeout=30)
+    assert proc.returncode == 0
