@@ -304,6 +304,10 @@ class OffloadOptimizerConfig(_Section):
     pin_memory: bool = Field(False, description="Keep offloaded states in page-locked host memory "
                                                 "(faster transfers, less pageable memory).")
     buffer_count: PosInt = Field(4, description="Number of buffers used to stream states from NVMe.")
+    ratio: Annotated[float, _NUMBER, at.Ge(0.0), at.Le(1.0)] = Field(
+        1.0, description="Fraction of the optimizer states offloaded (the rest stays on the device).")
+    fast_init: bool = Field(False, description="Initialise NVMe-offloaded states faster (DeepSpeed's "
+                                               "knob; dsrun's swap files are preallocated anyway).")
 
     @model_validator(mode="after")
     def _nvme_needs_path(self) -> OffloadOptimizerConfig:
@@ -782,6 +786,8 @@ NOT_YET_SUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("gradient_predivide_factor", lambda v: v != 1.0, "a gradient predivide factor",
                 "set it to 1.0"),
     Unsupported("dump_state", _on, "dumping the engine state"),
+    Unsupported("zero_optimization.offload_optimizer.ratio", lambda v: v != 1.0,
+                "partial optimizer offload", "set it to 1.0"),
 )
 
 
@@ -823,6 +829,9 @@ NO_EFFECT_YET: dict[str, Any] = {
     "checkpoint.tag_validation": "Fail",
     "checkpoint.load_universal": True,
     "comms_logger.debug": False,  # callers of collectives are not recorded
+    "zero_optimization.offload_optimizer.fast_init": False,  # swap files are preallocated in one call
+    "zero_optimization.offload_param.buffer_size": 100_000_000,  # NVMe reads whole unit partitions
+    "zero_optimization.offload_param.max_in_cpu": 1_000_000_000,  # no host cache of NVMe partitions
 }
 
 

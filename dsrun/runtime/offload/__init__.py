@@ -18,7 +18,8 @@ def build_optimizer_tier(cfg, topology):
     if off.device == "nvme":
         return NvmeOptimizerTier(off.nvme_path, topology.rank, off.buffer_count, int(zero.sub_group_size),
                                  off.pin_memory, cfg.aio)
-    return OptimizerTier(host=off.device == "cpu", pin_memory=off.pin_memory, sub_group_size=int(zero.sub_group_size))
+    return OptimizerTier(host=off.device == "cpu", pin_memory=off.pin_memory, sub_group_size=int(zero.sub_group_size),
+                         force_native=cfg.zero_force_ds_cpu_optimizer)
 
 
 def build_param_tier(cfg, topology):

@@ -71,10 +71,14 @@ class OptimizerTier:
         host: keep masters and states in host memory (optimizer offload to cpu).
         pin_memory: page-lock them (only matters on a CUDA machine).
         sub_group_size: most elements the fused CPU Adam processes at once.
+        force_native: with host=True, refuse an optimizer other than dsrun's
+            Adam (ds_config's zero_force_ds_cpu_optimizer, as in DeepSpeed).
     """
 
-    def __init__(self, host: bool = False, pin_memory: bool = False, sub_group_size: int = 1_000_000_000):
+    def __init__(self, host: bool = False, pin_memory: bool = False, sub_group_size: int = 1_000_000_000,
+                 force_native: bool = True):
         self.host = host
+        self.force_native = force_native
         self.pin_memory = pin_memory
         self.sub_group_size = int(sub_group_size)
         self._staging: dict[str, torch.Tensor] = {}
@@ -88,7 +92,13 @@ class OptimizerTier:
 
     def prepare(self, strategy, param_numels: list[int], world_size: int) -> None:
         """Before any FlatParamSet exists: the full element counts of the
-        trainable parameters (NVMe reserves its files from them)."""
+        trainable parameters (NVMe reserves its files from them). Raises
+        ValueError for an optimizer the tier cannot step."""
+        if self.host and self.force_native and not strategy._fused:
+            raise ValueError(f"offload_optimizer.device {self.device_kind} with a client optimizer "
+                             f"({type(strategy.optimizer).__name__}): set \"optimizer\" in ds_config (Adam/AdamW "
+                             "run dsrun's CPU Adam) or pass dsrun.ops.adam.DeepSpeedCPUAdam, or set "
+                             "zero_force_ds_cpu_optimizer to false to step it with torch (slower)")
 
     def adopt(self, strategy, fset) -> None:
         """A FlatParamSet was just built (its master holds the initial values)."""
@@ -250,6 +260,10 @@ class NvmeOptimizerTier(OptimizerTier):
 
     # ---- construction -------------------------------------------------------------------
     def prepare(self, strategy, param_numels: list[int], world_size: int) -> None:
+        if not strategy._fused:
+            raise ValueError(f"offload_optimizer.device nvme streams Adam states through dsrun's CPU Adam; "
+                             f"{type(strategy.optimizer).__name__} cannot be streamed: set \"optimizer\" in "
+                             "ds_config (Adam/AdamW) or pass dsrun.ops.adam.DeepSpeedCPUAdam")
         # Upper bound of the partition: each parameter's share rounded up, plus one
         # element of bucket padding per parameter (buckets hold whole parameters).
         self._capacity = sum(-(-n // world_size) + 1 for n in param_numels)
@@ -367,10 +381,6 @@ class NvmeOptimizerTier(OptimizerTier):
                 self._read(k + 1)
         for b in self._buffers:
             self._wait(b.handle)
-
-    def _torch_step(self, s, factor: float) -> None:
-        raise TypeError("offload_optimizer.device nvme streams Adam states through dsrun's CPU Adam; "
-                        "use ds_config's optimizer Adam/AdamW or dsrun's DeepSpeedCPUAdam/FusedAdam")
 
     # ---- access outside the step ----------------------------------------------------------
     def materialize(self, s) -> None:

@@ -31,6 +31,7 @@ manager, nested uses share one read.
 from __future__ import annotations
 
 import contextlib
+import time
 import weakref
 from dataclasses import dataclass, field
 
@@ -123,7 +124,7 @@ class NvmeParamTier(ParamTier):
         self._pool: list[AioHandle] = []  # handles free for prefetches (lookahead of them)
         self._made = 0
         self._materialized = False
-        self.stats = {"read_bytes": 0, "write_bytes": 0}
+        self.stats = {"read_bytes": 0, "write_bytes": 0, "io_wait_s": 0.0}  # cumulative
 
     def prepare(self, strategy, param_numels: list[int], world_size: int) -> None:
         self._elt = torch.empty((), dtype=strategy.precision.compute_dtype).element_size()
@@ -138,6 +139,7 @@ class NvmeParamTier(ParamTier):
         return self._handle_
 
     def _io(self, handle: AioHandle, write: bool, t: torch.Tensor, offset: int, wait: bool = True) -> None:
+        t0 = time.perf_counter()
         try:
             (handle.async_pwrite if write else handle.async_pread)(t, self.swap.files["params"], offset * self._elt)
             if wait:
@@ -145,6 +147,7 @@ class NvmeParamTier(ParamTier):
         except OSError as e:
             raise self.swap.check("params", e) from None
         self.stats["write_bytes" if write else "read_bytes"] += t.numel() * self._elt
+        self.stats["io_wait_s"] += time.perf_counter() - t0
 
     def adopt(self, fset) -> None:
         numel = fset.partition.numel()
@@ -161,6 +164,7 @@ class NvmeParamTier(ParamTier):
     def _acquire(self, fset, read: bool = True) -> None:
         slot = self._slots[id(fset)]
         if slot.pending is not None:
+            t0 = time.perf_counter()
             try:
                 slot.pending.wait()
             except OSError as e:
@@ -168,6 +172,7 @@ class NvmeParamTier(ParamTier):
             finally:
                 self._pool.append(slot.pending)
                 slot.pending = None
+                self.stats["io_wait_s"] += time.perf_counter() - t0
         elif not slot.resident:
             part = fset.partition
             part.untyped_storage().resize_(part.numel() * self._elt)
