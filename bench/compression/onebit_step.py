@@ -14,7 +14,8 @@ Configurations (lr 1e-4, weight decay 0.01, gradient_clipping 0):
   fp16 all-reduce the 1-bit optimizers are measured against.
 - onebitadam: "OneBitAdam", freeze_step = --warmup (every timed step is
   after warm-up: momentum exchanged 1-bit compressed over gloo).
-- zerooneadam: "ZeroOneAdam", var_freeze_step = --warmup,
+- zerooneadam: "ZeroOneAdam", var_freeze_step = --warmup - 1 (local steps
+  from step --warmup + 1, DeepSpeed's count),
   local_step_scaler 1, local_step_clipper 4: after warm-up the interval
   between synchronisations doubles every step up to 4, so most timed
   steps send nothing (DeepSpeed's defaults keep it at 1 for 32678 steps).
@@ -26,7 +27,10 @@ slower rank's time); configurations are interleaved (A B C ... A B C ...)
 over --repeats. Reported per configuration: min / median / spread of the
 step time, its ratio to adam's median, the bus bytes each rank sent per
 timed step (comms logger, dsrun/runtime/comm/logger.py; all ops) and the
-ratio of adam-fp16comm's bytes to it, and the mean loss of the timed steps.
+ratio of adam-fp16comm's bytes to it. Losses are not compared: a warm-up of a
+few steps leaves the frozen variance far from converged (the optimizers
+need freeze_step in the thousands; tests/compression checks that each one
+trains).
 """
 from __future__ import annotations
 
@@ -53,7 +57,7 @@ def _config(run: str, s, warmup: int) -> dict:
         "adam": {"type": "AdamW", "params": common},
         "adam-fp16comm": {"type": "AdamW", "params": common},
         "onebitadam": {"type": "OneBitAdam", "params": {**common, "freeze_step": warmup}},
-        "zerooneadam": {"type": "ZeroOneAdam", "params": {**common, "var_freeze_step": warmup,
+        "zerooneadam": {"type": "ZeroOneAdam", "params": {**common, "var_freeze_step": warmup - 1,
                                                           "local_step_scaler": 1, "local_step_clipper": 4}},
         "onebitlamb": {"type": "OneBitLamb", "params": {**common, "freeze_step": warmup}},
     }[run]
@@ -74,7 +78,7 @@ def _rank(run: str, s, warmup: int, steps: int, rank: int, port: int, out) -> No
     g = torch.Generator().manual_seed(rank)
     data = [torch.randint(0, s.vocab, (s.micro, s.seq + 1), generator=g) for _ in range(warmup + steps)]
     engine, *_ = dsrun.initialize(model=model, config=_config(run, s, warmup))
-    times, losses = [], []
+    times = []
     for i, batch in enumerate(data):
         if i == warmup:
             dsrun.comm.comms_logger.reset()
@@ -86,11 +90,10 @@ def _rank(run: str, s, warmup: int, steps: int, rank: int, port: int, out) -> No
         dist.barrier()
         if i >= warmup:
             times.append(time.perf_counter() - t0)
-            losses.append(float(loss.detach()))
     stats = dsrun.comm.comms_logger.snapshot()
     stats.pop("barrier", None)
     per_op = {op: st.bus_bytes / steps for op, st in stats.items()}
-    out.put((rank, times, losses, per_op))
+    out.put((rank, times, per_op))
     dist.destroy_process_group()
 
 
@@ -108,23 +111,21 @@ def main() -> None:
         if run not in RUNS:
             raise SystemExit(f"unknown configuration {run!r}; known: {', '.join(RUNS)}")
     times = {r: [] for r in runs}
-    losses = {r: [] for r in runs}
     bytes_ = {}
     for rep in range(args.repeats):
         for run in runs:  # interleaved
             results = _launch(run, _rank, run, s, args.warmup, args.steps)
             t = [max(a, b) for a, b in zip(results[0][1], results[1][1])]
             times[run] += t
-            losses[run] += [(a + b) / 2 for a, b in zip(results[0][2], results[1][2])]
-            bytes_[run] = results[0][3]
+            bytes_[run] = results[0][2]
             print(f"[repeat {rep + 1}/{args.repeats}] {run}: median {statistics.median(t):.3f} s/step, "
-                  f"{sum(results[0][3].values()) / 2**20:.2f} MiB/step", file=sys.stderr, flush=True)
+                  f"{sum(results[0][2].values()) / 2**20:.2f} MiB/step", file=sys.stderr, flush=True)
     n = sum(p.numel() for p in GPT(s).parameters())
     print(f"\nGPT {args.model} ({n / 1e6:.1f}M parameters), 2 ranks x 1 thread, fp32, stage 0; {args.repeats} "
           f"interleaved repeat(s) x {args.steps} timed steps after {args.warmup} warm-up steps\n")
     print("| run | min s/step | median s/step | spread | vs adam | bus MiB/step (rank 0) | "
-          "fp16 all-reduce / this | ops | mean loss |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "fp16 all-reduce / this | MiB/step per op |")
+    print("|---|---|---|---|---|---|---|---|")
     base_t = statistics.median(times[runs[0]])
     fp16 = sum(bytes_.get("adam-fp16comm", {}).values())
     for run in runs:
@@ -132,8 +133,7 @@ def main() -> None:
         med = statistics.median(ts)
         ops = ", ".join(f"{op} {v / 2**20:.2f}" for op, v in sorted(bytes_[run].items()) if v)
         print(f"| {run} | {min(ts):.3f} | {med:.3f} | {(max(ts) - min(ts)) / med:.1%} | {med / base_t:.2f} | "
-              f"{b / 2**20:.3f} | {fp16 / b if b and fp16 else float('nan'):.1f} | {ops} | "
-              f"{statistics.mean(losses[run]):.4f} |")
+              f"{b / 2**20:.3f} | {fp16 / b if b and fp16 else float('nan'):.1f} | {ops} |")
 
 
 if __name__ == "__main__":

@@ -4,13 +4,14 @@ Lu et al., "Maximizing Communication Efficiency for Large-scale Training
 via 0/1 Adam" (ICLR 2023), Algorithm 1, with DeepSpeed's arithmetic and
 schedules. Per tensor θ with gradient g, momentum m, variance v:
 
-- Adaptive variance freezing (steps up to var_freeze_step): the variance
+- Adaptive variance freezing (steps up to var_freeze_step + 1, DeepSpeed's
+  count): the variance
   is updated only on steps t with t % var_interval == 0, from the engine's
   all-reduced gradient (v = β2·v + (1-β2)·g², m = β1·m + (1-β1)·g); on the
   other steps the ranks exchange g itself 1-bit compressed and update m
   only. var_interval starts at 1 and doubles after every var_update_scaler
   variance updates, so full all-reduces become exponentially rarer.
-- Local steps (after var_freeze_step): v is frozen; each rank updates m
+- Local steps (from step var_freeze_step + 2): v is frozen; each rank updates m
   and θ with its local gradient and sends nothing, accumulating
   u = Σ -lr·(update) and Σ lr (per tensor). Every local_step_interval steps the ranks
   synchronise: θ is rolled back by u, u is rescaled by (√v + eps), averaged
@@ -45,7 +46,8 @@ class ZeroOneAdam(CompressedCommOptimizer):
         lr, bias_correction (accepted, not applied as in DeepSpeed), betas,
             eps, eps_inside_sqrt, weight_decay, max_grad_norm (unused),
             amsgrad (must be False): as OnebitAdam.
-        var_freeze_step: last step that may update the variance (100000).
+        var_freeze_step: the variance may be updated up to step
+            var_freeze_step + 1, local steps follow (100000).
         var_update_scaler: variance updates per doubling of var_interval (16).
         local_step_scaler: steps per doubling of local_step_interval (32678).
         local_step_clipper: largest local_step_interval (16).
@@ -90,8 +92,9 @@ class ZeroOneAdam(CompressedCommOptimizer):
         return int(self._schedule()["global_step"])
 
     def variance_frozen(self) -> bool:
-        """True from the step after var_freeze_step on (local steps)."""
-        return self.steps_done() >= self.var_freeze_step
+        """True from step var_freeze_step + 2 on (local steps): DeepSpeed
+        freezes once more than var_freeze_step steps are done."""
+        return self.steps_done() > self.var_freeze_step
 
     def gradients_averaged(self) -> bool:
         return not self.variance_frozen() and (self.steps_done() + 1) % self._schedule()["var_interval"] == 0
@@ -105,7 +108,7 @@ class ZeroOneAdam(CompressedCommOptimizer):
                 loss = closure()
         sched = self._schedule()
         frozen = self.variance_frozen()
-        if frozen and self.steps_done() == self.var_freeze_step:
+        if frozen and self.steps_done() == self.var_freeze_step + 1:
             self.reset_errors()  # errors of gradients do not carry over to accumulated momenta
             if comm.get_rank() == 0:
                 log.info("ZeroOneAdam: step %d: variance frozen, local steps from now on", self.steps_done() + 1)
