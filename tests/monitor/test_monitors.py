@@ -175,3 +175,13 @@ def test_a_missing_package_is_a_clear_error(monkeypatch, tmp_path):
         TensorBoardMonitor(str(tmp_path), "x")
     with pytest.raises(MonitorUnavailableError, match="pip install wandb"):
         WandbMonitor("p", None, None)
+
+
+def test_deepspeeds_module_paths():
+    from dsrun.monitor.monitor import MonitorMaster
+    from dsrun.runtime.config import load_config
+    from dsrun.runtime.monitor import MonitorMaster as runtime_master
+
+    assert MonitorMaster is runtime_master
+    cfg = load_config({"train_micro_batch_size_per_gpu": 1, "csv_monitor": {"enabled": True}}, world_size=1)
+    assert MonitorMaster(cfg, rank=1).monitors == [] and MonitorMaster(cfg, rank=1).enabled
