@@ -58,6 +58,15 @@ def _matrix(path):
             tier.close()
             if swap:
                 out[(stage, prec, device)]["removed"] = not swap.exists()
+    # A torch optimizer: refused with offload unless zero_force_ds_cpu_optimizer is false.
+    try:
+        train(_config(2, "fp32", "cpu", path), steps=1, optimizer="adamw")
+        out["client_refused"] = None
+    except ValueError as e:
+        out["client_refused"] = str(e)
+    allowed = {**_config(2, "fp32", "cpu", path), "zero_force_ds_cpu_optimizer": False}
+    out["client_cpu"] = train(allowed, steps=3, optimizer="adamw")[:2]
+    out["client_none"] = train(_config(2, "fp32", "none", path), steps=3, optimizer="adamw")[:2]
     for prec in ("fp32", "bf16"):
         for name, opt, param in PARAM_CASES:
             losses, full, engine = train(_config(3, prec, opt, path, param), steps=3, optimizer="config")
@@ -123,6 +132,15 @@ def test_estimate_matches_offloaded_engine(matrix, prec):
         assert run["breakdown"]["offload_buffers"]["fp32"] <= cats["offload_buffers"]["fp32"] + page_padding
         assert "master" not in run["breakdown"] or not run["breakdown"]["master"]
         assert not run["breakdown"].get("optimizer_states")
+
+
+def test_client_optimizer_needs_zero_force_ds_cpu_optimizer_false(matrix):
+    results, _ = matrix
+    for rank_out in results:
+        assert "zero_force_ds_cpu_optimizer" in rank_out["client_refused"]
+        (losses, full), (base_losses, base_full) = rank_out["client_cpu"], rank_out["client_none"]
+        assert losses == base_losses  # torch's AdamW on host masters: the same arithmetic
+        assert all(torch.equal(full[n], base_full[n]) for n in full)
 
 
 def test_nvme_states_live_in_swap_files(matrix):

@@ -125,8 +125,10 @@ class Init:
     does not cast them: shards keep the constructor's dtype, so the fp32
     master weights the strategy builds from them are the exact initial
     values (the strategy casts its compute copy itself). remote_device,
-    pin_memory and config are accepted for compatibility and ignored (no
-    parameter offload yet). Initialises torch.distributed when needed.
+    pin_memory and config are accepted for compatibility and ignored: the
+    strategy moves the partitions where `offload_param` says (see
+    dsrun/runtime/offload/param_tier.py). Initialises torch.distributed
+    when needed.
     """
 
     def __init__(self, module=None, data_parallel_group=None, mem_efficient_linear=True,
