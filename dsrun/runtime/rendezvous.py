@@ -72,10 +72,11 @@ def join(rank: int, world_size: int, addr: str, port: int, timeout: float,
         store = dist.TCPStore(addr, port, world_size, is_master=hosts_store,
                               timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False, multi_tenant=True)
     except (RuntimeError, ValueError) as exc:  # DistStoreError and DistNetworkError are RuntimeErrors
+        cause = str(exc).splitlines()[0].rstrip(".") if str(exc) else type(exc).__name__
         doing = f"open the rendezvous store on port {port}" if hosts_store else \
             f"reach the rendezvous (rank 0's store) at {addr}:{port} within {timeout:g} s"
         raise RendezvousError(
-            f"rank {rank} could not {doing}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}; "
+            f"rank {rank} could not {doing}: {cause}; "
             "check that MASTER_ADDR is rank 0's host as every node sees it and that MASTER_PORT is free there "
             f"and open, or wait longer ({how})") from None
     # torchrun's agent store outlives a restart of the ranks: count each attempt apart.
