@@ -12,9 +12,10 @@ import sys
 import threading
 from pathlib import Path
 
+import paramiko
 import pytest
 
-from dsrun.launcher.ssh import HostKeyPolicy, SshConnectError, connect_all, load_ssh_config
+from dsrun.launcher.ssh import HostKeyPolicy, SshConnectError, connect_all, load_ssh_config, resolve_target
 from tests.multinode.conftest import keygen, sshd_cluster  # noqa: F401 (the fixture)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -51,6 +52,13 @@ def test_a_key_that_differs_from_the_global_known_hosts_is_refused(sshd_cluster,
         assert "REMOTE HOST IDENTIFICATION HAS CHANGED" in why and str(global_file) in why, why
         assert "Host key verification failed" in why
     assert not known.exists()  # nothing learned from a refused host
+
+
+def test_every_known_hosts_file_is_consulted_by_default():
+    target = resolve_target("somehost", paramiko.SSHConfig())
+    assert [str(p) for p in target.global_known_hosts] == ["/etc/ssh/ssh_known_hosts", "/etc/ssh/ssh_known_hosts2"]
+    assert [p.name for p in target.user_known_hosts] == ["known_hosts", "known_hosts2"]
+    assert target.strict_host_key_checking is None  # so: strict, as OpenSSH without a terminal
 
 
 def test_a_key_listed_only_in_the_global_file_is_known(sshd_cluster, tmp_path):
