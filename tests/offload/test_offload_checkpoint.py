@@ -13,8 +13,10 @@ def _engine(stage, device, nvme):
 
     torch.manual_seed(0)
     model = TinyGPT()
+    opt, _, param = device.partition("+")  # "nvme+nvme": optimizer and parameters on NVMe
+    extra = {"offload_param": {"device": param, "nvme_path": nvme}} if param else {}
     cfg = base_config(stage, "bf16", sub_group_size=150, stage3_param_persistence_threshold=0,
-                      offload_optimizer={"device": device, "nvme_path": nvme})
+                      offload_optimizer={"device": opt, "nvme_path": nvme}, **extra)
     cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-2}}
     return dsrun.initialize(model=model, model_parameters=param_groups(model), config=cfg)[0]
 
@@ -45,7 +47,8 @@ def _resume(stage, save_dev, load_dev, nvme, ckpt):
     return expected, got, all(torch.equal(exp_avg[n], got_avg[n]) for n in exp_avg)
 
 
-CASES = [(3, "nvme", "none"), (3, "none", "nvme"), (2, "nvme", "cpu"), (1, "cpu", "nvme")]
+CASES = [(3, "nvme", "none"), (3, "none", "nvme"), (2, "nvme", "cpu"), (1, "cpu", "nvme"),
+         (3, "nvme+nvme", "none"), (3, "none", "cpu+nvme")]
 
 
 def _all_cases(nvme, ckpt):
