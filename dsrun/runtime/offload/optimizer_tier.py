@@ -14,7 +14,11 @@ optimizer step; the strategy never tests an offload flag.
   moments and writes the compute copy in the same pass (directly when the
   compute copy is in host memory, else through a host copy). On a CPU-only
   machine host and device memory are the same, so nothing is copied: the
-  arithmetic and the results are those of no offload, bit for bit.
+  arithmetic and the results are those of no offload, bit for bit. (On a
+  GPU machine the gradient copies happen in the step, one sub-group after
+  another, not during backward as in the paper's design, and the copies
+  back are not overlapped with the next sub-group's update; that path has
+  not run on a GPU yet.)
 - `NvmeOptimizerTier`: `offload_optimizer.device: nvme` (ZeRO-Infinity,
   Rajbhandari et al., SC21, section 5). Masters (when separate from the
   compute copy) and moments live in this rank's swap files (see swap.py);
