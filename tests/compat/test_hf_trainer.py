@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.dist_helpers import free_port
+
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
@@ -32,7 +34,8 @@ def alias_dir(tmp_path_factory) -> Path:
 def train(alias_dir: Path, out: Path, *args: str) -> dict[int, dict]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(alias_dir), str(ROOT)]), "OMP_NUM_THREADS": "1",
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
-    run = subprocess.run([sys.executable, "-m", "dsrun.launcher.cli", "--num_procs", "2", str(SCRIPT),
+    run = subprocess.run([sys.executable, "-m", "dsrun.launcher.cli", "--num_procs", "2",
+                          "--master_port", str(free_port()), str(SCRIPT),
                           "--out", str(out), *args], env=env, capture_output=True, text=True, timeout=400)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     found = {}

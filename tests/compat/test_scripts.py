@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.dist_helpers import free_port
+
 SCRIPTS = Path(__file__).parent / "scripts"
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -17,7 +19,9 @@ pytestmark = pytest.mark.slow
 
 def dsrun(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "dsrun.launcher.cli", *args], cwd=cwd, env=env,
+    # a port of our own: 29500 may be taken between dsrun's check and rank 0's bind by parallel jobs
+    return subprocess.run([sys.executable, "-m", "dsrun.launcher.cli", "--master_port", str(free_port()), *args],
+                          cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 
