@@ -78,3 +78,24 @@ def test_all_problems_in_one_round():
                  "fp16.auto_cast=true", "fp16.enabeld: unknown key", "prescale_gradients=true"):
         assert part in text
     assert len(info.value.problems) == 5
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_adam_bias_correction_false_takes_effect(stage):
+    """DeepSpeed's Adam `bias_correction` (24 of 70 real configs set it): the
+    first step is lr * m / sqrt(v); corrected, m/sqrt(v) = g/|g|; uncorrected,
+    (1 - beta1) g / (sqrt(1 - beta2) |g|), i.e. 0.1 / sqrt(0.001) = 3.16 times larger."""
+    steps = {}
+    for correct in (True, False):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 1, bias=False)
+        before = model.weight.detach().clone()
+        engine, *_ = deepspeed.initialize(model=model, config={
+            **BASE, "zero_optimization": {"stage": stage},
+            "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "bias_correction": correct, "eps": 1e-12}}})
+        loss = engine(torch.ones(2, 4)).sum()
+        engine.backward(loss)
+        engine.step()
+        with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+            steps[correct] = (engine.module.weight.detach() - before).abs().mean().item()
+    assert steps[False] / steps[True] == pytest.approx(0.1 / 0.001 ** 0.5, rel=1e-3)
