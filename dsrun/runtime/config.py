@@ -305,13 +305,16 @@ class OffloadOptimizerConfig(_Section):
                                                 "(faster transfers, less pageable memory).")
     buffer_count: PosInt = Field(4, description="Number of buffers used to stream states from NVMe.")
     ratio: Annotated[float, _NUMBER, at.Ge(0.0), at.Le(1.0)] = Field(
-        1.0, description="Fraction of the optimizer states offloaded (the rest stays on the device).")
+        1.0, description="Fraction of the optimizer states offloaded to NVMe (the rest stays in memory).")
     fast_init: bool = Field(False, description="Initialise NVMe-offloaded states faster (DeepSpeed's "
                                                "knob; dsrun's swap files are preallocated anyway).")
 
     @model_validator(mode="after")
     def _nvme_needs_path(self) -> OffloadOptimizerConfig:
         _check_nvme_path(self.device, self.nvme_path)
+        if self.ratio != 1.0 and self.device != "nvme":
+            raise _Problem("partial offload is built for device nvme only; set ratio to 1.0 or device "
+                           "to nvme", key="ratio")
         return self
 
 
@@ -786,8 +789,6 @@ NOT_YET_SUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("gradient_predivide_factor", lambda v: v != 1.0, "a gradient predivide factor",
                 "set it to 1.0"),
     Unsupported("dump_state", _on, "dumping the engine state"),
-    Unsupported("zero_optimization.offload_optimizer.ratio", lambda v: v != 1.0,
-                "partial optimizer offload", "set it to 1.0"),
 )
 
 

@@ -210,7 +210,6 @@ def test_when_a_feature_lands_its_keys_must_be_read_or_declared(monkeypatch):
     ("zero_optimization.zero_hpz_partition_size", True),  # >= 1, > 1 rejected
     ("gradient_predivide_factor", True),                  # > 0, != 1.0 rejected
     ("zero_optimization.offload_param.device", False),    # Literal, every value accepted (offload landed)
-    ("zero_optimization.offload_optimizer.ratio", True),  # in [0, 1], != 1.0 rejected
     ("zero_optimization.mics_shard_size", False),         # 0 is accepted and not rejected
     ("optimizer.type", False),                            # a string: no type is rejected
 ])

@@ -58,6 +58,17 @@ def _matrix(path):
             tier.close()
             if swap:
                 out[(stage, prec, device)]["removed"] = not swap.exists()
+    # ratio 0.5: half the states stay in memory, the rest are streamed.
+    for prec in ("fp32", "bf16"):
+        cfg = _config(3, prec, "nvme", path)
+        cfg["zero_optimization"]["offload_optimizer"]["ratio"] = 0.5
+        losses, full, engine = train(cfg, steps=3, optimizer="config")
+        engine.strategy._settle()
+        tier = engine.strategy.optimizer_tier
+        out[(3, prec, "ratio")] = dict(losses=losses, full=full, kept=sum(g.hi - g.lo for g, _ in tier._kept),
+                                       streamed=sum(g.hi - g.lo for g in tier._groups),
+                                       states=engine.memory_breakdown()["optimizer_states"]["fp32"])
+        tier.close()
     # A torch optimizer: refused with offload unless zero_force_ds_cpu_optimizer is false.
     try:
         train(_config(2, "fp32", "cpu", path), steps=1, optimizer="adamw")
@@ -132,6 +143,18 @@ def test_estimate_matches_offloaded_engine(matrix, prec):
         assert run["breakdown"]["offload_buffers"]["fp32"] <= cats["offload_buffers"]["fp32"] + page_padding
         assert "master" not in run["breakdown"] or not run["breakdown"]["master"]
         assert not run["breakdown"].get("optimizer_states")
+
+
+@pytest.mark.parametrize("prec", ["fp32", "bf16"])
+def test_ratio_keeps_part_in_memory_with_the_same_losses(matrix, prec):
+    results, _ = matrix
+    for rank_out in results:
+        base, run = rank_out[(3, prec, "none")], rank_out[(3, prec, "ratio")]
+        assert run["losses"] == base["losses"]
+        assert all(torch.equal(run["full"][n], v) for n, v in base["full"].items())
+        total = run["kept"] + run["streamed"]
+        assert run["kept"] > 0 and run["streamed"] > 0 and abs(run["kept"] - total / 2) <= 100  # sub_group_size
+        assert run["states"] == 2 * 4 * run["kept"]  # only the kept moments are in memory
 
 
 def test_client_optimizer_needs_zero_force_ds_cpu_optimizer_false(matrix):

@@ -17,7 +17,7 @@ def build_optimizer_tier(cfg, topology):
     off = zero.offload_optimizer
     if off.device == "nvme":
         return NvmeOptimizerTier(off.nvme_path, topology.rank, off.buffer_count, int(zero.sub_group_size),
-                                 off.pin_memory, cfg.aio)
+                                 off.pin_memory, cfg.aio, ratio=off.ratio)
     return OptimizerTier(host=off.device == "cpu", pin_memory=off.pin_memory, sub_group_size=int(zero.sub_group_size),
                          force_native=cfg.zero_force_ds_cpu_optimizer)
 

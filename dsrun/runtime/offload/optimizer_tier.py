@@ -37,6 +37,10 @@ is the in-memory step's, so losses equal no offload bit for bit. Host
 memory: B x 3 x 4 bytes x sub-group elements, plus one gradient staging
 buffer on a CUDA machine.
 
+`offload_optimizer.ratio` < 1 (ZeRO-Offload++'s "twin flow") keeps the
+first (1 - ratio) of the sub-group elements in memory for good: they are
+updated without any I/O before the streamed ones.
+
 Code that reads or writes masters and moments outside the step (checkpoints,
 `safe_get_full_*`, GatheredParameters) calls `materialize`, which reads them
 into ordinary tensors where the in-memory tier keeps them (`fset.master`,
@@ -238,11 +242,13 @@ class NvmeOptimizerTier(OptimizerTier):
         pin_memory: accepted for DeepSpeed compatibility; the buffers are
             page-aligned and page-locked on CUDA machines anyway.
         aio: the config's `aio` section (block size, queue depth, threads).
+        ratio: fraction of the elements offloaded (the rest stays in memory).
 
     Raises (at `prepare`): SwapError for an unusable nvme_path.
     """
 
-    def __init__(self, nvme_path, rank: int, buffer_count: int, sub_group_size: int, pin_memory: bool, aio):
+    def __init__(self, nvme_path, rank: int, buffer_count: int, sub_group_size: int, pin_memory: bool, aio,
+                 ratio: float = 1.0):
         super().__init__(host=True, pin_memory=pin_memory, sub_group_size=sub_group_size)
         self.device_kind = "nvme"
         self.nvme_path = nvme_path
@@ -254,7 +260,9 @@ class NvmeOptimizerTier(OptimizerTier):
         self._capacity = 0          # elements reserved per file
         self._next = 0              # next free element offset
         self._base: dict[tuple[int, int], int] = {}  # (id(fset), span.lo) -> file element offset
-        self._groups: list[_SubGroup] = []
+        self._groups: list[_SubGroup] = []  # streamed
+        self._kept: list[tuple[_SubGroup, dict[str, torch.Tensor]]] = []  # in memory (ratio < 1)
+        self.ratio = float(ratio)
         self._buffers: list[_Buffer] = []
         self._materialized = False
         self.stats = {"read_bytes": 0, "write_bytes": 0, "io_wait_s": 0.0, "compute_s": 0.0, "step_s": 0.0}
@@ -300,14 +308,28 @@ class NvmeOptimizerTier(OptimizerTier):
         fset.master = None  # lives in the swap file from now on
 
     def bind(self, strategy) -> None:
-        largest = 1
-        for fset, span, key in strategy._views:
-            base = self._base[(id(fset), span.lo)]
-            for lo, hi in _chunks(span.hi - span.lo, self.sub_group_size):
-                self._groups.append(_SubGroup(fset, span, key, lo, hi, base + lo))
-                largest = max(largest, hi - lo)
+        groups = [_SubGroup(fset, span, key, lo, hi, self._base[(id(fset), span.lo)] + lo)
+                  for fset, span, key in strategy._views
+                  for lo, hi in _chunks(span.hi - span.lo, self.sub_group_size)]
+        keep = round((1.0 - self.ratio) * sum(g.hi - g.lo for g in groups))
+        while groups and groups[0].hi - groups[0].lo <= keep:  # the first (1 - ratio) stays in memory
+            g = groups.pop(0)
+            keep -= g.hi - g.lo
+            self._kept.append((g, {name: torch.empty(g.hi - g.lo, dtype=torch.float32) for name in self._names}))
+        self._load_kept()
+        self._groups = groups
+        largest = max([g.hi - g.lo for g in groups], default=0)
         self._buffers = [_Buffer(largest, self._names, self._handle())
-                         for _ in range(min(self.buffer_count, max(1, len(self._groups))))]
+                         for _ in range(min(self.buffer_count, len(groups)))]
+
+    def _load_kept(self, write: bool = False) -> None:
+        """Read the kept sub-groups from the swap files (write: the reverse)."""
+        if self._kept:
+            with self._handle() as h:
+                for g, parts in self._kept:
+                    for name, t in parts.items():
+                        self._io(h, write, name, t, g.offset)
+                self._wait(h)
 
     def close(self) -> None:
         for b in self._buffers:
@@ -356,8 +378,24 @@ class NvmeOptimizerTier(OptimizerTier):
             hyper = native_adam.adam_hyperparams(s.optimizer.param_groups[span.group], s.optimizer)
             args[id(key)] = dict(hyper, step=int(state["step"].item()), grad_scale=factor)
         with s.param_tier.stepping() as resident:
+            for g, parts in self._kept:  # no I/O: these stay in memory
+                resident(g.fset)
+                self._update(g, parts, args)
             self._stream(s, resident, args)
         self.stats["step_s"] = time.perf_counter() - start
+
+    def _update(self, g: _SubGroup, parts: dict[str, torch.Tensor], args: dict) -> None:
+        """CPU Adam on sub-group g whose master (if separate) and moments are `parts`."""
+        t0 = time.perf_counter()
+        n = g.hi - g.lo
+        copy = g.fset.copy_view(g.span)
+        if "master" in parts:
+            master = parts["master"][:n]
+        else:  # the fp32 compute copy in host memory is the master
+            master = g.fset.master_view(g.span)[g.lo:g.hi]
+        self._cpu_adam(master, g.fset.grad_view(g.span)[g.lo:g.hi], parts["exp_avg"][:n], parts["exp_avg_sq"][:n],
+                       None if copy is None else copy[g.lo:g.hi], args[id(g.key)])
+        self.stats["compute_s"] += time.perf_counter() - t0
 
     def _stream(self, s, resident, args: dict) -> None:
         nb, groups = len(self._buffers), self._groups
@@ -369,16 +407,8 @@ class NvmeOptimizerTier(OptimizerTier):
             buf = self._buffers[k % nb]
             self._wait(buf.handle)  # sub-group k is in the buffer
             resident(g.fset)
-            t0 = time.perf_counter()
+            self._update(g, buf.parts, args)
             n = g.hi - g.lo
-            copy = g.fset.copy_view(g.span)
-            if "master" in buf.parts:
-                master = buf.parts["master"][:n]
-            else:  # the fp32 compute copy in host memory is the master
-                master = g.fset.master_view(g.span)[g.lo:g.hi]
-            self._cpu_adam(master, g.fset.grad_view(g.span)[g.lo:g.hi], buf.parts["exp_avg"][:n],
-                           buf.parts["exp_avg_sq"][:n], None if copy is None else copy[g.lo:g.hi], args[id(g.key)])
-            self.stats["compute_s"] += time.perf_counter() - t0
             for name in self._names:
                 self._io(buf.handle, True, name, buf.parts[name][:n], g.offset)
             if nb == 1 and k + 1 < len(groups):
@@ -390,6 +420,7 @@ class NvmeOptimizerTier(OptimizerTier):
     def materialize(self, s) -> None:
         if self._materialized:
             return
+        self._load_kept(write=True)  # the files hold everything while materialized
         with self._handle() as h:
             for fset in s.sets:
                 if "master" in self._names and fset.trainable_shard_numel:
@@ -424,11 +455,14 @@ class NvmeOptimizerTier(OptimizerTier):
         for fset in s.sets:
             if fset.separate_master:
                 fset.master = None
+        self._load_kept()
         self._materialized = False
 
     def held(self, strategy) -> dict[str, list[torch.Tensor]]:
         out = super().held(strategy)
         out["offload_buffers"] += [b.flat for b in self._buffers]
+        out["master"] = [parts["master"] for _, parts in self._kept if "master" in parts]
+        out["optimizer_states"] = [parts[k] for _, parts in self._kept for k in ("exp_avg", "exp_avg_sq")]
         return out
 
     def nvme_bytes(self) -> int:

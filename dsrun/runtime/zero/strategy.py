@@ -235,15 +235,17 @@ class ZeroStrategy(GradientStrategy):
         """Tensors this rank holds per category (subclasses add their own)."""
         states = [t for st in self.optimizer.state.values() for t in st.values()
                   if isinstance(t, torch.Tensor) and t.dim() > 0]
-        return {
+        held = {
             "params": [t for f in self.sets for t in (f.full, f.partition) if t is not None],
             "grads": [t for f in self.sets for t in (f.grad_full, f.grad_partition) if t is not None],
             "master": [f.master for f in self.sets if f.master is not None],
             "optimizer_states": states,
             "comm_buffers": [r.staging for r in self.reducer.regions
                              if r.staging is not None and not r.in_place],
-            **self.optimizer_tier.held(self),
         }
+        for category, tensors in self.optimizer_tier.held(self).items():
+            held.setdefault(category, []).extend(tensors)
+        return held
 
     def loss_scale(self) -> float:
         return self.precision.scaler.scale
