@@ -225,6 +225,9 @@ class _Rank:
         self.popen: subprocess.Popen | None = None
         self.returncode: int | None = None
         self.pumps: list[threading.Thread] = []
+        # Per pump thread: lines read so far, and whether it is inside readline (see Agent._drain).
+        self.lines_read: dict[str, int] = {}
+        self.reading: dict[str, bool] = {}
 
     def signal_group(self, signum: int) -> None:
         """Send `signum` to the rank's process group; a group that is gone is fine."""
@@ -313,7 +316,8 @@ class Agent:
     def _start_pumps(self, rank: _Rank) -> None:
         for pipe, sink, keep_tail in ((rank.popen.stdout, self._out, False), (rank.popen.stderr, self._err, True)):
             thread = threading.Thread(
-                target=self._pump, args=(rank, pipe, sink, keep_tail), daemon=True, name=f"pump-{rank.rank}"
+                target=self._pump, args=(rank, pipe, sink, keep_tail), daemon=True,
+                name=f"pump-{rank.rank}-{'stderr' if keep_tail else 'stdout'}"
             )
             thread.start()
             rank.pumps.append(thread)
@@ -323,7 +327,14 @@ class Agent:
     def _pump(self, rank: _Rank, pipe: BinaryIO, sink: BinaryIO, keep_tail: bool) -> None:
         """Copy a rank's pipe line by line to `sink` with a ``[rank N]`` prefix, the log and the tail."""
         prefix = f"[rank {rank.rank}] ".encode()
-        for raw in iter(pipe.readline, b""):
+        name = threading.current_thread().name
+        while True:
+            rank.reading[name] = True  # each pump writes its own keys
+            raw = pipe.readline()
+            rank.reading[name] = False
+            rank.lines_read[name] = rank.lines_read.get(name, 0) + 1
+            if not raw:
+                break
             if not raw.endswith(b"\n"):
                 raw += b"\n"
             self._write(sink, prefix + raw)
@@ -419,17 +430,20 @@ class Agent:
 
     @staticmethod
     def _drain(rank: _Rank) -> None:
-        """Wait until the output of an exited rank is relayed: its pumps reached EOF, or its pipes hold
-        no unread byte (a descendant that keeps a pipe open must not delay the job), or _DRAIN_S passed."""
+        """Wait until the output of an exited rank is relayed: its pumps reached EOF, or for _POLL_S its
+        pipes held no unread byte while every live pump sat in readline without progress (waiting for
+        input that will never come: a descendant keeps the pipe open, which must not delay the job),
+        or _DRAIN_S passed."""
         deadline = time.monotonic() + _DRAIN_S
         pipes = (rank.popen.stdout, rank.popen.stderr)
-        quiet_since = None
+        seen, still_since = None, time.monotonic()
         while any(t.is_alive() for t in rank.pumps) and time.monotonic() < deadline:
-            if any(_unread_bytes(p) for p in pipes):
-                quiet_since = None
-            elif quiet_since is None:
-                quiet_since = time.monotonic()
-            elif time.monotonic() - quiet_since > _POLL_S:  # the pumps have written what they had read
+            busy = any(_unread_bytes(p) for p in pipes) or not all(
+                rank.reading.get(t.name) for t in rank.pumps if t.is_alive())
+            now = dict(rank.lines_read)
+            if now != seen or busy:
+                seen, still_since = now, time.monotonic()
+            elif time.monotonic() - still_since > _POLL_S:
                 return
             time.sleep(0.005)
 
