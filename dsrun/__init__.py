@@ -42,6 +42,7 @@ _LAZY_API = {
     "log_dist": ("dsrun.utils", "log_dist"),
     "logger": ("dsrun.utils", "logger"),
     "DeepSpeedConfigError": ("dsrun.runtime.config", "ConfigError"),
+    "moe": ("dsrun.moe", None),
 }
 # See [Note: missing DeepSpeed names] in dsrun/compat/missing.py.
 _missing.install(__name__)

@@ -4,7 +4,7 @@
 A script written for DeepSpeed that reaches a feature dsrun lacks must stop
 with a message naming that feature, never with a bare AttributeError or
 ModuleNotFoundError that reads like a broken install. Three kinds of names:
-- modules (`deepspeed.pipe`, `deepspeed.moe.layer`, ...): `MISSING_MODULES`,
+- modules (`deepspeed.pipe`, `deepspeed.inference`, ...): `MISSING_MODULES`,
   served by `MissingModuleFinder`, which sits at the end of sys.meta_path
   and answers only for dsrun's own names that no file provides: importing
   one raises `FeatureNotImplementedError` (an ImportError).
@@ -46,9 +46,8 @@ MISSING_MODULES: dict[str, tuple[str, str | None]] = {
              "train the model data-parallel with ZeRO (stage 3 for models that do not fit one rank)"),
     "runtime.pipe": ("pipeline parallelism (PipelineEngine, ProcessTopology)",
                      "train the model data-parallel with ZeRO"),
-    "moe": ("Mixture of Experts layers (deepspeed.moe.layer.MoE, expert parallelism)",
-            "build the experts as ordinary modules and mark the block with "
-            "dsrun.utils.set_z3_leaf_modules under ZeRO-3"),
+    "moe.sharded_moe": ("expert parallelism (sharded MoE)", None),
+    "moe.experts": ("expert parallelism (Experts)", None),
     "inference": ("DeepSpeed-Inference (init_inference, InferenceEngine)", "run the model with plain PyTorch"),
     "module_inject": ("kernel injection and automatic tensor parallelism", None),
     "compression": ("compression training (quantization, pruning)", None),
@@ -83,7 +82,7 @@ MISSING_ATTRS: dict[str, tuple[str, str | None]] = {
 
 
 def missing_module(relative: str) -> tuple[str, str | None] | None:
-    """The MISSING_MODULES entry covering `relative` (e.g. "moe.layer"), or None."""
+    """The MISSING_MODULES entry covering `relative` (e.g. "runtime.pipe.engine"), or None."""
     parts = relative.split(".")
     for end in range(len(parts), 0, -1):
         entry = MISSING_MODULES.get(".".join(parts[:end]))

@@ -185,6 +185,13 @@ _TORCH_OPTIMIZERS = [
 ]
 OPTIMIZER_NAMES = _known_names(["Adam", "AdamW", "SGD", "Adagrad", "Lamb", "Lion", "OneBitAdam",
                                 "ZeroOneAdam", "OneBitLamb", *_TORCH_OPTIMIZERS])
+# DeepSpeed's constants for optimizer.type values (`deepspeed.runtime.config.LAMB_OPTIMIZER`, ...):
+# lower-case names, compared with the config's type by scripts such as BERT pre-training.
+ADAGRAD_OPTIMIZER, ADAM_OPTIMIZER, ADAMW_OPTIMIZER, LAMB_OPTIMIZER = "adagrad", "adam", "adamw", "lamb"
+ONEBIT_ADAM_OPTIMIZER, ZERO_ONE_ADAM_OPTIMIZER, ONEBIT_LAMB_OPTIMIZER = "onebitadam", "zerooneadam", "onebitlamb"
+LION_OPTIMIZER = "lion"
+DEEPSPEED_OPTIMIZERS = [ADAGRAD_OPTIMIZER, ADAM_OPTIMIZER, ADAMW_OPTIMIZER, LAMB_OPTIMIZER, ONEBIT_ADAM_OPTIMIZER,
+                        ZERO_ONE_ADAM_OPTIMIZER, ONEBIT_LAMB_OPTIMIZER, LION_OPTIMIZER]
 SCHEDULER_NAMES = _known_names(["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest"])
 
 

@@ -13,7 +13,7 @@ import dsrun as deepspeed
 from dsrun.compat.missing import MISSING_ATTRS, MISSING_MODULES, FeatureNotImplemented, FeatureNotImplementedError
 
 
-@pytest.mark.parametrize("module", ["pipe", "moe.layer", "moe.utils", "runtime.pipe.engine", "inference",
+@pytest.mark.parametrize("module", ["pipe", "moe.sharded_moe", "runtime.pipe.engine", "inference",
                                     "ops.transformer", "sequence.layer", "module_inject"])
 def test_missing_module_import_names_the_feature(module):
     with pytest.raises(ImportError) as info:
@@ -28,13 +28,24 @@ def test_missing_module_import_names_the_feature(module):
 def test_from_import_of_missing_module():
     with pytest.raises(ImportError, match="pipeline parallelism"):
         from dsrun.pipe import PipelineModule  # noqa: F401
-    with pytest.raises(ImportError, match="Mixture of Experts"):
-        from dsrun.moe.layer import MoE  # noqa: F401
+    with pytest.raises(ImportError, match="pipeline parallelism"):
+        deepspeed.pipe.PipelineModule  # noqa: B018
 
 
-def test_missing_module_as_attribute():
-    with pytest.raises(ImportError, match="Mixture of Experts"):
-        deepspeed.moe.layer.MoE  # noqa: B018
+def test_moe_layer_raises_and_param_groups_split():
+    """CIFAR-10's example imports deepspeed.moe.utils unconditionally and builds
+    deepspeed.moe.layer.MoE only with --moe."""
+    from dsrun.moe.layer import MoE
+    from dsrun.moe.utils import split_params_into_different_moe_groups_for_optimizer
+    with pytest.raises(NotImplementedError, match="Mixture of Experts layer"):
+        deepspeed.moe.layer.MoE(hidden_size=8, expert=torch.nn.Linear(8, 8), num_experts=2)
+    assert MoE is deepspeed.moe.layer.MoE
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    expert = model[1].weight
+    expert.allreduce, expert.group_name = False, "ep_size_1"
+    groups = split_params_into_different_moe_groups_for_optimizer({"params": model.parameters(), "lr": 0.1})
+    assert [len(g["params"]) for g in groups] == [3, 1] and groups[1]["moe"] and groups[1]["name"] == "ep_size_1"
+    assert groups[1]["params"][0] is expert and groups[0]["lr"] == groups[1]["lr"] == 0.1
 
 
 @pytest.mark.parametrize("name", sorted(MISSING_ATTRS))

@@ -14,11 +14,13 @@ from tests.dist_helpers import run_ranks
 
 def test_module_paths_mirror_deepspeed():
     from dsrun.checkpoint.utils import clone_tensors_for_torch_save
+    from dsrun.runtime.config import LAMB_OPTIMIZER, ONEBIT_LAMB_OPTIMIZER  # BERT pre-training compares with these
     from dsrun.runtime.lr_schedules import VALID_LR_SCHEDULES
     from dsrun.runtime.utils import move_to_device, see_memory_usage  # noqa: F401
     from dsrun.runtime.zero.partition_parameters import GatheredParameters, Init, ZeroParamStatus  # noqa: F401
     from dsrun.utils import RepeatingLoader, groups, log_dist, logger, set_z3_leaf_modules  # noqa: F401
     assert deepspeed.utils.logger is logger and deepspeed.logger is logger
+    assert (LAMB_OPTIMIZER, ONEBIT_LAMB_OPTIMIZER) == ("lamb", "onebitlamb")
     assert {"WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest"} == set(VALID_LR_SCHEDULES)
     base = torch.arange(10.0)
     cloned = clone_tensors_for_torch_save({"a": [base[2:4]], "b": 3})
