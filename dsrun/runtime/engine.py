@@ -440,3 +440,6 @@ class Engine(DeepSpeedEngineCompat, torch.nn.Module):
         pickles. Returns True. Raises CheckpointError when rank 0 cannot write."""
         checkpointer.save_16bit(self, save_dir, save_filename, exclude_frozen_parameters)
         return True
+
+
+DeepSpeedEngine = Engine  # DeepSpeed's name (`deepspeed.runtime.engine.DeepSpeedEngine`, used by Hugging Face)

@@ -65,6 +65,11 @@ def test_unknown_names_are_still_attribute_errors():
         importlib.import_module("dsrun.no_such_module")
 
 
+def test_engine_class_under_deepspeeds_path():
+    from dsrun.runtime.engine import DeepSpeedEngine
+    assert DeepSpeedEngine is deepspeed.DeepSpeedEngine is deepspeed.runtime.engine.Engine
+
+
 def test_existing_modules_are_not_shadowed():
     # the finder is consulted last: real modules win
     assert importlib.import_module("dsrun.runtime.zero").Init is dsrun.zero.Init
