@@ -1,25 +1,45 @@
-"""Checkpoint save/load time per ZeRO stage on 2 ranks, against torch.save and the disk.
+"""Checkpoint save/load per ZeRO stage on 2 ranks: dsrun against the disk (fio),
+torch.save, PyTorch DCP and DeepSpeed.
 
-    .venv/bin/python bench/checkpoint/bench_checkpoint.py [--layers 8] [--width 704] [--stages 0,1,2,3]
-        [--precision fp32|bf16] [--dir /tmp/dsrun-ckpt-bench] [--repeats 1]
+    .venv/bin/python bench/checkpoint/bench_checkpoint.py [--stages 0,1,2,3] [--repeats 3]
+        [--precision fp32|bf16] [--layers 8] [--width 704] [--dir /tmp/dsrun-ckpt-bench]
+        [--deepspeed /tmp/ds_pkgs]
 
 Model: examples/gpt_model.py's GPT (default 8 layers x 704 wide: 48M
 parameters), AdamW, one training step so the optimizer holds its states.
-Per stage, a fresh pair of ranks (gloo, 1 torch thread each) measures, on
-rank 0 (both ranks take part; times are wall clock between barriers):
+Each repeat runs, per stage, a fresh pair of ranks (gloo, 1 torch thread
+each) that measures, in this order, on rank 0 (wall clock between barriers,
+so the slower rank counts):
 
+  fio         the disk's sequential write bandwidth in --dir, run by rank 0
+              while rank 1 waits: 2 jobs, 1 MiB blocks, fsync at the end, as
+              many bytes as the checkpoint; buffered and O_DIRECT, the better
+              counts ("disk GB/s")
   save        engine.save_checkpoint, blocking (write, fsync, commit)
-  async stall the time save_checkpoint takes with checkpoint.async_save
-              (the host snapshot), and async total until wait_checkpoint()
-  load        engine.load_checkpoint on the same 2 ranks
-  load 1 rank the same checkpoint loaded by a single process at stage 0
+  async stall save_checkpoint with checkpoint.async_save plus the time the
+              next engine.step() spends making the save stop reading the
+              state ([Note: copy-on-write snapshot]); "async total" until
+              wait_checkpoint() returns
   torch.save  each rank torch.save's its module + optimizer state_dict
-              (pickled, to one file per rank, fsynced): the usual baseline
-  bytes       size of the checkpoint directory
+              (pickled, one file per rank, fsynced)
+  dcp save    torch.distributed.checkpoint.save of the same tensors dsrun
+              writes (each rank's slices under its own keys, so nothing is
+              deduplicated away), default FileSystemWriter (fsync on)
+  dcp stall   dcp.async_save's call (its copy to host memory); total until
+              the future is done
+  load        engine.load_checkpoint (same 2 ranks), dcp.load of the same
+              tensors, and the dsrun checkpoint loaded by one process at
+              stage 0 ("load 1 proc", a fresh process, its start excluded)
 
-and, once, fio's sequential write bandwidth (1 MiB blocks, fsync at the end,
-2 jobs, in --dir) when fio is installed. The "save GB/s" column is bytes /
-save time: the goal is >= 0.8x fio's bandwidth.
+then, with --deepspeed DIR (a directory holding DeepSpeed, e.g. made by
+`DS_BUILD_OPS=0 pip install --target DIR --no-deps deepspeed==0.19.8 hjson
+py-cpuinfo msgpack tqdm einops nvidia-ml-py`), a pair of DeepSpeed ranks
+(DS_ACCELERATOR=cpu, gloo) on the same model and stage: save_checkpoint and
+load_checkpoint. Configurations alternate within every repeat (dsrun pair,
+1-process load, DeepSpeed pair, next stage, ...); the table gives the median
+over repeats and the min-max spread, and ratios are taken per repeat before
+the median. Goals of issue 9: save time <= 1.2x the time the disk needs for
+the same bytes (fio), async stall <= 0.1x the blocking save.
 """
 from __future__ import annotations
 
@@ -28,6 +48,7 @@ import json
 import os
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -35,7 +56,8 @@ import time
 import torch
 import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+sys.path.insert(0, ROOT)
 
 
 def _port() -> int:
@@ -44,49 +66,86 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _engine(args, stage: int):
-    import dsrun
+def _model(args):
     from examples.gpt_model import GPT, GPTConfig
 
     torch.manual_seed(0)
-    model = GPT(GPTConfig(n_layer=args.layers, n_embd=args.width, n_head=8, seq_len=64))
+    return GPT(GPTConfig(n_layer=args.layers, n_embd=args.width, n_head=8, seq_len=64))
+
+
+def _config(args, stage: int) -> dict:
     cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage},
-           "steps_per_print": 10**9, "checkpoint": {}}
+           "steps_per_print": 10**9, "zero_allow_untested_optimizer": True}
     if args.precision == "bf16":
         cfg["bf16"] = {"enabled": True}
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    engine, *_ = dsrun.initialize(model=model, optimizer=opt, config=cfg)
+    return cfg
+
+
+def _train_step(engine) -> None:
     x = torch.randint(0, 256, (1, 64))
     engine.backward(engine(x, x))
     engine.step()
-    return engine
 
 
 def _timed(fn) -> float:
-    from dsrun.runtime import comm
-    comm.barrier()
+    import torch.distributed as dist
+    dist.barrier()
     t = time.perf_counter()
     fn()
-    comm.barrier()
+    dist.barrier()
     return time.perf_counter() - t
 
 
-def _worker(rank: int, world: int, port: int, args, stage: int, queue) -> None:
+def _fio(directory: str, nbytes: int, direct: bool) -> float:
+    """fio's sequential write bandwidth (GB/s), 2 jobs writing nbytes in all."""
+    size = max(nbytes // 2 // (1 << 20), 16)
+    out = subprocess.run(["fio", "--name=w", f"--directory={directory}", "--rw=write", "--bs=1M",
+                          f"--size={size}M", "--numjobs=2", "--end_fsync=1", f"--direct={int(direct)}",
+                          "--group_reporting", "--output-format=json"],
+                         capture_output=True, text=True, check=True).stdout
+    for f in os.listdir(directory):
+        if f.startswith("w."):
+            os.unlink(os.path.join(directory, f))
+    return json.loads(out)["jobs"][0]["write"]["bw_bytes"] / 1e9
+
+
+def _du(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+
+
+def _dsrun_worker(rank: int, world: int, port: int, args, stage: int, queue) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    engine = _engine(args, stage)
-    root = os.path.join(args.dir, f"stage{stage}")
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    import dsrun
+    from dsrun.runtime.checkpoint import checkpointer
+
+    model = _model(args)
+    engine, *_ = dsrun.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4),
+                                  config=_config(args, stage))
+    _train_step(engine)
+    root = os.path.join(args.dir, f"dsrun{stage}")
     row = {}
+    nbytes = 12 * sum(p.numel() for p in model.parameters())  # fp32 values + 2 Adam states
+    dist.barrier()
+    if rank == 0 and shutil.which("fio"):
+        row["fio"] = max(_fio(args.dir, nbytes, direct=False), _fio(args.dir, nbytes, direct=True))
     row["save"] = _timed(lambda: engine.save_checkpoint(root, tag="sync"))
+    row["bytes"] = _du(os.path.join(root, "sync"))
     engine.config.checkpoint.async_save = True
     t0 = time.perf_counter()
-    stall = _timed(lambda: engine.save_checkpoint(root, tag="async"))
-    row["async_stall"] = stall
+    row["async_call"] = _timed(lambda: engine.save_checkpoint(root, tag="async"))
+    job = engine._pending_checkpoint
+    _train_step(engine)  # the step makes the save stop reading the state (copy-on-write)
+    row["async_stall"] = row["async_call"] + job.release_s
     engine.wait_checkpoint()
+    dist.barrier()
     row["async_total"] = time.perf_counter() - t0
     engine.config.checkpoint.async_save = False
-    row["load"] = _timed(lambda: engine.load_checkpoint(root, tag="sync"))
+
     path = os.path.join(root, f"torch_save_rank{rank}.pt")
 
     def torch_save():
@@ -95,34 +154,115 @@ def _worker(rank: int, world: int, port: int, args, stage: int, queue) -> None:
             f.flush()
             os.fsync(f.fileno())
     row["torch_save"] = _timed(torch_save)
-    tag_dir = os.path.join(root, "sync")
-    row["bytes"] = sum(os.path.getsize(os.path.join(tag_dir, f)) for f in os.listdir(tag_dir))
+    tensors = checkpointer._rank_payload(engine, checkpointer.held_pieces(engine), {}, False)[0]
+    state = {f"rank{rank}/{k}": t.clone() for k, t in tensors.items()}  # as dsrun's: this rank's slices
+    row["dcp_save"] = _timed(lambda: dcp.save(state, checkpoint_id=os.path.join(root, "dcp")))
+    row["dcp_bytes"] = _du(os.path.join(root, "dcp"))
+    t0 = time.perf_counter()
+    future = None
+
+    def dcp_async():
+        nonlocal future
+        future = dcp.async_save(state, checkpoint_id=os.path.join(root, "dcp_async"))
+    row["dcp_stall"] = _timed(dcp_async)
+    future.result()
+    dist.barrier()
+    row["dcp_async_total"] = time.perf_counter() - t0
+    row["load"] = _timed(lambda: engine.load_checkpoint(root, tag="sync"))
+    row["dcp_load"] = _timed(lambda: dcp.load(state, checkpoint_id=os.path.join(root, "dcp")))
     if rank == 0:
         queue.put(row)
-    import torch.distributed as dist
     dist.destroy_process_group()
 
 
 def _load_alone(args, stage: int, queue) -> None:
     os.environ.pop("WORLD_SIZE", None)
     torch.set_num_threads(1)
-    engine = _engine(args, 0)
+    import dsrun
+
+    model = _model(args)
+    engine, *_ = dsrun.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4),
+                                  config=_config(args, 0))
     t = time.perf_counter()
-    engine.load_checkpoint(os.path.join(args.dir, f"stage{stage}"), tag="sync")
-    queue.put(time.perf_counter() - t)
+    engine.load_checkpoint(os.path.join(args.dir, f"dsrun{stage}"), tag="sync")
+    queue.put({"load_1": time.perf_counter() - t})
 
 
-def _fio(directory: str) -> float | None:
-    if shutil.which("fio") is None:
-        return None
-    out = subprocess.run(["fio", "--name=w", f"--directory={directory}", "--rw=write", "--bs=1M",
-                          "--size=256M", "--numjobs=2", "--end_fsync=1", "--group_reporting",
-                          "--output-format=json"], capture_output=True, text=True, check=True).stdout
-    bw = json.loads(out)["jobs"][0]["write"]["bw_bytes"]
-    for f in os.listdir(directory):
-        if f.startswith("w."):
-            os.unlink(os.path.join(directory, f))
-    return bw / 1e9
+def _deepspeed_worker(rank: int, world: int, port: int, args, stage: int, queue) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR="cpu")
+    sys.path.insert(0, args.deepspeed)
+    torch.set_num_threads(1)
+    import deepspeed
+    import deepspeed.comm.torch  # noqa: F401 (the attribute deepspeed.comm.torch is torch itself)
+    import torch.distributed as dist
+
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None  # its CPU all-reduce compiles for minutes
+    deepspeed.init_distributed(dist_backend="gloo")
+    model = _model(args)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4),
+                                      config=_config(args, stage))
+    _train_step(engine)
+    root = os.path.join(args.dir, f"deepspeed{stage}")
+    row = {"ds_save": _timed(lambda: engine.save_checkpoint(root, tag="sync"))}
+    row["ds_bytes"] = _du(os.path.join(root, "sync"))
+    row["ds_load"] = _timed(lambda: engine.load_checkpoint(root, tag="sync"))
+    if rank == 0:
+        queue.put(row)
+    dist.destroy_process_group()
+
+
+def _pair(ctx, target, args, stage: int) -> dict:
+    queue = ctx.Queue()
+    port = _port()
+    procs = [ctx.Process(target=target, args=(r, 2, port, args, stage, queue)) for r in range(2)]
+    for proc in procs:
+        proc.start()
+    row = queue.get(timeout=1800)
+    for proc in procs:
+        proc.join()
+    return row
+
+
+def _alone(ctx, args, stage: int) -> dict:
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_load_alone, args=(args, stage, queue))
+    proc.start()
+    row = queue.get(timeout=1800)
+    proc.join()
+    return row
+
+
+COLUMNS = [  # (heading, function of one repeat's row, format)
+    ("GB", lambda r: r["bytes"] / 1e9, "{:.3f}"),
+    ("disk GB/s", lambda r: r.get("fio"), "{:.2f}"),
+    ("save s", lambda r: r["save"], "{:.3f}"),
+    ("save GB/s", lambda r: r["bytes"] / r["save"] / 1e9, "{:.2f}"),
+    ("save/disk", lambda r: r["save"] / (r["bytes"] / 1e9 / r["fio"]) if r.get("fio") else None, "{:.2f}x"),
+    ("async stall s", lambda r: r["async_stall"], "{:.4f}"),
+    ("stall/save", lambda r: r["async_stall"] / r["save"], "{:.3f}x"),
+    ("async total s", lambda r: r["async_total"], "{:.3f}"),
+    ("torch.save s", lambda r: r["torch_save"], "{:.3f}"),
+    ("DCP save s", lambda r: r["dcp_save"], "{:.3f}"),
+    ("DCP stall s", lambda r: r["dcp_stall"], "{:.3f}"),
+    ("DCP async total s", lambda r: r["dcp_async_total"], "{:.3f}"),
+    ("DS save s", lambda r: r.get("ds_save"), "{:.3f}"),
+    ("load s", lambda r: r["load"], "{:.3f}"),
+    ("load 1 proc s", lambda r: r["load_1"], "{:.3f}"),
+    ("DCP load s", lambda r: r["dcp_load"], "{:.3f}"),
+    ("DS load s", lambda r: r.get("ds_load"), "{:.3f}"),
+]
+
+
+def _summary(rows: list[dict]) -> list[tuple[str, str]]:
+    out = []
+    for heading, fn, fmt in COLUMNS:
+        values = [v for v in (fn(r) for r in rows) if v is not None]
+        if not values:
+            continue
+        med = statistics.median(values)
+        out.append((heading, f"{fmt.format(med)} [{fmt.format(min(values))}-{fmt.format(max(values))}]"))
+    return out
 
 
 def main() -> None:
@@ -130,33 +270,31 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--width", type=int, default=704)
     p.add_argument("--stages", default="0,1,2,3")
+    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--dir", default="/tmp/dsrun-ckpt-bench")
+    p.add_argument("--deepspeed", default=None, help="directory holding DeepSpeed (pip --target); adds its columns")
     args = p.parse_args()
     os.makedirs(args.dir, exist_ok=True)
+    if shutil.which("fio") is None:
+        print("fio is not installed: no disk column (apt-get install fio)")
     ctx = mp.get_context("spawn")
-    fio = _fio(args.dir)
-    print(f"fio sequential write, 2 jobs: {fio:.2f} GB/s" if fio else "fio not installed")
-    print(f"{'stage':>5} {'GB':>6} {'save s':>7} {'GB/s':>6} {'async stall':>11} {'async total':>11} "
-          f"{'load s':>7} {'load 1 rank':>11} {'torch.save':>10}")
-    for stage in (int(s) for s in args.stages.split(",")):
-        queue = ctx.Queue()
-        port = _port()
-        procs = [ctx.Process(target=_worker, args=(r, 2, port, args, stage, queue)) for r in range(2)]
-        for proc in procs:
-            proc.start()
-        row = queue.get(timeout=1800)
-        for proc in procs:
-            proc.join()
-        alone = ctx.Process(target=_load_alone, args=(args, stage, queue))
-        alone.start()
-        row["load_1"] = queue.get(timeout=1800)
-        alone.join()
-        gb = row["bytes"] / 1e9
-        print(f"{stage:>5} {gb:>6.2f} {row['save']:>7.2f} {gb / row['save']:>6.2f} {row['async_stall']:>11.3f} "
-              f"{row['async_total']:>11.2f} {row['load']:>7.2f} {row['load_1']:>11.2f} {row['torch_save']:>10.2f}",
-              flush=True)
-        shutil.rmtree(os.path.join(args.dir, f"stage{stage}"))
+    stages = [int(s) for s in args.stages.split(",")]
+    rows: dict[int, list[dict]] = {s: [] for s in stages}
+    for repeat in range(args.repeats):
+        for stage in stages:
+            row = _pair(ctx, _dsrun_worker, args, stage)
+            row.update(_alone(ctx, args, stage))
+            if args.deepspeed:
+                row.update(_pair(ctx, _deepspeed_worker, args, stage))
+            rows[stage].append(row)
+            print(f"repeat {repeat} stage {stage}: " + json.dumps({k: round(v, 4) for k, v in row.items()}),
+                  flush=True)
+            for sub in (f"dsrun{stage}", f"deepspeed{stage}"):
+                shutil.rmtree(os.path.join(args.dir, sub), ignore_errors=True)
+    print(f"\nmedian [min-max] over {args.repeats} repeats, {args.precision}, 2 ranks, {args.dir}")
+    for stage in stages:
+        print(f"stage {stage}: " + "  ".join(f"{h} {v}" for h, v in _summary(rows[stage])))
 
 
 if __name__ == "__main__":
