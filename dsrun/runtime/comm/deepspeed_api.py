@@ -22,7 +22,7 @@ from dsrun.runtime.comm.collectives import (Handle, all_gather_into_tensor, all_
 from dsrun.runtime.comm.list_collectives import (all_gather, all_to_all, all_to_all_single_split,
                                                  broadcast_object_list, gather, irecv, isend, monitored_barrier,
                                                  recv, reduce, reduce_scatter, scatter, send)
-from dsrun.runtime.comm.logger import CommsLogger, OpStats, comms_logger
+from dsrun.runtime.comm.logger import CommsLogger, OpStats, comms_logger, log_summary
 from dsrun.runtime.dist import DEFAULT_TIMEOUT, Topology
 from dsrun.runtime.dist import init_distributed as _init_process_group
 
@@ -172,9 +172,3 @@ def configure(deepspeed_config: dict | None = None, enabled: bool | None = None,
                            bool(section.get("verbose", comms_logger.verbose)),
                            bool(section.get("prof_all", comms_logger.prof_all)),
                            section.get("prof_ops", comms_logger.prof_ops))
-
-
-def log_summary(show_straggler: bool = False) -> None:
-    """Print the comms logger's table on rank 0 (DeepSpeed prints nothing unless it is enabled)."""
-    if get_rank() == 0:
-        comms_logger.log_summary()
