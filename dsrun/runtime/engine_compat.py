@@ -4,7 +4,7 @@ consolidated 16-bit state dict, attribute forwarding to the wrapped module,
 and the pipeline-engine methods dsrun does not have.
 
 They live in this mixin so that engine.py stays the loop (see
-/work/shared/STYLE.md, "Avoid" 1). Every getter reads the resolved DsConfig
+the design notes: one engine class behind one-line getters is what to avoid). Every getter reads the resolved DsConfig
 or the gradient strategy; none holds state of its own.
 """
 from __future__ import annotations
