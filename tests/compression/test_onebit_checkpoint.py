@@ -1,6 +1,7 @@
 """Checkpoints of the 1-bit optimizers keep their error-feedback buffers."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.compression.test_onebit import OPTIMIZERS, _config, _model, _train
@@ -19,10 +20,19 @@ def _rank_resume(tmp: str, name: str, precision: str):
     return straight, _train(resumed_engine, 4, start=12), kept
 
 
-def test_resume_continues_bit_for_bit_with_the_saved_errors(tmp_path):
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Checkpoints of OneBitAdam (fp32) and OneBitLamb (bf16) after 12 steps, and each run's results."""
+    root = tmp_path_factory.mktemp("onebit")
+    runs = {}
     for name, precision in (("OneBitAdam", "fp32"), ("OneBitLamb", "bf16")):
-        for straight, resumed, kept in run_ranks(_rank_resume, 2, str(tmp_path / name), name, precision,
-                                                 timeout=180):
+        runs[name] = run_ranks(_rank_resume, 2, str(root / name), name, precision, timeout=180)
+    return root, runs
+
+
+def test_resume_continues_bit_for_bit_with_the_saved_errors(saved):
+    for name, results in saved[1].items():
+        for straight, resumed, kept in results:
             assert kept
             assert straight == resumed, (name, straight, resumed)
 
@@ -35,8 +45,7 @@ def _rank_load_alone(tmp: str):
     return bool(engine.optimizer._errors), engine.optimizer.steps_done(), losses
 
 
-def test_another_world_size_restarts_the_errors_from_zero(tmp_path):
-    run_ranks(_rank_resume, 2, str(tmp_path), "OneBitAdam", "fp32", timeout=180)
-    kept, steps, losses = run_ranks(_rank_load_alone, 1, str(tmp_path), timeout=120)[0]
+def test_another_world_size_restarts_the_errors_from_zero(saved):
+    kept, steps, losses = run_ranks(_rank_load_alone, 1, str(saved[0] / "OneBitAdam"), timeout=120)[0]
     assert not kept and steps == 13  # the step counter came back (12), the errors did not
     assert all(torch.isfinite(torch.tensor(losses)))

@@ -41,6 +41,7 @@ from dsrun.runtime.checkpoint.store import (INDEX, LATEST, CheckpointError, File
                                             fsync_dir, index_time, load_index, read_shard_metadata,
                                             resolve_tag, shard_name, stream_safetensors, write_json_atomic)
 from dsrun.runtime.checkpoint.writer import ShardWriter, StagingBuffer
+from dsrun.runtime.fp16.onebit.base import CompressedCommOptimizer
 from dsrun.runtime.zero.params import record_of
 from dsrun.runtime.zero.strategy import ZeroStrategy
 
@@ -569,7 +570,7 @@ def _optimizer_extras(optimizer, rank: int) -> dict[str, torch.Tensor]:
     [Note: error buffers in checkpoints] in dsrun/runtime/fp16/onebit/base.py):
     "optim_rank/rank<r>/<key>" for this rank's own, "optim_shared/<key>"
     (rank 0 writes them) for those every rank holds alike."""
-    if not hasattr(optimizer, "checkpoint_extras"):
+    if not isinstance(optimizer, CompressedCommOptimizer):
         return {}
     out = {f"optim_rank/rank{rank}/{k}": t for k, t in optimizer.checkpoint_extras().items()}
     if rank == 0:
@@ -582,7 +583,7 @@ def _load_optimizer_extras(engine, index: Index, reader: SliceReader) -> None:
     rank's own when the world size is the one that saved; rank 0 logs what
     happened to the error-feedback buffers."""
     optimizer, rank = engine.optimizer, engine.topology.rank
-    if not hasattr(optimizer, "load_checkpoint_extras"):
+    if not isinstance(optimizer, CompressedCommOptimizer):
         return
 
     def read(prefix: str) -> dict[str, torch.Tensor]:
