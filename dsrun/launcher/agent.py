@@ -19,9 +19,10 @@ any helper thread starts, because preexec_fn is not safe to run while other
 threads may hold locks.
 PDEATHSIG covers only the ranks themselves, not what they spawned; so the
 agent also forks a tiny watchdog before anything else (see `_Watchdog`). The
-agent tells it each rank's process group over a pipe; if the agent dies
-without saying "done", the pipe reaches EOF and the watchdog SIGKILLs those
-groups, grandchildren included.
+agent tells it each rank's process group over a pipe (and, once a second,
+the group of every orphan it adopted, see below); if the agent dies without
+saying "done", the pipe reaches EOF and the watchdog SIGKILLs those groups,
+grandchildren included.
 Processes are only ever signalled by process group id, never by name. When
 a rank's leader has exited, its group is killed once more to reap anything
 it left behind; Linux does not reuse a pid while a group of that id still
@@ -270,7 +271,7 @@ class Agent:
         threading.Thread(target=self._read_control, daemon=True, name="agent-stdin").start()
         for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(signum, lambda s, _f: self._events.put(("signal", s)))
-        self._watch(watchdog.pid)
+        self._watch(watchdog)
         kill_descendants(spare={watchdog.pid})
         for rank in self._ranks:
             self._drain(rank)
@@ -371,11 +372,14 @@ class Agent:
                 continue  # not a control line we know; keep listening for the ones we do
         self._events.put(("eof", None))
 
-    def _watch(self, watchdog_pid: int) -> None:
-        next_reap = time.monotonic() + _REAP_S
+    def _watch(self, watchdog: _Watchdog) -> None:
+        next_reap, guarded = time.monotonic() + _REAP_S, {r.popen.pid for r in self._ranks}
         while True:
             if time.monotonic() >= next_reap:  # zombies of orphans must not pile up over a long job
-                _reap_orphans(spare={watchdog_pid, *(r.popen.pid for r in self._ranks)})
+                adopted = _adopted_groups(spare={watchdog.pid, *(r.popen.pid for r in self._ranks)})
+                for pgid in adopted - guarded:  # should the agent be SIGKILLed, the watchdog kills them too
+                    watchdog.guard(pgid)
+                guarded |= adopted
                 next_reap = time.monotonic() + _REAP_S
             newly_failed = []
             for rank in self._running():
@@ -474,14 +478,22 @@ class Agent:
         return next((exit_status(r.returncode) for r in self._ranks if r.returncode != 0), 0)
 
 
-def _reap_orphans(spare: set[int]) -> None:
-    """Collect exited children of the agent other than `spare` (the ranks, whose status Popen collects)."""
+def _adopted_groups(spare: set[int]) -> set[int]:
+    """Reap the exited children of the agent other than `spare` (the ranks, whose status Popen
+    collects, and the watchdog); return the process groups of the live ones (orphans adopted as
+    subreaper, see [Note: agent process tree])."""
+    groups = set()
     for child in psutil.Process().children():
         try:
-            if child.pid not in spare and child.status() == psutil.STATUS_ZOMBIE:
+            if child.pid in spare:
+                continue
+            if child.status() == psutil.STATUS_ZOMBIE:
                 os.waitpid(child.pid, os.WNOHANG)
-        except (psutil.NoSuchProcess, ChildProcessError):
+            else:
+                groups.add(os.getpgid(child.pid))
+        except (psutil.NoSuchProcess, ProcessLookupError, ChildProcessError):
             continue
+    return groups - {os.getpgrp()}
 
 
 def _reap_children() -> None:

@@ -83,6 +83,25 @@ def test_daemons_of_ranks_die_with_the_job_and_do_not_delay_it(launcher, tmp_pat
     assert elapsed < 8, f"dsrun took {elapsed:.1f} s"
 
 
+def test_daemons_die_even_when_the_agent_is_sigkilled(launcher, tmp_path):
+    """Item 9: the agent hands adopted daemons' groups to its watchdog, which outlives a SIGKILL of the agent."""
+    pidfile = tmp_path / "daemon"
+    proc = launcher.popen("--num_procs", "1", str(SCRIPTS / "spawn_daemon.py"), "0", str(pidfile), "60")
+    try:
+        deadline = time.monotonic() + 30
+        while not pidfile.with_name("daemon.rank0").exists():
+            assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read()
+            time.sleep(0.05)
+        daemon = psutil.Process(int(pidfile.with_name("daemon.rank0").read_text()))
+        time.sleep(2.5)  # the agent tells its watchdog about adopted processes once a second
+        agent = psutil.Process(daemon.ppid())  # adopted by the agent (a child subreaper), not by init
+        assert "dsrun.launcher.agent" in " ".join(agent.cmdline())
+        agent.kill()
+        daemon.wait(timeout=10)  # raises psutil.TimeoutExpired if the daemon survived
+    finally:
+        proc.communicate(timeout=30)
+
+
 def test_master_addr_of_another_machine_on_one_node_is_an_error(launcher):
     """Item 11: ranks would wait 30 minutes for a rendezvous that cannot open here."""
     result = launcher.run("--num_procs", "2", "--master_addr", "192.0.2.1", str(LAUNCHER_SCRIPTS / "print_env.py"),

@@ -1,13 +1,16 @@
 """Rank script: starts a daemon (double fork + setsid) that keeps the rank's stdout and stderr open, then exits.
 
-argv: EXIT_CODE [PIDFILE]. The daemon's pid is written to PIDFILE.rank<RANK> so the test can check it is gone.
+argv: EXIT_CODE [PIDFILE [LINGER_S]]. The daemon's pid is written to PIDFILE.rank<RANK> so the test can check
+it is gone; the rank itself exits after LINGER_S seconds (default 0).
 """
 import os
 import sys
 import time
 
-code = int(sys.argv[1])
-pidfile = sys.argv[2] if len(sys.argv) > 2 else None
+args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # appended by dsrun unless --no_local_rank
+code = int(args[0])
+pidfile = args[1] if len(args) > 1 else None
+linger = float(args[2]) if len(args) > 2 else 0.0
 if os.fork() == 0:
     os.setsid()
     if os.fork() == 0:
@@ -21,6 +24,7 @@ if os.fork() == 0:
 os.wait()
 while pidfile and not os.path.exists(f"{pidfile}.rank{os.environ['RANK']}"):
     time.sleep(0.01)
+time.sleep(linger)
 if code:
     print(f"rank {os.environ['RANK']} fails with {code}", file=sys.stderr)
 sys.exit(code)
