@@ -68,6 +68,7 @@ def test_process_group_destroyed_at_clean_exit_only(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # 50 x 2 interpreters importing torch: about 3 min on an idle 2-core machine
 def test_fifty_back_to_back_two_rank_runs_all_exit_0(tmp_path):
     """Each rank a fresh interpreter, as under a launcher: without the teardown
     at exit, 4 of 30 such runs (5 of 60 ranks) aborted with SIGABRT here. A
