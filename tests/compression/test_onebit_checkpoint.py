@@ -30,6 +30,7 @@ def saved(tmp_path_factory):
     return root, runs
 
 
+@pytest.mark.slow
 def test_resume_continues_bit_for_bit_with_the_saved_errors(saved):
     for name, results in saved[1].items():
         for straight, resumed, kept in results:
@@ -45,6 +46,7 @@ def _rank_load_alone(tmp: str):
     return bool(engine.optimizer._errors), engine.optimizer.steps_done(), losses
 
 
+@pytest.mark.slow
 def test_another_world_size_restarts_the_errors_from_zero(saved):
     kept, steps, losses = run_ranks(_rank_load_alone, 1, str(saved[0] / "OneBitAdam"), timeout=120)[0]
     assert not kept and steps == 13  # the step counter came back (12), the errors did not
