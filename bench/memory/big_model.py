@@ -26,6 +26,14 @@ their RSS together passes --rss-limit-gib (default 21).
 
 `--layers 4 --width 1024` is a quick check. Run the full size only on an
 otherwise idle machine: it needs 16 GiB plus slack.
+
+`--nvme DIR` puts the optimizer states and the parameter partitions in swap
+files under DIR (offload_optimizer and offload_param, device nvme), so the
+model states may exceed the machine's RAM: `--layers 104` (1.75B
+parameters, 16Ψ = 26 GiB of fp32 Adam states against 24 GiB of RAM) trains
+with each rank's RSS far below 16Ψ/N. The table then shows the swap-file
+bytes per rank beside the estimator's device / host / NVMe split. DIR needs
+16Ψ bytes free; the files are deleted at exit.
 """
 from __future__ import annotations
 
@@ -67,6 +75,8 @@ def worker(args: argparse.Namespace) -> None:
     rank = dist.get_rank()
     cfg = ds_config(3, "fp32")
     cfg["optimizer"]["params"]["lr"] = args.lr
+    if args.nvme:
+        cfg["zero_optimization"].update(nvme_offload(args.nvme))
     g = torch.Generator().manual_seed(1000 + rank)
     x, y = torch.randn(MICRO, args.width, generator=g), torch.randn(MICRO, args.width, generator=g)
     dist.barrier()
@@ -99,10 +109,18 @@ def worker(args: argparse.Namespace) -> None:
             print(f"PROGRESS step {i + 1}/{args.steps}: loss {losses[-1]:.4f}, peak RSS per rank "
                   + " / ".join(f"{p / 1024:.0f}" for p in both)
                   + f" MiB ({time.perf_counter() - t0:.1f} s)", flush=True)
+    swap_bytes = engine.memory_breakdown().get("nvme_swap", {})
     dist.barrier()
     print("RESULT " + json.dumps({"rank": rank, "after_build_kib": after_build - before, "peaks_kib": peaks,
-                                  "losses": losses}), flush=True)
+                                  "losses": losses, "swap_bytes": sum(swap_bytes.values())}), flush=True)
     dist.destroy_process_group()
+
+
+def nvme_offload(path: str) -> dict:
+    """zero_optimization keys that put optimizer states and parameters in swap files under `path`."""
+    return {"sub_group_size": 10_000_000,
+            "offload_optimizer": {"device": "nvme", "nvme_path": path, "buffer_count": 4},
+            "offload_param": {"device": "nvme", "nvme_path": path, "buffer_count": 5}}
 
 
 def main() -> None:
@@ -114,6 +132,7 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate (default 1e-5)")
     ap.add_argument("--rss-limit-gib", type=float, default=21.0,
                     help="stop the ranks when their RSS together passes this (default 21)")
+    ap.add_argument("--nvme", metavar="DIR", help="offload optimizer states and parameters to swap files in DIR")
     ap.add_argument("--worker", metavar="RUN", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -125,13 +144,19 @@ def main() -> None:
     with torch.device("meta"):
         meta = NormStack(args.layers, args.width)
     stage3 = estimate_zero_memory(meta, WORLD, 3, dtype="fp32").total / MIB
+    offload = "nvme" if args.nvme else "none"
+    tiers = estimate_zero_memory(meta, WORLD, 3, dtype="fp32", offload_optimizer=offload, offload_param=offload,
+                                 sub_group_size=10_000_000).tiers()
     print(f"model: {args.layers} x Linear({args.width}, {args.width}) = {psi / 1e6:.1f}M parameters (Ψ), fp32 AdamW "
           f"lr {args.lr:g}, {WORLD} ranks x 1 thread, gloo, CPU ({os.cpu_count()} cores, torch {torch.__version__})")
     print(f"DDP would hold 16Ψ = {16 * psi / GIB:.1f} GiB per rank, {WORLD * 16 * psi / GIB:.1f} GiB for "
           f"{WORLD} ranks; this machine has {mem_total_gib():.1f} GiB of RAM")
     print(f"ZeRO stage 3 formula 16Ψ/N = {stage3:.0f} MiB per rank (dsrun.estimate_zero_memory)", flush=True)
+    if args.nvme:
+        print("with optimizer and parameters on NVMe the estimator predicts per rank: "
+              + ", ".join(f"{tier} {b / MIB:.0f} MiB" for tier, b in tiers.items()), flush=True)
     worker_args = ["--layers", str(args.layers), "--width", str(args.width), "--steps", str(args.steps),
-                   "--lr", str(args.lr)]
+                   "--lr", str(args.lr)] + (["--nvme", args.nvme] if args.nvme else [])
     t0 = time.perf_counter()
     out = launch(Path(__file__).resolve(), "dsrun-3-init", worker_args, None, args.rss_limit_gib, progress=True)
     if isinstance(out, str):
@@ -145,6 +170,10 @@ def main() -> None:
           + " MiB per rank")
     print(f"peak RSS per rank {peak:.0f} MiB vs 16Ψ/N = {stage3:.0f} MiB: ratio {peak / stage3:.2f}; "
           f"loss {out[0]['losses'][0]:.4f} -> {out[0]['losses'][-1]:.4f}; {time.perf_counter() - t0:.0f} s in all")
+    if args.nvme:
+        print("swap files per rank: " + " / ".join(f"{r['swap_bytes'] / MIB:.0f}" for r in out)
+              + f" MiB (estimator: {tiers['nvme'] / MIB:.0f} MiB on NVMe, {tiers['host'] / MIB:.0f} MiB host, "
+              f"{tiers['device'] / MIB:.0f} MiB device)")
 
 
 if __name__ == "__main__":
