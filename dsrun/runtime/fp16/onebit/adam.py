@@ -98,13 +98,6 @@ class OnebitAdam(CompressedCommOptimizer):
         self.eps_inside_sqrt = bool(eps_inside_sqrt)
         self._setup_comm(cuda_aware, comm_backend_name)
 
-    def steps_done(self) -> int:
-        """Optimizer steps taken (the step counter of the first stepped tensor)."""
-        for p in (p for g in self.param_groups for p in g["params"]):
-            if "step" in self.state.get(p, {}):
-                return int(self.state[p]["step"])
-        return 0
-
     def gradients_averaged(self) -> bool:
         return self.steps_done() < self.freeze_step
 

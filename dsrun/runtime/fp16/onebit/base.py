@@ -67,6 +67,13 @@ class CompressedCommOptimizer(torch.optim.Optimizer, abc.ABC):
         self.comm_backend_name = comm_backend_name
         self._errors: dict[tuple[int, int], list[torch.Tensor]] = {}
 
+    def steps_done(self) -> int:
+        """Optimizer steps taken (the step counter of the first stepped tensor)."""
+        for p in (p for g in self.param_groups for p in g["params"]):
+            if "step" in self.state.get(p, {}):
+                return int(self.state[p]["step"])
+        return 0
+
     @abc.abstractmethod
     def gradients_averaged(self) -> bool:
         """True when the gradients of the coming step must arrive averaged

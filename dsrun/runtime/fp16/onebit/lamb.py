@@ -85,12 +85,6 @@ class OnebitLamb(Segmented, CompressedCommOptimizer):
         """Ratios of the last step, one per layer, in order."""
         return list(self.lamb_coeffs)
 
-    def steps_done(self) -> int:
-        for p in (p for g in self.param_groups for p in g["params"]):
-            if "step" in self.state.get(p, {}):
-                return int(self.state[p]["step"])
-        return 0
-
     def gradients_averaged(self) -> bool:
         return self.steps_done() < self.freeze_step
 
