@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import datetime
+import logging
 import os
 import sys
 
@@ -175,15 +176,29 @@ def init_distributed(dist_backend: str | None = None,
 
 
 def _leave() -> None:
-    """At a clean interpreter exit, destroy the process group dsrun created
-    while the interpreter is still whole: with torch 2.13, gloo objects alive
-    during interpreter teardown sometimes abort the process ("terminate
-    called without an active exception", exit 134) after training finished.
-    No collective is issued. After an uncaught exception (sys.last_value is
-    set by the interpreter before atexit runs) nothing is done: the rank is
-    failing anyway, and a teardown that talks to peers must not delay or
-    hang it."""
-    if getattr(sys, "last_value", None) is not None:
-        return
+    """At interpreter exit, keep gloo's teardown from turning the rank's exit
+    status into an abort: with torch 2.13, gloo objects alive during
+    interpreter teardown sometimes abort the process ("terminate called
+    without an active exception", exit 134).
+
+    At a clean exit the process group dsrun created is destroyed while the
+    interpreter is still whole (no collective is issued). After an uncaught
+    exception (sys.last_value is set before atexit runs) the group is NOT
+    torn down -- the rank is failing, and a teardown that waits on peers must
+    not delay or hang it -- and the process ends here with Python's status
+    for an uncaught exception, 1, its output flushed; exit handlers
+    registered before `init_distributed` do not run then. An uncaught
+    KeyboardInterrupt is left to Python (it ends the process by SIGINT)."""
+    failure = getattr(sys, "last_value", None)
+    if failure is not None:
+        if isinstance(failure, KeyboardInterrupt):
+            return
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # closed or broken pipe: nothing more to save
+                pass
+        os._exit(1)
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import dsrun
 from dsrun.runtime.data_parallel import plan_buckets
@@ -18,6 +19,8 @@ from tests.dist_helpers import run_ranks
 ])
 def test_bad_rank_environment(monkeypatch, env: dict, match: str) -> None:
     """Inconsistent variables fail before any process group is created."""
+    if dist.is_initialized():  # a group left by an earlier in-process test would be reused as is
+        dist.destroy_process_group()
     for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(k, raising=False)
     for k, v in env.items():
