@@ -40,16 +40,6 @@ def check_adam_args(name: str, lr: float, betas, eps: float, amsgrad: bool) -> N
                          f"betas={betas}")
 
 
-def adam_state(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> dict:
-    """p's state with step (0-dim fp32), exp_avg and exp_avg_sq (fp32, p's shape)."""
-    state = optimizer.state[p]
-    if not state:
-        state["step"] = torch.zeros((), dtype=torch.float32)
-        state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
-        state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
-    return state
-
-
 def denominator(exp_avg_sq: torch.Tensor, eps: float, eps_inside_sqrt: bool) -> torch.Tensor:
     """√v + eps, or √(v + eps) (a new tensor)."""
     return (exp_avg_sq + eps).sqrt_() if eps_inside_sqrt else exp_avg_sq.sqrt().add_(eps)
@@ -113,13 +103,7 @@ class OnebitAdam(CompressedCommOptimizer):
             log.info("OnebitAdam: step %d: variance frozen, momentum exchanged 1-bit compressed from now on",
                      self.freeze_step + 1)
         world = self.world_size()
-        for gi, pi, group, p in self._indexed():
-            if p.grad is None:
-                continue
-            if p.grad.is_sparse:
-                raise ValueError("OnebitAdam does not support sparse gradients")
-            state = adam_state(self, p)
-            state["step"] += 1
+        for gi, pi, group, p, state in self._stepped():
             beta1, beta2 = group["betas"]
             m, v = state["exp_avg"], state["exp_avg_sq"]
             g = p.grad.float()

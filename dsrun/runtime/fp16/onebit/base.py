@@ -43,6 +43,17 @@ from dsrun.runtime.comm.compressed import compressed_all_reduce, server_chunk_nu
 COMM_BACKENDS = ("nccl", "mpi", "hccl", "compressed", "gloo")
 
 
+def adam_state(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> dict:
+    """p's state with step (0-dim fp32), exp_avg and exp_avg_sq (fp32, p's shape)."""
+    state = optimizer.state[p]
+    if not state:
+        state["step"] = torch.zeros((), dtype=torch.float32)
+        state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+        state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+    return state
+
+
+
 class CompressedCommOptimizer(torch.optim.Optimizer, abc.ABC):
     """Base class: see [Note: the optimizer owns gradient communication].
 
@@ -89,6 +100,22 @@ class CompressedCommOptimizer(torch.optim.Optimizer, abc.ABC):
         for gi, group in enumerate(self.param_groups):
             for pi, p in enumerate(group["params"]):
                 yield gi, pi, group, p
+
+    def _stepped(self):
+        """(group index, tensor index, group, tensor, its Adam state) of every
+        parameter with a gradient, the state's step counter already advanced.
+
+        Raises:
+            ValueError: a sparse gradient (the compressed exchange needs dense ones).
+        """
+        for gi, pi, group, p in self._indexed():
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise ValueError(f"{type(self).__name__} does not support sparse gradients")
+            state = adam_state(self, p)
+            state["step"] += 1
+            yield gi, pi, group, p, state
 
     def compressed_mean(self, key: tuple[int, int], group: dict, p: torch.Tensor,
                         buffer: torch.Tensor) -> torch.Tensor:

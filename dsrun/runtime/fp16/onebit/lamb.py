@@ -29,7 +29,7 @@ import torch
 
 from dsrun.ops.lamb import Segmented, apply_segment_scaled, lamb_trust_ratios
 from dsrun.runtime import comm
-from dsrun.runtime.fp16.onebit.adam import adam_state, check_adam_args, denominator
+from dsrun.runtime.fp16.onebit.adam import check_adam_args, denominator
 from dsrun.runtime.fp16.onebit.base import CompressedCommOptimizer
 
 log = logging.getLogger("dsrun.onebit")
@@ -123,13 +123,7 @@ class OnebitLamb(Segmented, CompressedCommOptimizer):
             if comm.get_rank() == 0:
                 log.info("OnebitLamb: step %d: variance and ratios frozen, momentum exchanged 1-bit "
                          "compressed from now on", self.freeze_step + 1)
-        for gi, pi, group, p in self._indexed():
-            if p.grad is None:
-                continue
-            if p.grad.is_sparse:
-                raise ValueError("OnebitLamb does not support sparse gradients")
-            state = adam_state(self, p)
-            state["step"] += 1
+        for gi, pi, group, p, state in self._stepped():
             table = self._layer_scalars((gi, pi), p)
             if compressing:
                 coeffs = self._compressed_step((gi, pi), group, p, state, table)

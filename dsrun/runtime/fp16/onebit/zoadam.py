@@ -31,8 +31,8 @@ from typing import Callable
 import torch
 
 from dsrun.runtime import comm
-from dsrun.runtime.fp16.onebit.adam import adam_state, apply_update, check_adam_args, denominator
-from dsrun.runtime.fp16.onebit.base import CompressedCommOptimizer
+from dsrun.runtime.fp16.onebit.adam import apply_update, check_adam_args, denominator
+from dsrun.runtime.fp16.onebit.base import CompressedCommOptimizer, adam_state
 
 log = logging.getLogger("dsrun.onebit")
 
@@ -116,13 +116,7 @@ class ZeroOneAdam(CompressedCommOptimizer):
         var_step = not frozen and t % sched["var_interval"] == 0
         sync = frozen and t % sched["local_step_interval"] == 0
         world = self.world_size()
-        for gi, pi, group, p in self._indexed():
-            if p.grad is None:
-                continue
-            if p.grad.is_sparse:
-                raise ValueError("ZeroOneAdam does not support sparse gradients")
-            state = adam_state(self, p)
-            state["step"] += 1
+        for gi, pi, group, p, state in self._stepped():
             state.setdefault("lrs", 0.0)
             beta1, beta2 = group["betas"]
             m, v = state["exp_avg"], state["exp_avg_sq"]
