@@ -8,16 +8,22 @@ TORCH_SPEC := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch" || e
 
 .PHONY: install demo test test-quick bench docs clean
 
+# Two stamps: the demo needs only what `pip install dsrun` brings; the tests,
+# benchmarks and docs add the [test] extra (pytest, transformers, mkdocs, ...).
 $(VENV)/.installed: pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet -e .
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
 	$(PY) -m pip install --quiet -e ".[test]"
 	touch $@
 
-install: $(VENV)/.installed
+install: $(VENV)/.installed-test
 
-demo: install
+demo: $(VENV)/.installed
 	$(VENV)/bin/dsrun --num_procs 2 examples/train_gpt.py --config examples/configs/gpt_demo.json
 
 test: install
