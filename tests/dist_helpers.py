@@ -54,6 +54,15 @@ def _rank_main(fn: Callable, rank: int, world_size: int, port: int, args: tuple,
             dist.destroy_process_group()
 
 
+def as_nodes(ranks_per_node: int) -> None:
+    """Inside a rank of `run_ranks`, before init_distributed: make the ranks
+    nodes of `ranks_per_node` consecutive ranks through the rank environment
+    (LOCAL_RANK = RANK mod n, LOCAL_WORLD_SIZE = n), as a launcher would on
+    several hosts (see dsrun/runtime/nodes.py)."""
+    os.environ.update(LOCAL_RANK=str(int(os.environ["RANK"]) % ranks_per_node),
+                      LOCAL_WORLD_SIZE=str(ranks_per_node))
+
+
 def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0) -> list[Any]:
     """Run `fn(*args)` on `world_size` ranks; return their results in rank order.
 

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from dsrun.launcher.mpi import rank_env_from_scheduler
 from dsrun.runtime import allocator, rendezvous
+from dsrun.runtime import nodes as nodes_mod
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 
@@ -48,6 +49,9 @@ class Topology:
         device: the device this rank computes on (cuda:LOCAL_RANK with NCCL,
             else cpu).
         backend: torch.distributed backend name ("gloo" or "nccl").
+        nodes: which node each rank is on (nodes.py, [Note: nodes from the
+            rank environment]); None when the rank environment does not
+            describe nodes.
     """
 
     rank: int
@@ -56,6 +60,7 @@ class Topology:
     local_world_size: int
     device: torch.device
     backend: str
+    nodes: nodes_mod.NodeMap | None = None
 
     @property
     def is_rank_zero(self) -> bool:
@@ -134,7 +139,8 @@ def init_distributed(dist_backend: str | None = None,
 
     Returns:
         The Topology of this rank. With nccl, the current CUDA device is set
-        to cuda:LOCAL_RANK.
+        to cuda:LOCAL_RANK. The first call for a process group is collective
+        (every rank learns the node map, see nodes.py).
 
     Raises:
         DistributedSetupError: inconsistent rank variables, or MASTER_ADDR
@@ -148,8 +154,11 @@ def init_distributed(dist_backend: str | None = None,
     if dist.is_initialized():
         backend = dist.get_backend()
         rank, world_size = dist.get_rank(), dist.get_world_size()
-        return Topology(rank, world_size, local_rank, local_world_size,
-                        _device_for(backend, local_rank), backend)
+        device = _device_for(backend, local_rank)
+        # Without rank variables the group's ranks are taken to share one node.
+        node_rank, node_size = (local_rank, local_world_size) if os.environ.get("RANK") else (rank, world_size)
+        return Topology(rank, world_size, local_rank, local_world_size, device, backend,
+                        nodes_mod.learn(rank, world_size, node_rank, node_size, device))
 
     backend = _pick_backend(dist_backend)
     device = _device_for(backend, local_rank)
@@ -172,7 +181,8 @@ def init_distributed(dist_backend: str | None = None,
                                 rendezvous.rendezvous_timeout(timeout), timeout)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     atexit.register(_leave)
-    return Topology(rank, world_size, local_rank, local_world_size, device, backend)
+    return Topology(rank, world_size, local_rank, local_world_size, device, backend,
+                    nodes_mod.learn(rank, world_size, local_rank, local_world_size, device))
 
 
 def _leave() -> None:

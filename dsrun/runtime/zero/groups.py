@@ -14,14 +14,35 @@ size. Stages 1-3 use (world, nobody): plain ZeRO. Stage 0 with 16-bit
 precision uses (nobody, world): every rank holds everything, gradients are
 all-reduced. Hierarchical schemes (ZeRO++ hpZ, HSDP, MiCS) are other pairs;
 nothing in the strategies assumes either group is trivial.
+
+[Note: node groups]
+Node-aware schemes need two more groups, built from the node map
+(dsrun/runtime/nodes.py, learnt by init_distributed):
+
+    from dsrun.runtime.zero.groups import node_groups
+    groups = node_groups()      # NodeGroups(intra=RankGroup, inter=RankGroup)
+    groups.intra                # this rank's node (LOCAL_WORLD_SIZE ranks)
+    groups.inter                # one rank per node: those with this rank's local rank
+
+Creating a process group is collective over EVERY rank of the job (each
+rank creates every node's group, in the same order), so the first call of
+`node_groups()` (and of `block_group(size)`) must be made by all ranks at
+the same point, e.g. while building a strategy; later calls return the
+cached groups without communication. A group of one rank is
+RankGroup.alone() (no communication), the whole job is the default group.
+`block_group(size)` is this rank's block of `size` consecutive ranks
+(ZeRO++ hpZ's secondary partition group); with size = ranks per node it is
+the same group as `node_groups().intra`.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
+import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from dsrun.runtime import comm
+from dsrun.runtime import comm, nodes
 
 
 @dataclass(frozen=True)
@@ -69,3 +90,65 @@ class ZeroGroups:
     def data_parallel_size(self) -> int:
         """Ranks whose gradients are averaged: shard size x replicate size."""
         return self.shard.size * self.replicate.size
+
+
+@dataclass(frozen=True)
+class NodeGroups:
+    """This rank's node groups; see [Note: node groups].
+
+    intra: the ranks of this rank's node. inter: the ranks with this rank's
+    local rank, one per node (fewer when nodes differ in size).
+    """
+
+    intra: RankGroup
+    inter: RankGroup
+
+
+class _Cache:
+    pg: weakref.ref | None = None  # the default group the cached groups belong to
+    groups: dict[tuple[tuple[int, ...], ...], RankGroup] = {}
+
+
+def _subgroup(parts: tuple[tuple[int, ...], ...]) -> RankGroup:
+    """This rank's group among `parts` (disjoint global-rank tuples covering
+    the job); creates every part's process group the first time, in order
+    (collective over all ranks), cached per default group."""
+    world = dist.group.WORLD
+    if _Cache.pg is None or _Cache.pg() is not world:
+        _Cache.pg, _Cache.groups = weakref.ref(world), {}
+    if parts not in _Cache.groups:
+        rank, mine = comm.get_rank(), RankGroup.alone()
+        for part in parts:
+            if len(part) == comm.get_world_size():
+                group = RankGroup.of(None)
+            elif len(part) == 1:
+                group = RankGroup.alone()
+            else:
+                pg = dist.new_group(list(part))  # every rank creates every group
+                group = RankGroup(pg, part.index(rank), len(part)) if rank in part else None
+            if rank in part:
+                mine = group
+        _Cache.groups[parts] = mine
+    return _Cache.groups[parts]
+
+
+def node_groups() -> NodeGroups:
+    """This rank's intra-node and inter-node groups (see [Note: node groups]).
+
+    Collective over every rank the first time. Raises nodes.NodeMapError
+    when the node map is unknown (init_distributed not called, or a rank
+    environment that does not describe nodes)."""
+    node_map = nodes.require()
+    return NodeGroups(_subgroup(node_map.nodes), _subgroup(node_map.same_local_rank()))
+
+
+def block_group(size: int) -> RankGroup:
+    """This rank's block of `size` consecutive global ranks (ranks
+    [k*size, (k+1)*size)), e.g. ZeRO++ hpZ's secondary partition group.
+    Collective over every rank the first time for a size.
+
+    Raises ValueError when `size` does not divide the world size."""
+    world = comm.get_world_size()
+    if size < 1 or world % size:
+        raise ValueError(f"blocks of {size} ranks do not divide a world of {world} ranks")
+    return _subgroup(tuple(tuple(range(s, s + size)) for s in range(0, world, size)))
