@@ -1,5 +1,5 @@
 // Scalar conversions between fp32 and the 16-bit formats. Included inside each
-// instruction-set file's anonymous namespace (internal linkage, see adam_impl.h).
+// instruction-set file's anonymous namespace (internal linkage, see csrc/cpu_adam/adam_impl.h).
 // Rounding is round-to-nearest-even, as torch's .to(torch.bfloat16/float16).
 
 static inline float cvt_bf16_to_f32(uint16_t h) {

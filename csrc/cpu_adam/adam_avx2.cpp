@@ -13,7 +13,7 @@
 #pragma GCC target("avx2,fma,f16c")
 
 namespace {
-#include "scalar_convert.h"
+#include "common/scalar_convert.h"
 
 struct V {
   static constexpr int W = 8;

@@ -13,7 +13,7 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 
 namespace {
-#include "scalar_convert.h"
+#include "common/scalar_convert.h"
 
 struct V {
   static constexpr int W = 16;

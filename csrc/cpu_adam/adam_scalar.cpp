@@ -8,7 +8,7 @@
 #include "cpu_adam.h"
 
 namespace {
-#include "scalar_convert.h"
+#include "common/scalar_convert.h"
 
 struct V {
   static constexpr int W = 1;

@@ -9,15 +9,7 @@ int dsrun_sq_norm_scalar(const void*, int32_t, int64_t, int32_t, double*);
 int dsrun_sq_norm_avx2(const void*, int32_t, int64_t, int32_t, double*);
 int dsrun_sq_norm_avx512(const void*, int32_t, int64_t, int32_t, double*);
 
-extern "C" int dsrun_cpu_best_isa(void) {
-#if defined(__x86_64__)
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f")) return DSRUN_ISA_AVX512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
-    return DSRUN_ISA_AVX2;
-#endif
-  return DSRUN_ISA_SCALAR;
-}
+extern "C" int dsrun_cpu_best_isa(void) { return dsrun_detect_isa(); }
 
 extern "C" int dsrun_adam_step(const dsrun_adam_args* args, int isa) {
   if (isa < DSRUN_ISA_SCALAR || isa > dsrun_cpu_best_isa()) return -1;

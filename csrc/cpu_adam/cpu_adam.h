@@ -3,15 +3,11 @@
 #pragma once
 #include <stdint.h>
 
+#include "common/cpu_isa.h"  // dsrun_dtype (gradient, 16-bit copy), dsrun_isa
+
 #ifdef __cplusplus
 extern "C" {
 #endif
-
-// Element types of the gradient and of the optional 16-bit parameter copy.
-enum dsrun_dtype { DSRUN_F32 = 0, DSRUN_BF16 = 1, DSRUN_F16 = 2, DSRUN_NONE = 3 };
-
-// Instruction sets a kernel is compiled for; chosen at run time.
-enum dsrun_isa { DSRUN_ISA_SCALAR = 0, DSRUN_ISA_AVX2 = 1, DSRUN_ISA_AVX512 = 2 };
 
 // One Adam/AdamW step over a flat range of `n` elements.
 // param, exp_avg, exp_avg_sq: fp32 [n], updated in place.

@@ -22,15 +22,14 @@ from __future__ import annotations
 
 import ctypes
 import math
-import os
 from typing import Iterable
 
 import torch
 
 from dsrun.ops import cuda_adam
 from dsrun.ops.builder import get_op
+from dsrun.ops.isa import ISA_NAMES, choose_isa
 
-ISA_NAMES = ("scalar", "avx2", "avx512")
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _NONE = 3
 
@@ -70,17 +69,7 @@ def selected_isa() -> str | None:
     by `DSRUN_CPU_ISA=scalar|avx2|avx512` (a higher one than the CPU has is an
     error). None when the fallback runs."""
     lib = _native()
-    if lib is None:
-        return None
-    best = lib.dsrun_cpu_best_isa()
-    want = os.environ.get("DSRUN_CPU_ISA")
-    if not want:
-        return ISA_NAMES[best]
-    if want not in ISA_NAMES:
-        raise ValueError(f"DSRUN_CPU_ISA={want!r}: expected one of {', '.join(ISA_NAMES)}")
-    if ISA_NAMES.index(want) > best:
-        raise ValueError(f"DSRUN_CPU_ISA={want}: this CPU supports at most {ISA_NAMES[best]}")
-    return want
+    return None if lib is None else choose_isa(lib.dsrun_cpu_best_isa())
 
 
 def _check_flat(name: str, t: torch.Tensor, n: int, dtypes: Iterable[torch.dtype]) -> None:
