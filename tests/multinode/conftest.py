@@ -3,20 +3,17 @@
 `sshd_cluster` starts Debian's sshd on a free port, listening on 127.0.0.1
 and 127.0.0.2 (both loopback on Linux), with host and client keys generated
 in a temporary directory, and writes an ssh config file that maps the host
-aliases `node-a` -> 127.0.0.1 and `node-b` -> 127.0.0.2. The launcher reads
-that file through `--ssh_config`, so the tests also prove ~/.ssh/config
-handling (HostName, Port, User, IdentityFile, UserKnownHostsFile,
-ProxyJump). The known_hosts file lists the server's key for both addresses.
-Nothing outside loopback is contacted. A daemon that cannot
-start fails the test with its log: these tests are the proof that
-multi-node launch works, they are never skipped.
+aliases `node-a` -> 127.0.0.1 and `node-b` -> 127.0.0.2 (tests/multinode/sshd.py,
+shared with bench/). The launcher reads that file through `--ssh_config`, so
+the tests also prove ~/.ssh/config handling (HostName, Port, User,
+IdentityFile, UserKnownHostsFile, ProxyJump). The known_hosts file lists the
+server's key for both addresses. Nothing outside loopback is contacted. A
+daemon that cannot start fails the test with its log: these tests are the
+proof that multi-node launch works, they are never skipped.
 """
 from __future__ import annotations
 
 import os
-import pwd
-import shutil
-import socket
 import subprocess
 import time
 from dataclasses import dataclass
@@ -24,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.multinode.sshd import SshCluster, free_port, keygen, loopback_sshd, stop  # noqa: F401 (re-exported)
 from tests.system_packages import ensure_debian_packages
 
 
@@ -48,121 +46,10 @@ def expected_losses(steps: int) -> list[float]:
     return out
 
 
-def free_port(addr: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((addr, 0))
-        return s.getsockname()[1]
-
-
-def wait_for_port(addr: str, port: int, proc: subprocess.Popen, log: Path, timeout: float = 20.0) -> None:
-    """Wait until `addr:port` accepts connections; fail with the daemon's log otherwise."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"{proc.args[0]} exited with {proc.returncode} before listening:\n{log.read_text()[-3000:]}")
-        try:
-            socket.create_connection((addr, port), timeout=1).close()
-            return
-        except OSError:
-            time.sleep(0.1)
-    pytest.fail(f"{proc.args[0]} did not listen on {addr}:{port} within {timeout}s:\n{log.read_text()[-3000:]}")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def keygen(path: Path) -> Path:
-    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(path)], check=True)
-    return path
-
-
-@dataclass
-class SshCluster:
-    """A running loopback sshd and the client-side files that reach it."""
-
-    dir: Path
-    port: int
-    ssh_config: Path
-    known_hosts: Path
-    client_key: Path
-    user: str
-    log: Path
-    proc: subprocess.Popen
-
-    def write_config(self, name: str, hosts: dict[str, str] | None = None, *, port: int | None = None,
-                     identity: Path | None = None, known_hosts: Path | None = None, extra: str = "") -> Path:
-        """Write an ssh config `name` in the cluster dir and return its path.
-
-        Args:
-            hosts: alias -> address (default node-a -> 127.0.0.1, node-b -> 127.0.0.2).
-            port, identity, known_hosts: override the working values.
-            extra: lines added to every Host block (e.g. "ProxyJump node-a").
-        """
-        hosts = hosts or {"node-a": "127.0.0.1", "node-b": "127.0.0.2"}
-        blocks = []
-        for alias, addr in hosts.items():
-            blocks.append(
-                f"Host {alias}\n    HostName {addr}\n    Port {port or self.port}\n    User {self.user}\n"
-                f"    IdentityFile {identity or self.client_key}\n    IdentitiesOnly yes\n"
-                f"    UserKnownHostsFile {known_hosts or self.known_hosts}\n" + "".join(f"    {x}\n" for x in extra.splitlines())
-            )
-        path = self.dir / name
-        path.write_text("".join(blocks))
-        return path
-
-
 @pytest.fixture(scope="session")
 def sshd_cluster(tmp_path_factory) -> SshCluster:
-    ensure_debian_packages("openssh-server", "openssh-client")
-    d = tmp_path_factory.mktemp("sshd")
-    host_key = keygen(d / "ssh_host_ed25519_key")
-    client_key = keygen(d / "id_client")
-    (d / "authorized_keys").write_text((d / "id_client.pub").read_text())
-    os.makedirs("/run/sshd", exist_ok=True)  # sshd's privilege-separation directory
-    port = free_port()
-    user = pwd.getpwuid(os.getuid()).pw_name
-    sshd_cfg = d / "sshd_config"
-    sshd_cfg.write_text(f"""\
-Port {port}
-ListenAddress 127.0.0.1
-ListenAddress 127.0.0.2
-HostKey {host_key}
-PidFile {d}/sshd.pid
-AuthorizedKeysFile {d}/authorized_keys
-PubkeyAuthentication yes
-PasswordAuthentication no
-KbdInteractiveAuthentication no
-UsePAM no
-StrictModes no
-PermitRootLogin prohibit-password
-AllowTcpForwarding yes
-MaxStartups 100
-MaxSessions 50
-LogLevel VERBOSE
-""")
-    # The nodes' key is known, as a cluster's admin would list it: dsrun refuses unknown hosts by default.
-    known_hosts = d / "known_hosts"
-    host_pub = " ".join((d / "ssh_host_ed25519_key.pub").read_text().split()[:2])
-    known_hosts.write_text(f"[127.0.0.1]:{port} {host_pub}\n[127.0.0.2]:{port} {host_pub}\n")
-    log = d / "sshd.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([shutil.which("sshd") or "/usr/sbin/sshd", "-D", "-e", "-f", str(sshd_cfg)],
-                                stdout=out, stderr=subprocess.STDOUT)
-    try:
-        wait_for_port("127.0.0.1", port, proc, log)
-        wait_for_port("127.0.0.2", port, proc, log)
-        cluster = SshCluster(d, port, d / "ssh_config", known_hosts, client_key, user, log, proc)
-        cluster.write_config("ssh_config")
+    with loopback_sshd(tmp_path_factory.mktemp("sshd")) as cluster:
         yield cluster
-    finally:
-        stop(proc)
 
 
 @dataclass
