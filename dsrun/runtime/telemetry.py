@@ -163,6 +163,8 @@ class StepTelemetry:
         out.append((events.PEAK_MEMORY_BYTES, peak, x))
         out.append((events.COMM_BYTES, times.comm_bytes, x))
         out.append((events.COMM_TIME_MS, times.comm_seconds * 1e3, x))
+        if engine.topology.nodes is not None and engine.topology.nodes.num_nodes > 1:
+            out.append((events.COMM_INTER_NODE_BYTES, times.comm_inter_node_bytes, x))
         if self._breakdown:
             fwd, bwd, step = (times.phases[p] for p in ("forward", "backward", "step"))
             out += [(events.ELAPSED_MS + "forward", fwd.seconds * 1e3, x),

@@ -37,18 +37,22 @@ class PhaseTimes:
         comm_seconds: time in collectives inside it (sync calls + waits).
         comm_bytes: message bytes of the collectives issued inside it.
         runs: times the phase ran (forward and backward: once per micro-batch).
+        comm_inter_node_bytes: bus bytes of its collectives whose group spans
+            nodes (comm/logger.py [Note: intra-node and inter-node bytes]).
     """
 
     seconds: float = 0.0
     comm_seconds: float = 0.0
     comm_bytes: int = 0
     runs: int = 0
+    comm_inter_node_bytes: int = 0
 
     def add(self, other: PhaseTimes) -> None:
         self.seconds += other.seconds
         self.comm_seconds += other.comm_seconds
         self.comm_bytes += other.comm_bytes
         self.runs += other.runs
+        self.comm_inter_node_bytes += other.comm_inter_node_bytes
 
 
 @dataclass
@@ -76,6 +80,10 @@ class StepTimes:
     def comm_bytes(self) -> int:
         return sum(p.comm_bytes for p in self.phases.values())
 
+    @property
+    def comm_inter_node_bytes(self) -> int:
+        return sum(p.comm_inter_node_bytes for p in self.phases.values())
+
 
 class StepTimers:
     """Times the phases of the current step; `end_step()` hands them over.
@@ -95,6 +103,7 @@ class StepTimers:
         if self._sync:
             torch.cuda.synchronize()
         bytes0, comm0 = comms_logger.totals()
+        inter0 = comms_logger.inter_node_bus_bytes()
         t0 = time.perf_counter()
         try:
             yield
@@ -104,7 +113,8 @@ class StepTimers:
             elapsed = time.perf_counter() - t0
             bytes1, comm1 = comms_logger.totals()
             self._current.phases.setdefault(name, PhaseTimes()).add(
-                PhaseTimes(elapsed, comm1 - comm0, bytes1 - bytes0, 1))
+                PhaseTimes(elapsed, comm1 - comm0, bytes1 - bytes0, 1,
+                           comms_logger.inter_node_bus_bytes() - inter0))
 
     def end_step(self) -> StepTimes:
         """The times of the step that just ended; the next phase starts a new step."""
@@ -118,6 +128,8 @@ def format_breakdown(times: StepTimes, global_step: int) -> str:
 
     Example: "step 100 | time per step (ms, mean of 10): forward 12.1 | backward 40.3
     (collectives 9.8) | step 5.2 (collectives 2.0) | total 57.6 | collectives 11.8 ms = 20% | 3.1 MiB"
+    (ranks on several nodes add "sent | 1.2 MiB across nodes": the bus bytes of collectives
+    spanning nodes)
     """
     n = max(times.steps, 1)
     cells = []
@@ -132,4 +144,6 @@ def format_breakdown(times: StepTimes, global_step: int) -> str:
     share = 100 * comm / total if total > 0 else 0.0
     return (f"step {global_step} | time per step (ms, mean of {times.steps}): " + " | ".join(cells)
             + f" | total {total * 1e3:.1f} | collectives {comm * 1e3:.1f} ms = {share:.0f}%"
-            + f" | {times.comm_bytes / n / 2**20:.2f} MiB sent")
+            + f" | {times.comm_bytes / n / 2**20:.2f} MiB sent"
+            + (f" | {times.comm_inter_node_bytes / n / 2**20:.2f} MiB across nodes"
+               if times.comm_inter_node_bytes else ""))

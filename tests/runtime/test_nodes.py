@@ -42,9 +42,15 @@ def _groups_on_two_nodes():
            "ranks": (groups.intra.rank, groups.inter.rank),
            "spans": (nodes.spans_nodes(None), nodes.spans_nodes(groups.intra.group),
                      nodes.spans_nodes(groups.inter.group))}
+    dsrun.comm.comms_logger.reset()
     t = torch.tensor([float(topo.rank)])
-    dsrun.comm.all_reduce(t, group=groups.intra.group)
+    dsrun.comm.all_reduce(t, group=groups.intra.group)  # 4 bytes x 2(2-1)/2 = 4 bus bytes, intra-node
     out["intra_sum"] = float(t)
+    dsrun.comm.all_gather_into_tensor(torch.empty(400), torch.ones(100))  # 1600 x 3/4 = 1200, spans nodes
+    dsrun.comm.all_gather_into_tensor(torch.empty(200), torch.ones(100), group=groups.inter.group)  # 800 x 1/2
+    stats = dsrun.comm.comms_logger.snapshot()
+    out["bus"] = {op: (s.bus_bytes, s.inter_node_bus_bytes) for op, s in stats.items()}
+    out["inter_total"] = dsrun.comm.comms_logger.inter_node_bus_bytes()
     return out
 
 
@@ -57,3 +63,6 @@ def test_four_ranks_as_two_nodes_give_intra_and_inter_node_groups():
         assert r["ranks"] == (rank % 2, rank // 2)
         assert r["spans"] == (True, False, True)
         assert r["intra_sum"] == (1.0 if rank < 2 else 5.0)
+        # comms logger: a group inside one node is intra-node, a group spanning nodes inter-node, whole
+        assert r["bus"] == {"all_reduce": (4, 0), "all_gather_into_tensor": (1200 + 400, 1200 + 400)}
+        assert r["inter_total"] == 1600

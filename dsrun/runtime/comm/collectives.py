@@ -100,6 +100,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
 from dsrun.ops import shm_comm
+from dsrun.runtime import nodes
 from dsrun.runtime.comm import comm_thread
 from dsrun.runtime.comm.logger import comms_logger, timed
 
@@ -275,7 +276,8 @@ def _issue(name: str, counted: torch.Tensor, group: ProcessGroup | None, async_o
     if not synchronous:
         handle = _ThenWork(handle, op=name)
     comms_logger.record(name, counted, t.seconds if synchronous else 0.0,
-                        transport=SHM if shm is not None else TORCH, group_size=get_world_size(group))
+                        transport=SHM if shm is not None else TORCH, group_size=get_world_size(group),
+                        inter_node=nodes.spans_nodes(group))
     return handle
 
 
@@ -313,7 +315,7 @@ def overlapped_all_reduce(tensor: torch.Tensor, group: ProcessGroup | None = Non
         finish()
         return CompletedWork()
     comms_logger.record("all_reduce", tensor, 0.0, transport=TORCH if mode == TORCH else SHM,
-                        group_size=world)
+                        group_size=world, inter_node=nodes.spans_nodes(group))
     if mode == TORCH:
         return _ThenWork(dist.all_reduce(tensor, group=group, async_op=True), finish, "all_reduce")
 

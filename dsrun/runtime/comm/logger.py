@@ -17,6 +17,21 @@ all_reduce, (p-1)/p for all_gather, reduce_scatter and all_to_all, 1 for
 broadcast, over a group of p ranks. That is the figure to compare across
 ops (a compressed all-reduce built from an all-to-all and an all-gather
 against a plain all_reduce).
+
+[Note: intra-node and inter-node bytes]
+Each collective's bus bytes are also attributed to one side of the node
+boundary (dsrun/runtime/nodes.py says which node each rank is on): to
+*intra-node* when every rank of its group is on one node, else to
+*inter-node*, whole. That is the ZeRO++ paper's accounting (Wang et al.
+2023, Section 2 and Table 1): a ZeRO-3 step moves M in the forward
+all-gather, M in the backward all-gather and M in the gradient
+reduce-scatter, 3M, all of it counted as cross-node when the group spans
+nodes; hpZ (backward all-gather inside the node) takes it to 2M, qwZ's
+int8 forward to 1.5M (bf16/fp16 weights), and qgZ's int4 gradients to
+0.75M. It is an upper bound on what physically crosses the boundary: a
+flat ring over k ranks per node crosses it on 1/k of its hops, a
+hierarchical algorithm sends (nodes-1)/nodes of the message per node.
+Without a node map (none learnt, see nodes.py) everything is intra-node.
 """
 from __future__ import annotations
 
@@ -27,6 +42,8 @@ import torch
 import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
+
+from dsrun.runtime import nodes
 
 
 @dataclasses.dataclass
@@ -45,6 +62,9 @@ class OpStats:
             algorithm (module docstring).
         transports: calls per transport that carried them ("shm" or
             "torch", see comm/collectives.py [Note: choosing the transport]).
+        inter_node_bus_bytes: the part of bus_bytes sent by collectives
+            whose group spans nodes; the rest is intra-node (see [Note:
+            intra-node and inter-node bytes]).
     """
 
     calls: int = 0
@@ -54,6 +74,12 @@ class OpStats:
     wait_seconds: float = 0.0
     bus_bytes: int = 0
     transports: dict[str, int] = dataclasses.field(default_factory=dict)
+    inter_node_bus_bytes: int = 0
+
+    @property
+    def intra_node_bus_bytes(self) -> int:
+        """bus_bytes of collectives within one node."""
+        return self.bus_bytes - self.inter_node_bus_bytes
 
 
 # Bus bytes per message byte over p ranks (module docstring); ops not listed send nothing counted.
@@ -90,9 +116,10 @@ class CommsLogger:
         self.prof_ops = list(prof_ops or [])
 
     def record(self, op: str, tensor: torch.Tensor, seconds: float = 0.0,
-               transport: str = "torch", group_size: int = 1) -> None:
+               transport: str = "torch", group_size: int = 1, inter_node: bool = False) -> None:
         """Count one collective `op` over `tensor` (any shape/dtype), carried
-        by `transport`, among `group_size` ranks."""
+        by `transport`, among `group_size` ranks; `inter_node`: its group
+        spans nodes (see [Note: intra-node and inter-node bytes])."""
         stats = self._stats.setdefault(op, OpStats())
         numel = tensor.numel()
         stats.calls += 1
@@ -101,7 +128,10 @@ class CommsLogger:
         stats.bytes += numel * tensor.element_size()
         factor = _BUS_FACTOR.get(op)
         if factor is not None and group_size > 1:
-            stats.bus_bytes += round(numel * tensor.element_size() * factor(group_size))
+            bus = round(numel * tensor.element_size() * factor(group_size))
+            stats.bus_bytes += bus
+            if inter_node:
+                stats.inter_node_bus_bytes += bus
         stats.seconds += seconds
         if self.enabled and self.verbose and self._profiled(op):
             self._console.print(
@@ -116,6 +146,10 @@ class CommsLogger:
         """(bytes, seconds in collectives: synchronous calls plus waits) over every op so far."""
         return (sum(s.bytes for s in self._stats.values()),
                 sum(s.seconds + s.wait_seconds for s in self._stats.values()))
+
+    def inter_node_bus_bytes(self) -> int:
+        """Bus bytes sent so far by collectives whose group spans nodes, every op."""
+        return sum(s.inter_node_bus_bytes for s in self._stats.values())
 
     def _profiled(self, op: str) -> bool:
         return self.prof_all or op in self.prof_ops
@@ -134,19 +168,25 @@ class CommsLogger:
         Per op: calls, total MiB, average message size, seconds in
         synchronous calls and blocked in waits, and the algorithm and bus
         bandwidth over that time (GB/s; bus bandwidth as in nccl-tests,
-        see the module docstring).
+        see the module docstring). With ranks on several nodes, a column
+        for the bus MiB that crossed nodes ([Note: intra-node and
+        inter-node bytes]).
         """
         if not self.enabled:
             return
         table = Table(title="collectives")
-        for col in ("op", "calls", "MiB", "avg msg KiB", "bus MiB", "seconds (sync)", "seconds (wait)",
-                    "algbw GB/s", "busbw GB/s"):
-            table.add_column(col, justify="right" if col != "op" else "left")
+        node_map = nodes.current()
+        several_nodes = node_map is not None and node_map.num_nodes > 1
+        for col in ("op", "calls", "MiB", "avg msg KiB", "bus MiB", "inter-node bus MiB", "seconds (sync)",
+                    "seconds (wait)", "algbw GB/s", "busbw GB/s"):
+            if several_nodes or col != "inter-node bus MiB":
+                table.add_column(col, justify="right" if col != "op" else "left")
         for op, s in sorted(self._stats.items()):
             if self._profiled(op):
                 busy = s.seconds + s.wait_seconds
+                inter = [f"{s.inter_node_bus_bytes / 2**20:.2f}"] if several_nodes else []
                 table.add_row(op, str(s.calls), f"{s.bytes / 2**20:.2f}", f"{s.bytes / max(s.calls, 1) / 2**10:.1f}",
-                              f"{s.bus_bytes / 2**20:.2f}", f"{s.seconds:.4f}", f"{s.wait_seconds:.4f}",
+                              f"{s.bus_bytes / 2**20:.2f}", *inter, f"{s.seconds:.4f}", f"{s.wait_seconds:.4f}",
                               f"{s.bytes / busy / 1e9:.3f}" if busy else "-",
                               f"{s.bus_bytes / busy / 1e9:.3f}" if busy else "-")
         self._console.print(table)

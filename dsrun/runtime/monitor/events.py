@@ -15,6 +15,8 @@ events. Names marked DeepSpeed are DeepSpeed's; the others are dsrun's.
     Train/Samples/peak_memory_bytes  the highest of every rank's peak memory (see telemetry.py)
     Train/Samples/comm_bytes      message bytes of this rank's collectives in the step
     Train/Samples/comm_time_ms    this rank's time in collectives in the step (dsrun.runtime.timers)
+    Train/Samples/comm_inter_node_bytes  ranks on several nodes: bus bytes of this rank's collectives
+                                  whose group spans nodes (comm/logger.py, intra- and inter-node bytes)
 
 With `wall_clock_breakdown` also DeepSpeed's
 Train/Samples/elapsed_time_ms_{forward,backward,backward_inner,backward_allreduce,step}
@@ -34,4 +36,5 @@ STEP_TIME_MS = PREFIX + "step_time_ms"
 PEAK_MEMORY_BYTES = PREFIX + "peak_memory_bytes"
 COMM_BYTES = PREFIX + "comm_bytes"
 COMM_TIME_MS = PREFIX + "comm_time_ms"
+COMM_INTER_NODE_BYTES = PREFIX + "comm_inter_node_bytes"
 ELAPSED_MS = PREFIX + "elapsed_time_ms_"  # + forward, backward, backward_inner, backward_allreduce, step
