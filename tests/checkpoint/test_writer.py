@@ -1,17 +1,18 @@
 """The shard writer on its own: file contents, checksum, and the copy-on-write
 snapshot (training changes tensors while an asynchronous write is half done)."""
-import hashlib
 import threading
 
 import pytest
 import torch
+import xxhash
 from safetensors.torch import load_file
 
+from dsrun.runtime.checkpoint import checksum
 from dsrun.runtime.checkpoint import writer as writer_mod
 from dsrun.runtime.checkpoint.writer import ShardWriter, StagingBuffer
 from dsrun.runtime.config import AioConfig
 
-_SHA256 = hashlib.sha256
+_NEW_DIGEST = checksum.new
 
 
 def _tensors():
@@ -21,10 +22,11 @@ def _tensors():
             "buffer/n": torch.tensor([3], dtype=torch.int64), "empty": torch.zeros(0)}
 
 
-def _check_file(path, expected, digest, size):
+def _check_file(path, expected, written):
     with open(path, "rb") as f:
         raw = f.read()
-    assert len(raw) == size and _SHA256(raw).hexdigest() == digest
+    assert written.algorithm == "xxh3_128"
+    assert len(raw) == written.bytes and xxhash.xxh3_128(raw).hexdigest() == written.checksum
     got = load_file(path)
     assert set(got) == set(expected)
     for key, t in expected.items():
@@ -40,16 +42,15 @@ def test_blocking_write(tmp_path, monkeypatch, engine):
     expected = {k: t.clone() for k, t in tensors.items()}
     w = ShardWriter(str(tmp_path / "s.safetensors"), tensors, {"k": "v"}, set(tensors), AioConfig())
     w.snapshot(StagingBuffer())
-    digest, size = w.write()
-    _check_file(tmp_path / "s.safetensors", expected, digest, size)
+    _check_file(tmp_path / "s.safetensors", expected, w.write())
     assert not list(tmp_path.glob(".*tmp*"))
 
 
-class _PausingSha256:
-    """sha256 whose update() stops at its `at`-th call until `go` is set."""
+class _PausingDigest:
+    """The checksum, whose update() stops at its `at`-th call until `go` is set."""
 
     def __init__(self, at, paused, go):
-        self._h, self._n, self._at, self._paused, self._go = _SHA256(), 0, at, paused, go
+        self._h, self._n, self._at, self._paused, self._go = _NEW_DIGEST(), 0, at, paused, go
 
     def update(self, data):
         self._n += 1
@@ -68,7 +69,7 @@ def test_copy_on_write_snapshot(tmp_path, monkeypatch, pause_at):
     holds the values of the save, wherever the writer was at the release."""
     monkeypatch.setattr(writer_mod, "CHUNK_BYTES", 1024)
     paused, go = threading.Event(), threading.Event()
-    monkeypatch.setattr(writer_mod.hashlib, "sha256", lambda: _PausingSha256(pause_at, paused, go))
+    monkeypatch.setattr(writer_mod.checksum, "new", lambda: _PausingDigest(pause_at, paused, go))
     tensors = _tensors()
     expected = {k: t.clone() for k, t in tensors.items()}
     in_place = {"module/w", "optim/w/exp_avg"}
@@ -88,5 +89,4 @@ def test_copy_on_write_snapshot(tmp_path, monkeypatch, pause_at):
     for key in in_place:  # the optimizer step
         tensors[key].mul_(-3).add_(1)
     thread.join(10)
-    digest, size = result["out"]
-    _check_file(tmp_path / "s.safetensors", expected, digest, size)
+    _check_file(tmp_path / "s.safetensors", expected, result["out"])

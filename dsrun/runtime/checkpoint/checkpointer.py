@@ -124,7 +124,8 @@ class Rendezvous:
       the world size. After ARRIVAL_TIMEOUT_S a rank takes its 1 back (so a
       later, matched call is not miscounted) and raises; if the count was
       complete at that moment, it proceeds.
-    - `agree(step, ok, digest)`: every rank publishes (success, sha256) and
+    - `agree(step, ok, report)`: every rank publishes (success, a string:
+      after writing, its file's size and checksum as JSON) and
       waits up to COMMIT_TIMEOUT_S for all the others: a rank that died (or
       hangs in I/O) makes the others raise, naming it, instead of waiting
       forever.
@@ -165,12 +166,12 @@ class Rendezvous:
             pause()
             count = self.store.add(key, 0)
 
-    def agree(self, step: str, ok: bool, digest: str = "") -> list[tuple[bool, str]]:
-        """Every rank's (success, sha256 hex or "") for `step`, in rank order."""
+    def agree(self, step: str, ok: bool, report: str = "") -> list[tuple[bool, str]]:
+        """Every rank's (success, report) for `step`, in rank order."""
         if self.store is None:
-            return [(ok, digest)]
+            return [(ok, report)]
         keys = [f"{self.base}/{step}/{r}" for r in range(self.world)]
-        self.store.set(keys[self.rank], f"{int(ok)}:{digest}")
+        self.store.set(keys[self.rank], f"{int(ok)}:{report}")
         deadline = time.monotonic() + COMMIT_TIMEOUT_S
         pause = _Backoff()
         while not self.store.check(keys):
@@ -181,8 +182,8 @@ class Rendezvous:
             pause()
         out = []
         for key in keys:
-            flag, _, digest = self.store.get(key).decode().partition(":")
-            out.append((flag == "1", digest))
+            flag, _, report = self.store.get(key).decode().partition(":")
+            out.append((flag == "1", report))
         return out
 
 
@@ -403,21 +404,22 @@ class _SaveJob:
 
     def run(self) -> None:
         rank, world = self.rdv.rank, self.rdv.world
-        error, digest = None, ""
+        error, written = None, ""
         try:
             os.makedirs(self.tag_dir, exist_ok=True)
             _fault("before_shard")
-            digest, _ = self.writer.write()
+            written = self.writer.write().model_dump_json()
             _fault("after_shard")
         except Exception as e:
             error = e
-        results = self.rdv.agree("written", error is None, digest)
+        results = self.rdv.agree("written", error is None, written)
         _raise_unless_all(results, error, f"saving checkpoint {self.tag_dir}")
         error = None
         if rank == 0:
             try:
                 fsync_dir(self.tag_dir)
-                index = _build_index(self.fields, self.tag, self.tag_dir, world, [d for _, d in results])
+                index = _build_index(self.fields, self.tag, self.tag_dir, world,
+                                     [FileEntry.model_validate_json(r) for _, r in results])
                 _fault("before_index")
                 write_json_atomic(os.path.join(self.tag_dir, INDEX), index.model_dump(mode="json"))
                 if self.save_latest:
@@ -486,8 +488,9 @@ def _index_fields(engine, scheduler, param_groups, exclude_frozen: bool) -> dict
                 excluded_frozen=frozen if exclude_frozen else [])
 
 
-def _build_index(fields: dict, tag: str, tag_dir: str, world: int, digests: list[str]) -> Index:
-    """Rank 0: `fields` plus every shard's header description merged into the index."""
+def _build_index(fields: dict, tag: str, tag_dir: str, world: int, written: list[FileEntry]) -> Index:
+    """Rank 0: `fields` plus every shard's header description merged into the
+    index; `written`: each rank's file (size and checksum), in rank order."""
     tensors: dict[str, TensorEntry] = {}
     scalars: dict[str, dict] = {}
     rng, client = [], None
@@ -495,7 +498,7 @@ def _build_index(fields: dict, tag: str, tag_dir: str, world: int, digests: list
     for r in range(world):
         file = shard_name(r, world)
         path = os.path.join(tag_dir, file)
-        files[file] = FileEntry(sha256=digests[r], bytes=os.path.getsize(path))
+        files[file] = written[r]
         meta = read_shard_metadata(path)
         for gname, e in meta["tensors"].items():
             entry = tensors.setdefault(gname, TensorEntry(shape=e["shape"], dtype=e["dtype"]))

@@ -1,7 +1,7 @@
 """`dsrun-ckpt`: look into, verify and export dsrun checkpoints (one process, no torch.distributed).
 
     dsrun-ckpt inspect DIR                       tags, complete or not, world size, stage, precision, size
-    dsrun-ckpt verify DIR [--tag TAG]            sizes and sha256 of every file; names the first bad one
+    dsrun-ckpt verify DIR [--tag TAG]            sizes and checksums of every file; names the first bad one
     dsrun-ckpt export DIR OUT [--tag TAG] [--dtype fp32|bf16|fp16] [--max-shard-size 5GB]
     dsrun-ckpt import-deepspeed DIR OUT [--tag TAG]   a DeepSpeed checkpoint in dsrun's format
 
@@ -22,8 +22,8 @@ from rich.console import Console
 from rich.table import Table
 
 from dsrun.runtime.checkpoint.store import (INDEX, LATEST, CheckpointError, SliceReader, atomic_write,
-                                            dtype_of, file_sha256, fsync_dir, load_index, resolve_tag,
-                                            stream_safetensors, tag_is_complete)
+                                            dtype_of, fsync_dir, load_index, resolve_tag, stream_safetensors,
+                                            tag_is_complete, verify_file)
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
@@ -102,19 +102,14 @@ def inspect(directory: str) -> None:
 @click.option("--tag", default=None, help="Tag to verify (default: latest, else the newest complete one).")
 @_reported
 def verify(directory: str, tag: str | None) -> None:
-    """Check every file of a tag against the sizes and sha256 in its index."""
+    """Check every file of a tag against the size and checksum in its index
+    (XXH3-128, or sha256 for checkpoints of earlier dsrun versions)."""
     tag_dir = _tag_dir(directory, tag)
     index = load_index(tag_dir)
-    for file, meta in sorted(index.files.items()):
-        path = os.path.join(tag_dir, file)
-        if not os.path.isfile(path):
-            raise click.ClickException(f"{path} is missing")
-        if os.path.getsize(path) != meta.bytes:
-            raise click.ClickException(f"{path} is truncated or altered: {os.path.getsize(path)} bytes, "
-                                       f"the index recorded {meta.bytes}")
-        if file_sha256(path) != meta.sha256:
-            raise click.ClickException(f"{path} is corrupted: its sha256 does not match the index")
-    click.echo(f"{tag_dir}: {len(index.files)} files OK")
+    for file, entry in sorted(index.files.items()):
+        verify_file(tag_dir, file, entry)  # CheckpointError naming the file: exit 1
+    algorithms = sorted({entry.algorithm for entry in index.files.values()})
+    click.echo(f"{tag_dir}: {len(index.files)} files OK ({', '.join(algorithms)})")
 
 
 @main.command()

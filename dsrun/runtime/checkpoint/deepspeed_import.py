@@ -52,7 +52,7 @@ from typing import Any
 import torch
 
 import dsrun
-from dsrun.runtime.checkpoint.store import (INDEX, LATEST, CheckpointError, FileEntry, Index, StoredSlice,
+from dsrun.runtime.checkpoint.store import (INDEX, LATEST, CheckpointError, Index, StoredSlice,
                                             TensorEntry, atomic_write, dtype_name, fsync_dir, shard_name,
                                             write_json_atomic)
 from dsrun.runtime.checkpoint.writer import ShardWriter
@@ -361,13 +361,13 @@ def _write(out: _Collected, new_dir: str, out_dir: str, fields: dict) -> str:
     os.makedirs(new_dir, exist_ok=True)
     if os.path.exists(os.path.join(new_dir, INDEX)):
         os.unlink(os.path.join(new_dir, INDEX))  # overwriting: incomplete first, never mixed
-    digest, size = ShardWriter(os.path.join(new_dir, file), tensors, {"dsrun": json.dumps({"rank": 0})},
-                               set(tensors), AioConfig()).write()
+    written = ShardWriter(os.path.join(new_dir, file), tensors, {"dsrun": json.dumps({"rank": 0})},
+                          set(tensors), AioConfig()).write()
     fsync_dir(new_dir)
     index = Index(tag=os.path.basename(new_dir), saved_at_ns=time.time_ns(), dsrun_version=dsrun.__version__,
                   torch_version=torch.__version__, world_size=1, tensors=entries, optimizer_scalars=scalars,
                   group_of=out.group_of, rng=[], frozen=out.frozen,
-                  files={file: FileEntry(sha256=digest, bytes=size)}, **fields)
+                  files={file: written}, **fields)
     write_json_atomic(os.path.join(new_dir, INDEX), index.model_dump(mode="json"))
     atomic_write(os.path.join(out_dir, LATEST), [os.path.basename(new_dir).encode()])
     fsync_dir(out_dir)

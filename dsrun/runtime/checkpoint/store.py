@@ -6,6 +6,11 @@
       <tag>/rank00001-of-00002.safetensors
       <tag>/index.json                    the Index below; written last
 
+Format version 2 records each file's checksum as {"algorithm", "checksum",
+"bytes"} (XXH3-128 for new saves, see [Note: checkpoint checksums] in
+checksum.py); version 1 (earlier dsrun) recorded {"sha256", "bytes"} and is
+still read.
+
 No pickle anywhere: tensors are safetensors, everything else is JSON. A
 shard holds 1-D slices keyed by global name ("module/h.0.fc.weight",
 "optim/h.0.fc.weight/exp_avg", "rng/torch_cpu", "client/<path>"); the index
@@ -23,7 +28,7 @@ rank 0 builds the index from the headers without moving any data.
    any rank writes.
 2. Every rank writes its shard to a temporary name in the tag directory,
    fsyncs and renames it, hashing it as it goes (writer.py).
-3. All ranks publish (success, sha256); if any rank failed, every rank
+3. All ranks publish (success, the file's checksum); if any rank failed, every rank
    raises and nothing else happens: the tag stays without an index and
    `latest` unchanged.
 4. Rank 0 reads the shard headers, writes index.json (temporary name,
@@ -39,16 +44,18 @@ old state or the new one under the final names, never a half-written file.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import json
 import os
 import struct
 from typing import Any, Iterable
 
 import torch
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
-FORMAT_VERSION = 1
+from dsrun.runtime.checkpoint import checksum
+
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # 1: files carry a sha256 only
 INDEX = "index.json"
 LATEST = "latest"
 
@@ -80,8 +87,20 @@ class TensorEntry(BaseModel):
 
 
 class FileEntry(BaseModel):
-    sha256: str = Field(description="Hex digest of the whole file.")
+    """One file of a tag: its size and checksum (see [Note: checkpoint checksums])."""
+
+    algorithm: str = Field(description="Checksum algorithm: xxh3_128 (new saves) or sha256 (format 1).")
+    checksum: str = Field(description="Hex digest of the whole file.")
     bytes: int = Field(description="File size.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _format_1(cls, data: Any) -> Any:
+        """Format 1 wrote {"sha256": hex, "bytes": n}."""
+        if isinstance(data, dict) and "sha256" in data and "checksum" not in data:
+            data = {k: v for k, v in data.items() if k != "sha256"} | {"algorithm": "sha256",
+                                                                        "checksum": data["sha256"]}
+        return data
 
 
 class Index(BaseModel):
@@ -140,18 +159,15 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def atomic_write(path: str, chunks: Iterable[bytes | memoryview]) -> tuple[str, int]:
+def atomic_write(path: str, chunks: Iterable[bytes | memoryview]) -> None:
     """Write `chunks` to `path` through a temporary name: write, fsync,
-    rename (the directory is not fsynced here; see fsync_dir). Returns
-    (sha256 hex, bytes). On error the temporary file is removed."""
+    rename (the directory is not fsynced here; see fsync_dir). On error the
+    temporary file is removed."""
     tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp{os.getpid()}")
-    digest, size = hashlib.sha256(), 0
     try:
         with open(tmp, "wb") as f:
             for chunk in chunks:
                 f.write(chunk)
-                digest.update(chunk)
-                size += len(chunk)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -159,7 +175,6 @@ def atomic_write(path: str, chunks: Iterable[bytes | memoryview]) -> tuple[str, 
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
-    return digest.hexdigest(), size
 
 
 def safetensors_header(specs: list[tuple[str, tuple[int, ...], torch.dtype]],
@@ -219,12 +234,23 @@ def read_shard_metadata(path: str) -> dict[str, Any]:
     return json.loads(header["__metadata__"]["dsrun"])
 
 
-def file_sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            digest.update(chunk)
-    return digest.hexdigest()
+def verify_file(tag_dir: str, file: str, entry: FileEntry) -> None:
+    """Check one file of a tag against its index entry: present, its size,
+    then its checksum (streamed). Raises CheckpointError naming the file."""
+    path = os.path.join(tag_dir, file)
+    if not os.path.isfile(path):
+        raise CheckpointError(f"checkpoint file {path} is missing")
+    size = os.path.getsize(path)
+    if size != entry.bytes:
+        raise CheckpointError(f"checkpoint file {path} is truncated or altered: {size} bytes, "
+                              f"the index recorded {entry.bytes}")
+    try:
+        digest = checksum.file_digest(path, entry.algorithm)
+    except ValueError as e:
+        raise CheckpointError(f"checkpoint file {path}: {e}") from None
+    if digest != entry.checksum:
+        raise CheckpointError(f"checkpoint file {path} is corrupted: its {entry.algorithm} checksum does not "
+                              "match the index")
 
 
 # ---- tags ----------------------------------------------------------------------
@@ -296,17 +322,17 @@ def load_index(tag_dir: str) -> Index:
             index = Index.model_validate_json(f.read())
     except ValueError as e:
         raise CheckpointError(f"{path} is not a valid dsrun checkpoint index: {e}") from None
-    if index.format_version != FORMAT_VERSION:
+    if index.format_version not in READABLE_VERSIONS:
         raise CheckpointError(f"{path}: format version {index.format_version}, this dsrun reads "
-                              f"{FORMAT_VERSION}")
+                              f"{', '.join(map(str, READABLE_VERSIONS))} (a newer dsrun wrote it?)")
     return index
 
 
 class SliceReader:
     """Reads element ranges of global tensors from a tag's shards.
 
-    Each shard is verified (size, then sha256 streamed) the first time it is
-    opened, then opened with safetensors' `safe_open`, which reads only the
+    Each shard is verified (size, then its checksum streamed: `verify_file`)
+    the first time it is opened, then opened with safetensors' `safe_open`, which reads only the
     requested slice. Raises CheckpointError naming the file on a missing,
     truncated or corrupted shard.
     """
@@ -320,17 +346,11 @@ class SliceReader:
             from safetensors import safe_open
 
             path = os.path.join(self.tag_dir, file)
-            meta = self.index.files.get(file)
+            entry = self.index.files.get(file)
             if not os.path.isfile(path):
                 raise CheckpointError(f"checkpoint file {path} is missing")
-            if meta is not None and self.verify:
-                size = os.path.getsize(path)
-                if size != meta.bytes:
-                    raise CheckpointError(f"checkpoint file {path} is truncated or altered: {size} bytes, "
-                                          f"the index recorded {meta.bytes}")
-                if file_sha256(path) != meta.sha256:
-                    raise CheckpointError(f"checkpoint file {path} is corrupted: its sha256 does not match "
-                                          "the index")
+            if entry is not None and self.verify:
+                verify_file(self.tag_dir, file, entry)
             try:
                 self._open[file] = safe_open(path, framework="pt")
             except Exception as e:  # safetensors raises its own error types

@@ -7,9 +7,10 @@ order. The writer walks the file in chunks of CHUNK_BYTES; for each chunk it
 submits an asynchronous write to dsrun's async I/O op (dsrun/ops/aio.py:
 O_DIRECT through io_uring or libaio where the file system allows it, as
 DeepSpeed's FastPersist does, so the bytes are not copied into the page
-cache), then feeds the same bytes to sha256 while the device writes them
-(hashlib releases the GIL), then waits. The hash costs no extra time as long
-as it keeps up with the disk, and nothing is copied on the way: the source
+cache), then feeds the same bytes to the checksum (XXH3-128, see [Note:
+checkpoint checksums] in checksum.py) while the device writes them (the hash
+releases the GIL), then waits. The hash costs no extra time as long as it
+keeps up with the disk (at 20+ GB/s it does), and nothing is copied on the way: the source
 of a chunk is the live tensor's memory (or a snapshot copy, below). Without
 the native op the writes are plain pwrite calls. The file goes to a
 temporary name, is fsynced and renamed (see [Note: commit protocol] in
@@ -35,7 +36,6 @@ the disk with O_DIRECT without a bounce copy.
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import threading
 from typing import Any
@@ -43,7 +43,8 @@ from typing import Any
 import torch
 
 from dsrun.ops.aio import AioHandle, new_aligned_tensor
-from dsrun.runtime.checkpoint.store import byte_view, safetensors_header
+from dsrun.runtime.checkpoint import checksum
+from dsrun.runtime.checkpoint.store import FileEntry, byte_view, safetensors_header
 
 CHUNK_BYTES = 32 << 20
 
@@ -128,12 +129,12 @@ class ShardWriter:
                     self._stage(part, staging)
                 part.in_place = False
 
-    def write(self) -> tuple[str, int]:
-        """Write the file (temporary name, fsync, rename) and return (sha256
-        hex, bytes). Raises OSError naming the file; the temporary file is
-        removed on any error. See [Note: shard writing]."""
+    def write(self) -> FileEntry:
+        """Write the file (temporary name, fsync, rename) and return its
+        size and checksum. Raises OSError naming the file; the temporary file
+        is removed on any error. See [Note: shard writing]."""
         tmp = os.path.join(os.path.dirname(self.path), f".{os.path.basename(self.path)}.tmp{os.getpid()}")
-        digest = hashlib.sha256()
+        digest = checksum.new()
         handle = AioHandle.from_config(self.aio)
         try:
             os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644))
@@ -161,4 +162,4 @@ class ShardWriter:
         finally:
             handle.close()
         self.parts = []  # nothing of the state is referenced any more
-        return digest.hexdigest(), self.size
+        return FileEntry(algorithm=checksum.DEFAULT, checksum=digest.hexdigest(), bytes=self.size)
