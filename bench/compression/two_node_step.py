@@ -55,8 +55,9 @@ baseline's median on the same link (adam for stage 0 runs, stage3 for stage
 3 runs); link MiB per timed step, measured on the veth pair (both
 directions, TCP/IP headers and ACKs included, the barriers around each step
 too); and the comms logger's bus bytes per rank per step (what each rank
-sends, nccl-tests' bus convention; dsrun/runtime/comm/logger.py), total and
-per op. The load average before each launch is printed with the tables.
+sends, nccl-tests' bus convention; dsrun/runtime/comm/logger.py), total,
+inter-node (collectives whose group spans the nodes, counted whole: the
+ZeRO++ paper's accounting, an upper bound on what crosses) and per op. The load average before each launch is printed with the tables.
 """
 from __future__ import annotations
 
@@ -154,7 +155,8 @@ def rank_main(args) -> None:
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
     link = link_bytes() - link0
-    ops = {op: {"bus_bytes": st.bus_bytes, "bytes": st.bytes, "calls": st.calls, "transports": st.transports}
+    ops = {op: {"bus_bytes": st.bus_bytes, "inter_node_bus_bytes": st.inter_node_bus_bytes, "bytes": st.bytes,
+                "calls": st.calls, "transports": st.transports}
            for op, st in comms_logger.snapshot().items()}
     result = {"rank": rank, "times": times, "losses": losses, "link_bytes": link, "ops": ops,
               "local_world_size": int(os.environ["LOCAL_WORLD_SIZE"]), "world_size": dist.get_world_size()}
@@ -197,10 +199,12 @@ def launch(run: str, args, cluster, wrapper: Path, hosts: Path, work: Path) -> l
 def summarise(run: str, results: list[dict], steps: int) -> dict:
     step_times = [max(ts) for ts in zip(*(r["times"] for r in results))]
     ops: dict[str, float] = {}
+    inter = 0.0
     for r in results:
         for op, st in r["ops"].items():
             ops[op] = ops.get(op, 0.0) + st["bus_bytes"] / steps / len(results)
-    return {"times": step_times, "link": results[0]["link_bytes"] / steps, "bus_ops": ops,
+            inter += st["inter_node_bus_bytes"] / steps / len(results)
+    return {"times": step_times, "link": results[0]["link_bytes"] / steps, "bus_ops": ops, "inter": inter,
             "losses": results[0]["losses"]}
 
 
@@ -216,12 +220,12 @@ def print_tables(model: str, runs: list[str], links: list[str], data: dict, load
     for link in links:
         print(f"\nlink {link}{' (each direction)' if link != 'free' else ''}\n")
         print("| run | min s/step | median s/step | spread | vs baseline | link MiB/step (measured) | "
-              "bus MiB/step per rank | MiB/step per op |")
-        print("|---|---|---|---|---|---|---|---|")
+              "bus MiB/step per rank | inter-node bus MiB/step per rank | MiB/step per op |")
+        print("|---|---|---|---|---|---|---|---|---|")
         for run in runs:
             d = data[link].get(run)
             if d is None:
-                print(f"| {run} | failed (output above) | | | | | | |")
+                print(f"| {run} | failed (output above) | | | | | | | |")
                 continue
             base = "stage3" if run.startswith("stage3") else "adam"
             ts = d["times"]
@@ -231,7 +235,7 @@ def print_tables(model: str, runs: list[str], links: list[str], data: dict, load
             bus = sum(d["bus_ops"].values())
             ops = ", ".join(f"{op} {v / 2**20:.2f}" for op, v in sorted(d["bus_ops"].items()) if v >= 1)
             print(f"| {run} | {min(ts):.3f} | {med:.3f} | {(max(ts) - min(ts)) / med:.0%} | {ratio} | "
-                  f"{statistics.median(d['link']) / 2**20:.2f} | {bus / 2**20:.2f} | {ops} |")
+                  f"{statistics.median(d['link']) / 2**20:.2f} | {bus / 2**20:.2f} | {d['inter'] / 2**20:.2f} | {ops} |")
 
 
 def head_main(args) -> None:
@@ -270,7 +274,8 @@ def head_main(args) -> None:
                         if results is None:
                             continue
                         s = summarise(run, results, args.steps)
-                        d = data[link].setdefault(run, {"times": [], "link": [], "bus_ops": s["bus_ops"]})
+                        d = data[link].setdefault(run, {"times": [], "link": [], "bus_ops": s["bus_ops"],
+                                                        "inter": s["inter"]})
                         d["times"] += s["times"]
                         d["link"].append(s["link"])
                         print(f"[repeat {rep + 1}/{args.repeats}] link {link} {run}: median "
