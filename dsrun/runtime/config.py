@@ -423,7 +423,9 @@ class ZeroConfig(_Section):
                                             "secondary partition group; 1 = off.")
     zero_quantized_weights: bool = Field(False, description="ZeRO++ qwZ (stage 3): forward/backward "
                                          "all-gathers send weights as block-wise int8 with fp32 scales.")
-    zero_quantized_gradients: bool = Field(False, description="ZeRO++: reduce gradients quantized to int4.")
+    zero_quantized_gradients: bool = Field(False, description="ZeRO++ qgZ (stage 3): gradients reduce-"
+                                           "scattered as block-wise int4 by an all-to-all within each node, "
+                                           "then one across nodes.")
     mics_shard_size: Int = Field(-1, description="MiCS: ranks a model state is sharded over; -1 = off.")
     offload_optimizer: OffloadOptimizerConfig = Field(default_factory=OffloadOptimizerConfig,
                                                       description="Offload of optimizer states.")
@@ -465,6 +467,10 @@ class ZeroConfig(_Section):
             raise _Problem(f"quantized weight all-gathers (ZeRO++ qwZ) need stage 3 (stage is {self.stage}); "
                            "set zero_optimization.stage to 3 or remove zero_quantized_weights",
                            key="zero_quantized_weights")
+        if self.zero_quantized_gradients and self.stage != 3:
+            raise _Problem(f"quantized gradient reduction (ZeRO++ qgZ) needs stage 3 (stage is {self.stage}); "
+                           "set zero_optimization.stage to 3 or remove zero_quantized_gradients",
+                           key="zero_quantized_gradients")
         return self
 
 
@@ -787,7 +793,6 @@ NOT_YET_SUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("fp16.fp16_master_weights_and_grads", _on, "fp16 master weights"),
     Unsupported("zero_optimization.zero_hpz_partition_size", lambda v: v > 1, "ZeRO++ hierarchical "
                 "partitioning", "set it to 1"),
-    Unsupported("zero_optimization.zero_quantized_gradients", _on, "ZeRO++ quantized gradients"),
     Unsupported("zero_optimization.mics_shard_size", lambda v: v > 0, "MiCS sharding", "set it to -1"),
     Unsupported("sparse_gradients", _on, "sparse gradients"),
     Unsupported("checkpoint.use_node_local_storage", _on, "node-local checkpoint storage (dsrun needs "

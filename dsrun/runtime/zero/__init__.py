@@ -54,5 +54,6 @@ def build_zero_strategy(cfg, module: torch.nn.Module, optimizer: torch.optim.Opt
             reduce_bucket_size=int(zero.reduce_bucket_size),
             sub_group_size=int(zero.sub_group_size),
             unit_patterns=zero.stage3_unit_modules, optimizer_tier=tier,
-            param_tier=build_param_tier(cfg, topology), quantized_weights=zero.zero_quantized_weights)
+            param_tier=build_param_tier(cfg, topology), quantized_weights=zero.zero_quantized_weights,
+            quantized_gradients=zero.zero_quantized_gradients)
     raise ValueError(f"zero_optimization.stage={zero.stage} is not available")

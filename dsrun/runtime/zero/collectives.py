@@ -34,6 +34,7 @@ what the paper's Ψ accounting is about.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
@@ -41,8 +42,9 @@ import torch.distributed as dist
 
 from dsrun.runtime.comm import collectives
 from dsrun.runtime.comm import quantized
+from dsrun.runtime.comm.hierarchical import quantized_reduce_scatter
 from dsrun.runtime.comm.logger import comms_logger
-from dsrun.runtime.zero.groups import RankGroup, ZeroGroups
+from dsrun.runtime.zero.groups import NodeGroups, RankGroup, ZeroGroups
 from dsrun.runtime.zero.partition import BucketSlot, FlatLayout
 
 LOGICAL_REDUCE_SCATTER = "logical_reduce_scatter"
@@ -54,6 +56,17 @@ def uses_all_reduce(group: RankGroup) -> bool:
     See [Note: choosing the collective per backend]; shared memory (one node,
     collectives.uses_shm) has fast native ones."""
     return dist.get_backend(group.group) == "gloo" and not collectives.uses_shm(group.group)
+
+
+@dataclass(frozen=True)
+class GradientQuantization:
+    """ZeRO++ qgZ for `reduce_region`: the shard group's ranks as a grid of
+    `nodes` (intra x inter; shard rank = inter.rank * intra.size +
+    intra.rank), gradients sent as int4 in blocks of `block` elements
+    (comm/hierarchical.py)."""
+
+    nodes: NodeGroups
+    block: int
 
 
 class RegionHandle:
@@ -90,7 +103,8 @@ def _check(layout: FlatLayout, buckets: Sequence[BucketSlot], full: torch.Tensor
 
 
 def reduce_region(layout: FlatLayout, buckets: Sequence[BucketSlot], full: torch.Tensor,
-                  out: torch.Tensor, groups: ZeroGroups, async_op: bool = False) -> RegionHandle:
+                  out: torch.Tensor, groups: ZeroGroups, async_op: bool = False,
+                  quantize: GradientQuantization | None = None) -> RegionHandle:
     """Sum `full` over all data-parallel ranks; this rank's shards land in `out`.
 
     full: the region of a full flat buffer, shape (region elements,), any
@@ -98,6 +112,9 @@ def reduce_region(layout: FlatLayout, buckets: Sequence[BucketSlot], full: torch
     may be `full` itself when the shard group is one rank, or (one bucket)
     this rank's shard of `full`. Receives the SUM over shard x replicate
     ranks; callers divide. Returns a handle (already complete unless async_op).
+    quantize: ZeRO++ qgZ: the shard group's reduce-scatter is the
+    hierarchical int4 all-to-all of comm/hierarchical.py, each bucket one
+    rank-major segment (the sum is then approximate, see there).
 
     Raises ValueError when the sizes do not match the layout.
     """
@@ -110,6 +127,11 @@ def reduce_region(layout: FlatLayout, buckets: Sequence[BucketSlot], full: torch
     if shard.size == 1:
         if out.data_ptr() != full.data_ptr():
             out.copy_(full)
+    elif quantize is not None:
+        base = buckets[0].offset
+        segments = [full[b.offset - base:b.offset - base + b.padded_numel] for b in buckets]
+        works.append(quantized_reduce_scatter(segments, out, quantize.nodes.intra, quantize.nodes.inter,
+                                              quantize.block, async_op=True))
     elif uses_all_reduce(shard):
         works.append(collectives.all_reduce(full, group=shard.group, async_op=True))
 

@@ -23,6 +23,8 @@ Two kinds of regions (see flat_params.py for where gradients live):
 With a communication dtype other than the accumulation dtype
 (communication_data_type, by default the compute dtype) a cast copy of the
 region is what travels, and the result is cast back when it is averaged.
+With ZeRO++ qgZ (`quantize`) int4 travels whatever that dtype: the staging
+buffer is quantized as it is, without the cast copy.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ from typing import Callable
 
 import torch
 
-from dsrun.runtime.zero.collectives import RegionHandle, reduce_region
+from dsrun.runtime.zero.collectives import GradientQuantization, RegionHandle, reduce_region
 from dsrun.runtime.zero.flat_params import FlatParamSet
 from dsrun.runtime.zero.groups import ZeroGroups
 from dsrun.runtime.zero.partition import BucketSlot
@@ -94,6 +96,7 @@ class OrderedReducer:
     on_launched(region) is called right after a region's collective is
     issued (stage 3 releases the unit's gathered parameters there).
     watchdog: reports a launch that blocks too long (see watchdog.py).
+    quantize: ZeRO++ qgZ (see reduce_region); None = full precision.
     """
 
     # Regions reduced but not yet finished: each holds its staging buffer and
@@ -101,9 +104,11 @@ class OrderedReducer:
     MAX_INFLIGHT = 1
 
     def __init__(self, regions: list[Region], groups: ZeroGroups,
-                 on_launched: Callable[[Region], None] | None = None, watchdog: Watchdog | None = None):
+                 on_launched: Callable[[Region], None] | None = None, watchdog: Watchdog | None = None,
+                 quantize: GradientQuantization | None = None):
         self.regions = regions
         self.groups = groups
+        self.quantize = quantize
         self.on_launched = on_launched
         self.watchdog = watchdog or Watchdog(groups.shard.rank, 0)
         self.where: dict[int, tuple[Region, int]] = {}
@@ -144,14 +149,14 @@ class OrderedReducer:
         # Issuing may block (synchronous transports such as shm): watched too.
         with self.watchdog.waiting(f"reduce-scatter of gradients of '{region.fset.name}'"):
             staging = region.buffer()
-            comm_dtype = region.fset.precision.comm_dtype
+            comm_dtype = staging.dtype if self.quantize is not None else region.fset.precision.comm_dtype
             # communication_data_type: send a 16-bit copy (region x 2 bytes, transient).
             send = staging if staging.dtype == comm_dtype else staging.to(comm_dtype)
             if send is not staging and not region.in_place:
                 region.staging = None  # the copy is all that is needed from here on
             region.out = region.own_shard(send)
             region.handle = reduce_region(region.fset.layout, region.buckets, send, region.out,
-                                          self.groups, async_op=True)
+                                          self.groups, async_op=True, quantize=self.quantize)
         if self.on_launched is not None:
             self.on_launched(region)
         self.inflight.append(region)

@@ -38,10 +38,13 @@ import torch
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
+from dsrun.runtime import nodes
+from dsrun.runtime.config import ConfigError
 from dsrun.runtime.dist import Topology
 from dsrun.runtime.precision import PrecisionPolicy
+from dsrun.runtime.zero.collectives import GradientQuantization
 from dsrun.runtime.zero.flat_params import FlatParamSet
-from dsrun.runtime.zero.groups import ZeroGroups
+from dsrun.runtime.zero.groups import ZeroGroups, node_groups
 from dsrun.runtime.zero.module_hints import external_parameters, z3_leaf_module
 from dsrun.runtime.zero.params import record_of
 from dsrun.runtime.zero.reducer import OrderedReducer, Region
@@ -107,6 +110,7 @@ def _assign(module: torch.nn.Module, unit_names: list[str], members) -> dict[str
 
 
 QWZ_BLOCK = 256  # elements per int8 block of ZeRO++ qwZ (4 bytes of scale per 256 values)
+QGZ_BLOCK = 128  # elements per int4 block of ZeRO++ qgZ: 64 bytes of codes + 4 of scale (0.53 B/element)
 
 
 class PartitionedParamStrategy(ZeroStrategy):
@@ -131,6 +135,11 @@ class PartitionedParamStrategy(ZeroStrategy):
         quantized_weights: ZeRO++ qwZ (zero_quantized_weights): forward and
             backward all-gathers send block-wise int8 (QWZ_BLOCK elements
             per fp32 scale; collectives.py `_all_gather_quantized`).
+        quantized_gradients: ZeRO++ qgZ (zero_quantized_gradients): gradients
+            reduce-scattered by the hierarchical int4 all-to-all over the
+            node groups (QGZ_BLOCK elements per fp32 scale;
+            comm/hierarchical.py; see `_gradient_quantization` for what
+            it raises).
     """
 
     stage = 3
@@ -142,7 +151,7 @@ class PartitionedParamStrategy(ZeroStrategy):
                  reduce_bucket_size: int = 500_000_000, sub_group_size: int = 1_000_000_000,
                  unit_patterns: list[str] | None = None,
                  watchdog_timeout: float | None = None, group=None, optimizer_tier=None, param_tier=None,
-                 quantized_weights: bool = False):
+                 quantized_weights: bool = False, quantized_gradients: bool = False):
         groups = ZeroGroups.sharded(group)
         super().__init__(optimizer, topology, precision, groups, sub_group_size, watchdog_timeout,
                          optimizer_tier=optimizer_tier)
@@ -202,7 +211,8 @@ class PartitionedParamStrategy(ZeroStrategy):
                 regions.append(Region(unit.fset, run))
             if runs:
                 self._last_region[id(regions[-1])] = unit
-        self.reducer = OrderedReducer(regions, groups, on_launched=self._on_reduced, watchdog=self.watchdog)
+        self.reducer = OrderedReducer(regions, groups, on_launched=self._on_reduced, watchdog=self.watchdog,
+                                      quantize=_gradient_quantization(groups) if quantized_gradients else None)
         # First pre-hook of the root: a new forward follows the trace from its start
         # (registered before the units' hooks, so it runs before the root unit's fetch).
         self._hooks = [module.register_forward_pre_hook(lambda mod, a: self.schedule.start_step())]
@@ -273,6 +283,29 @@ class PartitionedParamStrategy(ZeroStrategy):
     def gathered_numel(self) -> int:
         """Elements of non-persistent units currently gathered or being gathered."""
         return self.schedule.live_numel()
+
+
+def _gradient_quantization(groups: ZeroGroups) -> GradientQuantization:
+    """qgZ's node grid over the shard group (collective the first time: it
+    may create the node groups).
+
+    Raises:
+        ConfigError: nodes of different sizes, or the ZeRO group is not the
+            whole job numbered node by node.
+        NodeMapError: the node map is unknown (see nodes.py).
+    """
+    key = "zero_optimization.zero_quantized_gradients"
+    node_map = nodes.require()
+    if node_map.ranks_per_node is None:
+        raise ConfigError(f"{key}: ZeRO++ qgZ needs the same number of ranks on every node, got nodes of "
+                          f"{[len(n) for n in node_map.nodes]} ranks; give every host the same slots, or "
+                          "set it to false")
+    grid = node_groups()
+    if groups.replicate.size != 1 or groups.shard.size != node_map.world_size or \
+            groups.shard.rank != grid.inter.rank * grid.intra.size + grid.intra.rank:
+        raise ConfigError(f"{key}: ZeRO++ qgZ needs the ZeRO partition group to be every rank of the job "
+                          f"({groups.shard.size} of {node_map.world_size} here); set it to false")
+    return GradientQuantization(grid, QGZ_BLOCK)
 
 
 def _runs(fset: FlatParamSet, limit: int) -> list[list]:
