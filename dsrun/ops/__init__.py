@@ -8,6 +8,9 @@
     dsrun.ops.aio        AioHandle (io_uring / libaio, O_DIRECT), new_aligned_tensor
     dsrun.ops.shm_comm   ShmGroup: shared-memory collectives for one node
     dsrun.ops.cuda_adam  multi_tensor_adam (fused CUDA Adam)
+    dsrun.ops.quantizer  int8/int4 block quantization, 1-bit sign packing (CPU SIMD, CUDA):
+                         the native paths of dsrun.runtime.comm.quantized / compressed
+    dsrun.ops.isa        the CPU instruction set (DSRUN_CPU_ISA)
     dsrun.ops.builder    JIT/AOT builds, cache, status (see `dsrun-report`)
 
 Submodules are imported on use: importing dsrun.ops builds nothing, and
@@ -16,7 +19,8 @@ Submodules are imported on use: importing dsrun.ops builds nothing, and
 """
 import importlib
 
-_SUBMODULES = ("adagrad", "adam", "aio", "builder", "cuda_adam", "lamb", "lion", "report", "shm_comm")
+_SUBMODULES = ("adagrad", "adam", "aio", "builder", "cuda_adam", "isa", "lamb", "lion", "quantizer", "report",
+               "shm_comm")
 
 
 def __getattr__(name: str):

@@ -105,7 +105,16 @@ OPS: dict[str, OpSpec] = {
         cflags=("-O3", "-fopenmp"),
         ldflags=("-fopenmp",),
         description="CPU Adam/AdamW, scalar/AVX2/AVX-512 chosen at run time, OpenMP",
-        hashed_dirs=("cpu_adam",),
+        hashed_dirs=("cpu_adam", "common"),
+    ),
+    "quantizer": OpSpec(
+        name="quantizer",
+        sources=("quantizer/quantizer.cpp", "quantizer/quant_scalar.cpp",
+                 "quantizer/quant_avx2.cpp", "quantizer/quant_avx512.cpp"),
+        cflags=("-O3", "-fopenmp"),
+        ldflags=("-fopenmp",),
+        description="int8/int4 block quantization and 1-bit sign packing, scalar/AVX2/AVX-512 chosen at run time",
+        hashed_dirs=("quantizer", "common"),
     ),
     "aio": OpSpec(
         name="aio",
@@ -131,6 +140,14 @@ OPS: dict[str, OpSpec] = {
         description="fused multi-tensor Adam/AdamW on CUDA (fp32/bf16/fp16 parameters)",
         requires_cuda=True,
         hashed_dirs=("cuda_adam",),
+    ),
+    "quantizer_cuda": OpSpec(
+        name="quantizer_cuda",
+        sources=("quantizer/quantizer_cuda.cu",),
+        cflags=("-O3",),
+        description="int8/int4 block quantization and 1-bit sign packing on CUDA",
+        requires_cuda=True,
+        hashed_dirs=("quantizer",),
     ),
 }
 

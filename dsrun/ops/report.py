@@ -36,9 +36,12 @@ def _isa(name: str, loaded: bool) -> str:
     if name == "cpu_adam":
         from dsrun.ops.adam import selected_isa
         return selected_isa() or "-"
+    if name == "quantizer":
+        from dsrun.ops.quantizer import selected_isa as quantizer_isa
+        return quantizer_isa() or "-"
     if name == "shm_comm":
         return "avx2/baseline (ifunc)"
-    if name == "cuda_adam":
+    if name in ("cuda_adam", "quantizer_cuda"):
         return "cuda"
     return "n/a"
 

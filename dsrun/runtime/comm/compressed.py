@@ -38,6 +38,7 @@ from __future__ import annotations
 import torch
 from torch.distributed import ProcessGroup
 
+from dsrun.ops import quantizer
 from dsrun.runtime.comm.collectives import all_gather_into_tensor, all_to_all_single, get_rank, get_world_size
 
 __all__ = ["pack_signs", "unpack_signs", "padded_numel", "server_chunk_numel", "compress_chunks",
@@ -55,6 +56,12 @@ def pack_signs(x: torch.Tensor) -> torch.Tensor:
     """
     if x.dim() != 1 or x.numel() % 8:
         raise ValueError(f"pack_signs needs a 1-D tensor of a multiple of 8 elements, got {tuple(x.shape)}")
+    native = quantizer.sign_pack(x)  # the native kernel when built for x's device and dtype: the same bits
+    return native if native is not None else _pack_signs_torch(x)
+
+
+def _pack_signs_torch(x: torch.Tensor) -> torch.Tensor:
+    """The PyTorch path of `pack_signs` (and the kernels' reference)."""
     bits = (x >= 0).view(torch.uint8).view(-1, 8)
     out = bits[:, 0] << 7
     for i in range(1, 8):  # eight strided passes over n/8 bytes: cheaper than a [n/8, 8] reduction
@@ -73,7 +80,14 @@ def _lut(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
 
 
 def unpack_signs(packed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """±1 values of packed sign bits: uint8 [m] -> `dtype` [8m] (+1 for a set bit)."""
+    """±1 values of packed sign bits: uint8 [m] -> `dtype` [8m] (+1 for a set bit);
+    native kernel or PyTorch, as pack_signs."""
+    native = quantizer.sign_unpack(packed, dtype, 8 * packed.numel())
+    return native if native is not None else _unpack_signs_torch(packed, dtype)
+
+
+def _unpack_signs_torch(packed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The PyTorch path of `unpack_signs` (and the kernels' reference)."""
     return _lut(packed.device, dtype).index_select(0, packed.reshape(-1).int()).reshape(-1)
 
 
@@ -99,15 +113,43 @@ def compress_chunks(y: torch.Tensor, real: list[int]) -> tuple[torch.Tensor, tor
     [chunks, c] = y - scale·sign(y), zero on padding).
     """
     chunks, width = y.shape
+    scales = _chunk_scales(y, real)
+    error = torch.empty_like(y)
+    packed = _signs_and_error(y, real, scales, error.view(-1))
+    return packed.view(chunks, width // 8), scales, error
+
+
+def _chunk_scales(y: torch.Tensor, real: list[int]) -> torch.Tensor:
+    """Zero the padding of `y` (fp32 [chunks, c]) in place; fp32 [chunks]: each row's RMS over its real elements.
+    (Always PyTorch: a kernel could not sum in vector_norm's order, which depends on torch's own SIMD level.)"""
     for k, r in enumerate(real):
         y[k, r:] = 0.0
     count = torch.tensor([max(r, 1) for r in real], dtype=torch.float32, device=y.device)
-    scales = torch.linalg.vector_norm(y, dim=1) / count.sqrt()
-    packed = pack_signs(y.reshape(-1))
-    error = y - unpack_signs(packed).view(chunks, width).mul_(scales.unsqueeze(1))
+    return torch.linalg.vector_norm(y, dim=1) / count.sqrt()
+
+
+def _signs_and_error(y: torch.Tensor, real: list[int], scales: torch.Tensor, error: torch.Tensor) -> torch.Tensor:
+    """Packed sign bits of `y` (fp32 [chunks, c], padding zero), uint8 [chunks·c/8]; writes the first
+    error.numel() values of y - scale·sign(y) (0 on padding) into `error` (fp32, 1-D). One pass of the native
+    kernel when it is built (the 1-bit optimizers' error feedback), else PyTorch; the same bits."""
+    native = quantizer.onebit_compress(y, real, scales, error)
+    if native is not None:
+        return native
+    chunks, width = y.shape
+    packed = _pack_signs_torch(y.reshape(-1))
+    full = y - _unpack_signs_torch(packed).view(chunks, width).mul_(scales.unsqueeze(1))
     for k, r in enumerate(real):
-        error[k, r:] = 0.0
-    return packed.view(chunks, width // 8), scales, error
+        full[k, r:] = 0.0
+    error.copy_(full.view(-1)[:error.numel()])
+    return packed
+
+
+def _unpack_scaled(bits: torch.Tensor, scales: torch.Tensor, chunk: int, out: torch.Tensor) -> torch.Tensor:
+    """out (fp32, 1-D, n <= 8·bits.numel()) = the first n values of ±1 · scales[i // chunk]."""
+    if quantizer.sign_unpack(bits, torch.float32, out.numel(), scales, chunk, out=out) is None:
+        values = _unpack_signs_torch(bits.reshape(-1)).view(-1, chunk).mul_(scales.unsqueeze(1))
+        out.copy_(values.view(-1)[:out.numel()])
+    return out
 
 
 def _with_scales(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -161,27 +203,26 @@ def compressed_all_reduce(buffer: torch.Tensor, worker_error: torch.Tensor, serv
     rank, real = get_rank(group), _real_counts(n, world)
     y = torch.zeros(world * chunk, dtype=torch.float32, device=buffer.device)
     torch.add(buffer, worker_error, out=y[:n])
-    packed, scales, error = compress_chunks(y.view(world, chunk), real)
-    worker_error.copy_(error.view(-1)[:n])
+    y = y.view(world, chunk)
+    scales = _chunk_scales(y, real)
+    packed = _signs_and_error(y, real, scales, worker_error).view(world, chunk // 8)
 
     # Phase 1: chunk j (bits + scale) to rank j.
     send = _with_scales(packed, scales).reshape(-1)
     received = torch.empty_like(send)
     all_to_all_single(received, send, group=group)
     bits, worker_scales = _split_scales(received, world)
-    z = unpack_signs(bits.reshape(-1)).view(world, chunk).mul_(worker_scales.unsqueeze(1) / world).sum(dim=0)
-    z.add_(server_error)
-    s_packed, s_scale, s_error = compress_chunks(z.unsqueeze(0), [real[rank]])
-    server_error.copy_(s_error.view(-1))
+    z = _unpack_scaled(bits, worker_scales / world, chunk, torch.empty(world * chunk, device=buffer.device))
+    z = z.view(world, chunk).sum(dim=0).add_(server_error).unsqueeze(0)
+    s_scale = _chunk_scales(z, [real[rank]])
+    s_packed = _signs_and_error(z, [real[rank]], s_scale, server_error).view(1, chunk // 8)
 
     # Phase 2: every server chunk (bits + scale) to every rank.
     mine = _with_scales(s_packed, s_scale).reshape(-1)
     gathered = torch.empty(world * mine.numel(), dtype=torch.uint8, device=buffer.device)
     all_gather_into_tensor(gathered, mine, group=group)
     bits, server_scales = _split_scales(gathered, world)
-    out = unpack_signs(bits.reshape(-1)).view(world, chunk).mul_(server_scales.unsqueeze(1))
-    buffer.copy_(out.view(-1)[:n])
-    return buffer
+    return _unpack_scaled(bits, server_scales, chunk, buffer)
 
 
 def compressed_bus_bytes(numel: int, world: int) -> int:

@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import torch
 
+from dsrun.ops import quantizer
+
 __all__ = ["quantize_blockwise", "dequantize_blockwise", "message_numel", "pack_message", "unpack_message",
            "quantize_int4", "dequantize_int4", "int4_row_bytes", "pack_int4_rows", "unpack_int4_rows"]
 
@@ -46,10 +48,19 @@ INT4_MAX = 7  # symmetric levels -7..7; the nibble is q + 8
 def quantize_blockwise(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x: 1-D float, any length -> (int8 [ceil(n/block)·block], fp32 scales [ceil(n/block)]).
 
-    The tail of the last block is zero padding. Raises ValueError for block < 1.
+    The tail of the last block is zero padding. Runs the native kernel
+    (dsrun.ops.quantizer) when it is built for x's device and dtype, this
+    module's PyTorch code otherwise; both give the same bits. Raises
+    ValueError for block < 1.
     """
     if block < 1:
         raise ValueError(f"quantization block must be >= 1 element, got {block}")
+    native = quantizer.quantize(x, block, bits=8)
+    return native if native is not None else _quantize_torch(x, block)
+
+
+def _quantize_torch(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The PyTorch path of `quantize_blockwise` (and the kernels' reference)."""
     n = x.numel()
     blocks = -(-n // block)
     padded = torch.zeros(blocks * block, dtype=torch.float32, device=x.device)
@@ -61,7 +72,18 @@ def quantize_blockwise(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch
 
 
 def dequantize_blockwise(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Inverse of `quantize_blockwise`: int8 [b·block], fp32 [b] -> `dtype` [b·block]."""
+    """Inverse of `quantize_blockwise`: int8 [b·block], fp32 [b] -> `dtype` [b·block]
+    (native kernel or PyTorch, as quantize_blockwise)."""
+    blocks = scales.numel()
+    if blocks and q.numel() % blocks == 0:
+        native = quantizer.dequantize(q, scales, q.numel() // blocks, 8, q.numel(), dtype)
+        if native is not None:
+            return native
+    return _dequantize_torch(q, scales, dtype)
+
+
+def _dequantize_torch(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The PyTorch path of `dequantize_blockwise` (and the kernels' reference)."""
     blocks = scales.numel()
     return (q.view(blocks, -1).to(torch.float32) * scales.unsqueeze(1)).view(-1).to(dtype)
 
@@ -83,7 +105,8 @@ def unpack_message(message: torch.Tensor, n: int, block: int, dtype: torch.dtype
     blocks = -(-n // block)
     q = message[:blocks * block]
     scales = message[blocks * block:].contiguous().view(torch.float32)
-    return dequantize_blockwise(q, scales, dtype)[:n]
+    native = quantizer.dequantize(q, scales, block, 8, n, dtype)  # decodes the n values only
+    return native if native is not None else _dequantize_torch(q, scales, dtype)[:n]
 
 
 def _check_int4_block(block: int) -> None:
@@ -95,9 +118,16 @@ def quantize_int4(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tens
     """x: 1-D float, any length n -> (uint8 codes [b·block/2], fp32 scales [b]), b = ceil(n/block).
 
     See [Note: int4 layout] for the exact rounding, nibble order and what
-    happens to inf/NaN. Raises ValueError for an odd block or block < 2.
+    happens to inf/NaN. Native kernel or PyTorch, as quantize_blockwise.
+    Raises ValueError for an odd block or block < 2.
     """
     _check_int4_block(block)
+    native = quantizer.quantize(x, block, bits=4)
+    return native if native is not None else _quantize_int4_torch(x, block)
+
+
+def _quantize_int4_torch(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The PyTorch path of `quantize_int4` (and the kernels' reference)."""
     n = x.numel()
     blocks = -(-n // block)
     padded = torch.zeros(blocks * block, dtype=torch.float32, device=x.device)
@@ -112,7 +142,18 @@ def quantize_int4(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tens
 
 
 def dequantize_int4(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Inverse of `quantize_int4`: uint8 [b·block/2], fp32 [b] -> `dtype` [b·block]."""
+    """Inverse of `quantize_int4`: uint8 [b·block/2], fp32 [b] -> `dtype` [b·block]
+    (native kernel or PyTorch, as quantize_blockwise)."""
+    blocks = scales.numel()
+    if blocks and codes.numel() % blocks == 0:
+        native = quantizer.dequantize(codes, scales, 2 * codes.numel() // blocks, 4, 2 * codes.numel(), dtype)
+        if native is not None:
+            return native
+    return _dequantize_int4_torch(codes, scales, dtype)
+
+
+def _dequantize_int4_torch(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The PyTorch path of `dequantize_int4` (and the kernels' reference)."""
     low = (codes & 0xF).to(torch.float32)
     high = (codes >> 4).to(torch.float32)
     q = torch.stack([low, high], dim=1).view(scales.numel(), -1).sub_(8)
