@@ -426,6 +426,8 @@ class ZeroConfig(_Section):
     zero_quantized_gradients: bool = Field(False, description="ZeRO++ qgZ (stage 3): gradients reduce-"
                                            "scattered as block-wise int4 by an all-to-all within each node, "
                                            "then one across nodes.")
+    zero_quantized_nontrainable_weights: bool = Field(False, description="ZeRO++ (stage 3): keep frozen "
+                                                      "parameters' partitions quantized to int8.")
     mics_shard_size: Int = Field(-1, description="MiCS: ranks a model state is sharded over; -1 = off.")
     offload_optimizer: OffloadOptimizerConfig = Field(default_factory=OffloadOptimizerConfig,
                                                       description="Offload of optimizer states.")
@@ -793,6 +795,7 @@ NOT_YET_SUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("fp16.fp16_master_weights_and_grads", _on, "fp16 master weights"),
     Unsupported("zero_optimization.zero_hpz_partition_size", lambda v: v > 1, "ZeRO++ hierarchical "
                 "partitioning", "set it to 1"),
+    Unsupported("zero_optimization.zero_quantized_nontrainable_weights", _on, "int8 frozen weights (ZeRO++)"),
     Unsupported("zero_optimization.mics_shard_size", lambda v: v > 0, "MiCS sharding", "set it to -1"),
     Unsupported("sparse_gradients", _on, "sparse gradients"),
     Unsupported("checkpoint.use_node_local_storage", _on, "node-local checkpoint storage (dsrun needs "
