@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/compression/onebit_step.py [--model small|48m] [--repeats 3]
         [--warmup 4] [--steps 4] [--runs adam,adam-fp16comm,onebitadam,zerooneadam,onebitlamb]
+        (a 1-bit run with -pytorch appended: compression without the native kernels)
 
 Model: the GPT of bench/step_time/gpt_step.py (`48m`: 48.0M parameters;
 `small`: 5.2M), fp32 compute, ZeRO stage 0, 2 ranks of 1 torch thread on
@@ -20,12 +21,16 @@ Configurations (lr 1e-4, weight decay 0.01, gradient_clipping 0):
   between synchronisations doubles every step up to 4, so most timed
   steps send nothing (DeepSpeed's defaults keep it at 1 for 32678 steps).
 - onebitlamb: "OneBitLamb", freeze_step = --warmup.
+- onebitadam-pytorch, zerooneadam-pytorch, onebitlamb-pytorch: the same
+  with DSRUN_OPS_DISABLE=quantizer in the ranks, so the compression runs
+  comm/compressed.py's PyTorch code instead of the native kernels
+  (dsrun/ops/quantizer.py): what the kernels save per step.
 
 Each launch is a fresh pair of processes running --warmup untimed steps,
 then --steps timed ones (forward + backward + step between barriers, the
 slower rank's time); configurations are interleaved (A B C ... A B C ...)
 over --repeats. Reported per configuration: min / median / spread of the
-step time, its ratio to adam's median, the bus bytes each rank sent per
+step time, its ratio to the first configuration's median, the bus bytes each rank sent per
 timed step (comms logger, dsrun/runtime/comm/logger.py; all ops) and the
 ratio of adam-fp16comm's bytes to it. Losses are not compared: a warm-up of a
 few steps leaves the frozen variance far from converged (the optimizers
@@ -49,10 +54,12 @@ from gpt_step import GPT, MODELS, _launch, _rank_env  # noqa: E402  (the same mo
 
 LR, WEIGHT_DECAY = 1e-4, 0.01
 RUNS = ("adam", "adam-fp16comm", "onebitadam", "zerooneadam", "onebitlamb")
+PYTORCH = "-pytorch"  # suffix: the compression's PyTorch path instead of the native kernels
 
 
 def _config(run: str, s, warmup: int) -> dict:
     common = {"lr": LR, "weight_decay": WEIGHT_DECAY}
+    run = run.removesuffix(PYTORCH)
     optimizer = {
         "adam": {"type": "AdamW", "params": common},
         "adam-fp16comm": {"type": "AdamW", "params": common},
@@ -69,7 +76,7 @@ def _config(run: str, s, warmup: int) -> dict:
 
 
 def _rank(run: str, s, warmup: int, steps: int, rank: int, port: int, out) -> None:
-    _rank_env({}, rank, port)
+    _rank_env({"DSRUN_OPS_DISABLE": "quantizer"} if run.endswith(PYTORCH) else {}, rank, port)
     import torch.distributed as dist
 
     import dsrun
@@ -108,8 +115,9 @@ def main() -> None:
     s = MODELS[args.model]
     runs = args.runs.split(",")
     for run in runs:
-        if run not in RUNS:
-            raise SystemExit(f"unknown configuration {run!r}; known: {', '.join(RUNS)}")
+        if run.removesuffix(PYTORCH) not in RUNS or run in ("adam" + PYTORCH, "adam-fp16comm" + PYTORCH):
+            raise SystemExit(f"unknown configuration {run!r}; known: {', '.join(RUNS)}, and the 1-bit ones "
+                             f"with {PYTORCH}")
     times = {r: [] for r in runs}
     bytes_ = {}
     for rep in range(args.repeats):
@@ -123,7 +131,7 @@ def main() -> None:
     n = sum(p.numel() for p in GPT(s).parameters())
     print(f"\nGPT {args.model} ({n / 1e6:.1f}M parameters), 2 ranks x 1 thread, fp32, stage 0; {args.repeats} "
           f"interleaved repeat(s) x {args.steps} timed steps after {args.warmup} warm-up steps\n")
-    print("| run | min s/step | median s/step | spread | vs adam | bus MiB/step (rank 0) | "
+    print(f"| run | min s/step | median s/step | spread | vs {runs[0]} | bus MiB/step (rank 0) | "
           "fp16 all-reduce / this | MiB/step per op |")
     print("|---|---|---|---|---|---|---|---|")
     base_t = statistics.median(times[runs[0]])

@@ -176,6 +176,13 @@ def test_cuda_kernels_compile_with_nvcc(tmp_path):
         assert f" T dsrun_cuda_{name}" in symbols, name
 
 
+def test_cuda_op_unavailable_reason_on_cpu_torch():
+    if torch.version.cuda is not None:
+        pytest.skip("this torch is a CUDA build")
+    assert not quantizer.native_available("cuda")
+    assert "CPU build" in get_op("quantizer_cuda").reason
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU: the CUDA kernels are compiled, untested on a GPU")
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_cuda_matches_torch(dtype):

@@ -32,6 +32,10 @@ and the value is closer).
 Bytes each rank sends (comms logger `bus_bytes`): (p-1)/p·(N/8 + 4p) in
 each phase, against 2(p-1)/p·2n for an fp16 all-reduce of the same tensor:
 16x fewer for the sign bits, minus 4 bytes of scale per chunk per phase.
+
+Sign packing, unpacking and the sign + error step run in the native kernels
+of dsrun.ops.quantizer when they are built, this module's PyTorch code
+otherwise (the same bits); the scales (vector_norm) are always PyTorch's.
 """
 from __future__ import annotations
 

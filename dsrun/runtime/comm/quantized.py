@@ -32,6 +32,10 @@ layout, which a native kernel must reproduce bit for bit:
 A message (`pack_int4_rows`) is one row per destination: the row's codes
 (padded_len / 2 bytes) then its scales' bytes (4 per block, native byte
 order), so each row travels as a unit of uint8.
+
+Quantization and dequantization run in the native kernels of
+dsrun.ops.quantizer (CPU SIMD, CUDA) when they are built, the PyTorch code
+below otherwise; both give the same bits (csrc/quantizer/quant_impl.h).
 """
 from __future__ import annotations
 
