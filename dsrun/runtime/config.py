@@ -419,8 +419,10 @@ class ZeroConfig(_Section):
                                          "the checkpoint, not from the 16-bit model weights.")
     memory_efficient_linear: bool = Field(True, description="Stage 3: use a linear layer that frees its "
                                           "gathered weight before backward.")
-    zero_hpz_partition_size: PosInt = Field(1, description="ZeRO++ hierarchical partitioning: ranks in a "
-                                            "secondary partition group; 1 = off.")
+    zero_hpz_partition_size: PosInt = Field(1, description="ZeRO++ hpZ (stage 3): keep a secondary copy "
+                                            "of each parameter partitioned over blocks of this many "
+                                            "consecutive ranks (the ranks of a node, or a divisor), so the "
+                                            "backward all-gather stays inside the node; 1 = off.")
     zero_quantized_weights: bool = Field(False, description="ZeRO++ qwZ (stage 3): forward/backward "
                                          "all-gathers send weights as block-wise int8 with fp32 scales.")
     zero_quantized_gradients: bool = Field(False, description="ZeRO++ qgZ (stage 3): gradients reduce-"
@@ -469,6 +471,10 @@ class ZeroConfig(_Section):
             raise _Problem(f"quantized weight all-gathers (ZeRO++ qwZ) need stage 3 (stage is {self.stage}); "
                            "set zero_optimization.stage to 3 or remove zero_quantized_weights",
                            key="zero_quantized_weights")
+        if self.zero_hpz_partition_size > 1 and self.stage != 3:
+            raise _Problem(f"hierarchical partitioning (ZeRO++ hpZ) needs stage 3 (stage is {self.stage}); "
+                           "set zero_optimization.stage to 3 or zero_hpz_partition_size to 1",
+                           key="zero_hpz_partition_size")
         if self.zero_quantized_gradients and self.stage != 3:
             raise _Problem(f"quantized gradient reduction (ZeRO++ qgZ) needs stage 3 (stage is {self.stage}); "
                            "set zero_optimization.stage to 3 or remove zero_quantized_gradients",
@@ -793,8 +799,6 @@ def _on(value: Any) -> bool:
 NOT_YET_SUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("fp16.auto_cast", _on, "fp16 auto-casting of inputs"),
     Unsupported("fp16.fp16_master_weights_and_grads", _on, "fp16 master weights"),
-    Unsupported("zero_optimization.zero_hpz_partition_size", lambda v: v > 1, "ZeRO++ hierarchical "
-                "partitioning", "set it to 1"),
     Unsupported("zero_optimization.zero_quantized_nontrainable_weights", _on, "int8 frozen weights (ZeRO++)"),
     Unsupported("zero_optimization.mics_shard_size", lambda v: v > 0, "MiCS sharding", "set it to -1"),
     Unsupported("sparse_gradients", _on, "sparse gradients"),
@@ -1347,7 +1351,7 @@ def load_config(source: Mapping | str | os.PathLike | DsConfig, world_size: int 
     if problems or cfg is None or not isinstance(triple, tuple):
         raise ConfigError(*problems, *_unsupported_raw(data), source=name)
 
-    problems = _unsupported(cfg)
+    problems = _unsupported(cfg) + _world_problems(cfg, world_size)
     if problems:
         raise ConfigError(*problems, source=name)
     _warn_no_effect(cfg, name)
@@ -1355,6 +1359,16 @@ def load_config(source: Mapping | str | os.PathLike | DsConfig, world_size: int 
         _fill(cfg, key, value)
     cfg._world_size = world_size
     return cfg
+
+
+def _world_problems(cfg: DsConfig, world_size: int) -> list[str]:
+    """Settings that must fit the world size (the node layout is checked
+    when the strategy is built: zero/stage3.py `_hpz_group`)."""
+    hpz = cfg.zero_optimization.zero_hpz_partition_size
+    if hpz > 1 and world_size % hpz:
+        return [f"zero_optimization.zero_hpz_partition_size={hpz} does not divide the world size "
+                f"{world_size}; set it to the number of ranks per node (or a divisor of it), or 1"]
+    return []
 
 
 def _batch_problems(data: dict, world_size: int, skip: bool) -> tuple[int, int, int] | list[str]:

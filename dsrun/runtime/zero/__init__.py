@@ -55,5 +55,6 @@ def build_zero_strategy(cfg, module: torch.nn.Module, optimizer: torch.optim.Opt
             sub_group_size=int(zero.sub_group_size),
             unit_patterns=zero.stage3_unit_modules, optimizer_tier=tier,
             param_tier=build_param_tier(cfg, topology), quantized_weights=zero.zero_quantized_weights,
-            quantized_gradients=zero.zero_quantized_gradients)
+            quantized_gradients=zero.zero_quantized_gradients,
+            hpz_partition_size=int(zero.zero_hpz_partition_size))
     raise ValueError(f"zero_optimization.stage={zero.stage} is not available")

@@ -1,9 +1,14 @@
 """When stage 3 gathers, prefetches, keeps and frees units: the memory knobs.
 
 [Note: the fetch trace]
-During the first forward + backward the strategy records the order in which
+During the first forward + backward (forwards without a backward before it,
+such as an evaluation, are not kept) the strategy records the order in which
 units are fetched (`trace`, unit indices; forward and backward in one
-list). Later steps follow it with a cursor. That trace drives three of
+list, with the phase of each fetch in `trace_phases`). Later steps follow
+it with a cursor. A prefetch is issued for backward when the fetch that
+triggers it is for backward (as DeepSpeed) or the trace says its use is
+(the last forward fetch prefetches the first backward units): ZeRO++ hpZ
+gathers a unit for backward from its node (unit.py). That trace drives three of
 DeepSpeed's stage-3 knobs, all in elements:
 
 - stage3_prefetch_bucket_size: when unit trace[i] is fetched, the next units
@@ -41,6 +46,7 @@ class GatherSchedule:
         self.max_live_numel = max_live_numel
         self.max_reuse_distance = max_reuse_distance
         self.trace: list[int] = []
+        self.trace_phases: list[str] = []
         self.recording = True
         self.pos = 0
         self.on_track = True
@@ -52,8 +58,14 @@ class GatherSchedule:
         return sum(u.numel for u in self.units if not u.persistent and u.state is not UnitState.SHARDED)
 
     def start_step(self) -> None:
-        """A new forward begins: follow the trace from its start, free what was kept."""
+        """A new forward begins: follow the trace from its start, free what was kept.
+        While recording, a forward that no backward followed (an evaluation
+        before training) is dropped from the trace: later steps would
+        otherwise expect it."""
         self.pos, self.on_track = 0, True
+        if self.recording:
+            self.trace.clear()
+            self.trace_phases.clear()
         for index in sorted(self.kept - self.in_use):
             self.units[index].release()
         self.kept &= self.in_use
@@ -68,6 +80,7 @@ class GatherSchedule:
         self.kept.discard(unit.index)
         if self.recording:
             self.trace.append(unit.index)
+            self.trace_phases.append(phase)
         elif self.on_track and self.pos < len(self.trace) and self.trace[self.pos] == unit.index:
             self.pos += 1
         else:
@@ -98,7 +111,8 @@ class GatherSchedule:
     def _prefetch(self, phase: str) -> None:
         budget = self.prefetch_numel
         live = self.live_numel()
-        for index in self.trace[self.pos:]:
+        in_backward = phase.startswith("backward")
+        for index, traced in zip(self.trace[self.pos:], self.trace_phases[self.pos:]):
             unit = self.units[index]
             if unit.state is not UnitState.SHARDED:
                 continue
@@ -106,7 +120,7 @@ class GatherSchedule:
                 break
             budget -= unit.numel
             live += unit.numel
-            unit.gather(phase + " prefetch")
+            unit.gather(("backward" if in_backward else traced) + " prefetch")
         self._prefetch_partitions()
 
     def _prefetch_partitions(self) -> None:

@@ -28,7 +28,9 @@ buffers; a unit's gradients are reduce-scattered in runs of at most
 reduce_bucket_size elements as each run completes (in the fixed order of
 [Note: ordered reduction], reverse unit order), and the unit is released
 once its last run is launched. Per step: Ψ gathered
-in forward, Ψ in backward, Ψ reduce-scattered = 3Ψ logical elements.
+in forward, Ψ in backward, Ψ reduce-scattered = 3Ψ logical elements. With ZeRO++ hpZ
+the backward Ψ is gathered within each hpZ group (a node) from a secondary
+partition (unit.py, [Note: hpZ secondary partition]): Ψ + Ψ across nodes.
 """
 from __future__ import annotations
 
@@ -44,7 +46,7 @@ from dsrun.runtime.dist import Topology
 from dsrun.runtime.precision import PrecisionPolicy
 from dsrun.runtime.zero.collectives import GradientQuantization
 from dsrun.runtime.zero.flat_params import FlatParamSet
-from dsrun.runtime.zero.groups import ZeroGroups, node_groups
+from dsrun.runtime.zero.groups import RankGroup, ZeroGroups, block_group, node_groups
 from dsrun.runtime.zero.module_hints import external_parameters, z3_leaf_module
 from dsrun.runtime.zero.params import record_of
 from dsrun.runtime.zero.reducer import OrderedReducer, Region
@@ -134,12 +136,18 @@ class PartitionedParamStrategy(ZeroStrategy):
         param_tier: where the compute partitions live (offload/param_tier.py).
         quantized_weights: ZeRO++ qwZ (zero_quantized_weights): forward and
             backward all-gathers send block-wise int8 (QWZ_BLOCK elements
-            per fp32 scale; collectives.py `_all_gather_quantized`).
+            per fp32 scale; collectives.py `_all_gather_quantized`); with
+            hpZ the backward ones come exact from the secondary partition.
         quantized_gradients: ZeRO++ qgZ (zero_quantized_gradients): gradients
             reduce-scattered by the hierarchical int4 all-to-all over the
             node groups (QGZ_BLOCK elements per fp32 scale;
             comm/hierarchical.py; see `_gradient_quantization` for what
             it raises).
+        hpz_partition_size: ZeRO++ hpZ (zero_hpz_partition_size): 1 = off;
+            h > 1 keeps a secondary partition over blocks of h consecutive
+            ranks and gathers backward from it (see `_hpz_group`; raises
+            ConfigError when such a block would span nodes, NodeMapError
+            when the node map is unknown).
     """
 
     stage = 3
@@ -151,11 +159,13 @@ class PartitionedParamStrategy(ZeroStrategy):
                  reduce_bucket_size: int = 500_000_000, sub_group_size: int = 1_000_000_000,
                  unit_patterns: list[str] | None = None,
                  watchdog_timeout: float | None = None, group=None, optimizer_tier=None, param_tier=None,
-                 quantized_weights: bool = False, quantized_gradients: bool = False):
+                 quantized_weights: bool = False, quantized_gradients: bool = False,
+                 hpz_partition_size: int = 1):
         groups = ZeroGroups.sharded(group)
         super().__init__(optimizer, topology, precision, groups, sub_group_size, watchdog_timeout,
                          optimizer_tier=optimizer_tier)
         self.module = module
+        self.hpz = _hpz_group(hpz_partition_size, groups) if hpz_partition_size > 1 else None
         self.quantized_weights_block = QWZ_BLOCK if quantized_weights else 0
         trainable = self.trainable_groups(optimizer, module)
         self._prepare_tier(trainable)
@@ -271,13 +281,22 @@ class PartitionedParamStrategy(ZeroStrategy):
 
     def _after_step(self) -> None:
         for unit in self.units:
+            unit.invalidate_secondary()  # the partitions changed
             if unit.persistent:
                 unit.release(force=True)  # stale values: gathered again below
         self._gather_persistent()
 
+    def sync_master_from_params(self, params) -> None:
+        super().sync_master_from_params(params)
+        for unit in {id(rec.unit): rec.unit for p in params
+                     if (rec := record_of(p)) is not None and rec.strategy is self}.values():
+            unit.invalidate_secondary()
+
     def _held(self) -> dict[str, list[torch.Tensor]]:
         held = super()._held()
         held["gathered_params"] = [u.full for u in self.units if u.state is not UnitState.SHARDED]
+        if self.hpz is not None:
+            held["hpz_secondary"] = [u.secondary for u in self.units if u.secondary is not None]
         return held
 
     def gathered_numel(self) -> int:
@@ -306,6 +325,35 @@ def _gradient_quantization(groups: ZeroGroups) -> GradientQuantization:
         raise ConfigError(f"{key}: ZeRO++ qgZ needs the ZeRO partition group to be every rank of the job "
                           f"({groups.shard.size} of {node_map.world_size} here); set it to false")
     return GradientQuantization(grid, QGZ_BLOCK)
+
+
+def _hpz_group(size: int, groups: ZeroGroups) -> RankGroup:
+    """This rank's hpZ group: its block of `size` consecutive ranks (as
+    DeepSpeed forms them), created over every rank (collective the first
+    time). Every block must lie within one node, so that the backward
+    gathers never cross nodes.
+
+    Raises:
+        ConfigError: the blocks do not divide the ZeRO group, the ZeRO group
+            is not the whole job, or a block would span two nodes.
+        NodeMapError: the node map is unknown (see nodes.py).
+    """
+    key = "zero_optimization.zero_hpz_partition_size"
+    node_map = nodes.require()
+    world = node_map.world_size
+    if groups.replicate.size != 1 or groups.shard.size != world:
+        raise ConfigError(f"{key}={size}: hpZ needs the ZeRO partition group to be every rank of the job "
+                          f"({groups.shard.size} of {world} here); set it to 1")
+    if world % size:
+        raise ConfigError(f"{key}={size} does not divide the world size {world}; set it to the number of "
+                          f"ranks per node or a divisor of it")
+    spanning = [s for s in range(0, world, size) if not node_map.within_one_node(range(s, s + size))]
+    if spanning:
+        per_node = sorted({len(n) for n in node_map.nodes})
+        raise ConfigError(f"{key}={size}: ranks {spanning[0]}..{spanning[0] + size - 1} would form one hpZ "
+                          f"group across two nodes (nodes of {per_node} ranks); set it to the ranks per "
+                          "node or a divisor of it, so the backward all-gather stays inside a node")
+    return block_group(size)
 
 
 def _runs(fset: FlatParamSet, limit: int) -> list[list]:

@@ -21,9 +21,27 @@ parameter's own counter), so autograd's saved-tensor checks still pass.
 all-gather (async); `wait` completes it and points the parameters at it.
 Persistent units (parameters below stage3_param_persistence_threshold) are
 gathered after every optimizer step and never released.
+
+[Note: hpZ secondary partition]
+ZeRO++ hpZ (Wang et al. 2023, Section 3.2; zero_hpz_partition_size = h):
+besides its primary shards (partitioned over every rank) a non-persistent
+unit keeps `secondary`, this rank's 1/h of the unit's full buffer in the
+compute dtype, the slice it owns among the h consecutive ranks of its hpZ
+group (normally one node). The slices use the unit's own buckets split h
+ways instead of world-size ways (`FlatLayout` over h ranks: every bucket is
+padded to a multiple of the world size, so of h too). The secondary is
+filled from `full` when a primary all-gather completes, so it holds the
+values the forward computed with (qwZ's dequantized int8 ones included,
+as in DeepSpeed), and a gather for backward (or a backward prefetch)
+all-gathers the secondary slices within the hpZ group instead of the
+world: exact, in the compute dtype, never quantized. The optimizer step,
+a checkpoint load and GatheredParameters(modifier_rank=...) change the
+partitions: they mark the secondary stale, and the next gather is primary
+again. The secondary's bytes show in memory_breakdown() as hpz_secondary.
 """
 from __future__ import annotations
 
+import contextlib
 import enum
 from typing import TYPE_CHECKING
 
@@ -32,6 +50,7 @@ import torch
 from dsrun.runtime.zero.collectives import RegionHandle, all_gather_region, own_shard_views
 from dsrun.runtime.zero.flat_params import FlatParamSet
 from dsrun.runtime.zero.params import ZeroParamStatus, record_of
+from dsrun.runtime.zero.partition import FlatLayout
 
 if TYPE_CHECKING:
     from dsrun.runtime.zero.stage3 import PartitionedParamStrategy
@@ -48,7 +67,9 @@ class Unit:
 
     index: position in the strategy's unit list. name: module name.
     modules: the modules whose forward needs it (hooks go there). fset: its
-    parameters' FlatParamSet. persistent: never released.
+    parameters' FlatParamSet. persistent: never released. With the owner's
+    `hpz` group set, a non-persistent unit keeps a secondary partition
+    (see [Note: hpZ secondary partition]).
     """
 
     def __init__(self, index: int, name: str, modules: list[torch.nn.Module], fset: FlatParamSet,
@@ -67,6 +88,14 @@ class Unit:
         self._views = [self.full[s.offset:s.offset + s.numel].view(s.shape) for s in fset.layout.slots]
         self.full.untyped_storage().resize_(0)  # no bytes until gathered
         self._empty = torch.empty(0, dtype=part.dtype, device=part.device)
+        hpz = owner.hpz
+        self._secondary_layout = (FlatLayout(fset.layout.slots, fset.layout.buckets, hpz.size)
+                                  if hpz is not None and not persistent else None)
+        # (padded_numel / h,) in the compute dtype, where `full` lives; see [Note: hpZ secondary partition]
+        self.secondary = (torch.zeros(self._secondary_layout.shard_numel, dtype=part.dtype, device=part.device)
+                          if self._secondary_layout is not None else None)
+        self.secondary_valid = False
+        self._fill_secondary = False  # the gather in flight is primary: keep its slice on completion
 
     def drop_values(self) -> None:
         """Free the parameters' original storage (the partition holds their
@@ -84,21 +113,47 @@ class Unit:
             record_of(p).set_status(status)
 
     def gather(self, phase: str) -> None:
-        """SHARDED -> GATHERING: fill own shards and issue the all-gather (async)."""
+        """SHARDED -> GATHERING: fill own shards and issue the all-gather
+        (async): from the secondary partition within the hpZ group for a
+        backward gather when it is valid, else from the primary partition
+        over the shard group."""
         if self.state is not UnitState.SHARDED:
             return
-        layout, fset = self.fset.layout, self.fset
+        fset = self.fset
+        secondary = self.secondary_valid and phase.startswith("backward")
+        if secondary:
+            layout, group, block = self._secondary_layout, self.owner.hpz, 0
+            reading, what = contextlib.nullcontext(), "hpZ all-gather"
+        else:
+            layout, group, block = fset.layout, self.owner.groups.shard, self._quantize_block(phase)
+            reading, what = self.owner.param_tier.resident(fset), "all-gather"  # NVMe: read it in
         with torch.no_grad():
             self.full.untyped_storage().resize_(self._nbytes)
-            with self.owner.param_tier.resident(fset):  # read from NVMe when offloaded there
-                for view, dst in own_shard_views(layout, layout.buckets, self.full, fset.rank):
-                    view.copy_(fset.partition[dst:dst + view.numel()])
+            with reading:
+                source = self.secondary if secondary else fset.partition
+                for view, dst in own_shard_views(layout, layout.buckets, self.full, group.rank):
+                    view.copy_(source[dst:dst + view.numel()])
             # Issuing may block too (synchronous transports such as shm).
-            with self.owner.watchdog.waiting(f"all-gather of unit '{self.name}' ({phase})"):
-                self.handle = all_gather_region(layout, layout.buckets, self.full, self.owner.groups.shard,
-                                                async_op=True, quantize_block=self._quantize_block(phase))
+            with self.owner.watchdog.waiting(f"{what} of unit '{self.name}' ({phase})"):
+                self.handle = all_gather_region(layout, layout.buckets, self.full, group,
+                                                async_op=True, quantize_block=block)
+        self._fill_secondary = self.secondary is not None and not secondary
         self.state = UnitState.GATHERING
         self._set_params(self._empty, ZeroParamStatus.INFLIGHT)
+
+    def _keep_secondary(self) -> None:
+        """Copy this rank's hpZ slice of the just gathered `full` into the
+        secondary partition (see [Note: hpZ secondary partition])."""
+        layout, hpz = self._secondary_layout, self.owner.hpz
+        with torch.no_grad():
+            for view, dst in own_shard_views(layout, layout.buckets, self.full, hpz.rank):
+                self.secondary[dst:dst + view.numel()].copy_(view)
+        self.secondary_valid = True
+
+    def invalidate_secondary(self) -> None:
+        """The partitions changed (step, load, modified parameters): the next
+        backward gathers from the primary partition again."""
+        self.secondary_valid = False
 
     def _quantize_block(self, phase: str) -> int:
         """ZeRO++ qwZ block size for this gather, 0 for exact: only the
@@ -115,6 +170,9 @@ class Unit:
             with self.owner.watchdog.waiting(f"all-gather of unit '{self.name}' ({phase})"):
                 self.handle.wait()  # blocks until every rank's shard arrived
             self.handle = None
+            if self._fill_secondary:
+                self._keep_secondary()
+                self._fill_secondary = False
             self._set_params(self._views, ZeroParamStatus.AVAILABLE)
             self.state = UnitState.GATHERED
 
