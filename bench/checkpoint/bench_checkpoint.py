@@ -132,7 +132,9 @@ def _dsrun_worker(rank: int, world: int, port: int, args, stage: int, queue) -> 
     nbytes = 12 * sum(p.numel() for p in model.parameters())  # fp32 values + 2 Adam states
     dist.barrier()
     if rank == 0 and shutil.which("fio"):
-        row["fio"] = max(_fio(args.dir, nbytes, direct=False), _fio(args.dir, nbytes, direct=True))
+        row["fio_buffered"] = _fio(args.dir, nbytes, direct=False)
+        row["fio_direct"] = _fio(args.dir, nbytes, direct=True)
+        row["fio"] = max(row["fio_buffered"], row["fio_direct"])
     row["save"] = _timed(lambda: engine.save_checkpoint(root, tag="sync"))
     row["bytes"] = _du(os.path.join(root, "sync"))
     engine.config.checkpoint.async_save = True
@@ -236,6 +238,8 @@ def _alone(ctx, args, stage: int) -> dict:
 COLUMNS = [  # (heading, function of one repeat's row, format)
     ("GB", lambda r: r["bytes"] / 1e9, "{:.3f}"),
     ("disk GB/s", lambda r: r.get("fio"), "{:.2f}"),
+    ("fio buffered GB/s", lambda r: r.get("fio_buffered"), "{:.2f}"),
+    ("fio O_DIRECT GB/s", lambda r: r.get("fio_direct"), "{:.2f}"),
     ("save s", lambda r: r["save"], "{:.3f}"),
     ("save GB/s", lambda r: r["bytes"] / r["save"] / 1e9, "{:.2f}"),
     ("save/disk", lambda r: r["save"] / (r["bytes"] / 1e9 / r["fio"]) if r.get("fio") else None, "{:.2f}x"),

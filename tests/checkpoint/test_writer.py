@@ -90,3 +90,18 @@ def test_copy_on_write_snapshot(tmp_path, monkeypatch, pause_at):
         tensors[key].mul_(-3).add_(1)
     thread.join(10)
     _check_file(tmp_path / "s.safetensors", expected, result["out"])
+
+
+def test_slices_of_one_buffer_are_written_as_one_run(tmp_path, monkeypatch):
+    """Slices adjacent in one buffer become one write (in memory order,
+    whatever the key order); a slice staged at the call stays apart."""
+    monkeypatch.setattr(writer_mod, "CHUNK_BYTES", 4096)
+    flat, other = torch.randn(10000), torch.randn(10, dtype=torch.float64)
+    tensors = {"d": flat[7000:], "c": other, "b": flat[3000:7000].view(40, 100), "a": flat[:3000],
+               "e": flat[7000:7000]}
+    expected = {k: t.clone() for k, t in tensors.items()}
+    w = ShardWriter(str(tmp_path / "s.safetensors"), tensors, {}, {"a", "b", "c"}, AioConfig())
+    runs = sorted(p.data.numel() for p in w.parts[1:])
+    assert runs == sorted([7000 * 4, 3000 * 4, 10 * 8])  # a+b, d (not in place), c
+    w.snapshot(StagingBuffer())
+    _check_file(tmp_path / "s.safetensors", expected, w.write())

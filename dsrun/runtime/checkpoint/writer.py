@@ -3,18 +3,23 @@ and the copy-on-write snapshot behind `checkpoint.async_save`.
 
 [Note: shard writing]
 A shard is a safetensors file: the header, then each tensor's bytes in
-order. The writer walks the file in chunks of CHUNK_BYTES; for each chunk it
-submits an asynchronous write to dsrun's async I/O op (dsrun/ops/aio.py:
-O_DIRECT through io_uring or libaio where the file system allows it, as
-DeepSpeed's FastPersist does, so the bytes are not copied into the page
-cache), then feeds the same bytes to the checksum (XXH3-128, see [Note:
-checkpoint checksums] in checksum.py) while the device writes them (the hash
-releases the GIL), then waits. The hash costs no extra time as long as it
-keeps up with the disk (at 20+ GB/s it does), and nothing is copied on the way: the source
-of a chunk is the live tensor's memory (or a snapshot copy, below). Without
-the native op the writes are plain pwrite calls. The file goes to a
-temporary name, is fsynced and renamed (see [Note: commit protocol] in
-store.py).
+order. The writer walks the file in windows of CHUNK_BYTES; for each window
+it submits one asynchronous write per tensor (or piece of a tensor) in it
+to dsrun's async I/O op (dsrun/ops/aio.py: O_DIRECT through io_uring or
+libaio where the file system allows it, as DeepSpeed's FastPersist does, so
+the bytes are not copied into the page cache), then feeds the same bytes to
+the checksum (XXH3-128, see [Note: checkpoint checksums] in checksum.py)
+while the device writes them (the hash releases the GIL), then waits for
+the window. The hash costs no extra time as long as it keeps up with the
+disk (at 20+ GB/s it does), and nothing is copied on the way: the source of
+a write is the live tensor's memory (or a snapshot copy, below). Tensors
+are stored in memory order, so that the slices of one flat buffer (a ZeRO
+partition's masters, each of its Adam states) form one run of the file
+written as one, and a window spans several runs: a ZeRO-3 shard holds a
+slice of every bias and norm weight, and the writer still submits a few
+writes and waits once per CHUNK_BYTES, not once per tensor. Without the native op the writes are plain pwrite calls. The file
+goes to a temporary name, is fsynced and renamed (see [Note: commit
+protocol] in store.py).
 
 [Note: copy-on-write snapshot]
 An asynchronous save must not write values that training has changed since
@@ -26,7 +31,7 @@ other tensor (buffers, frozen parameters, RNG states, client tensors, any
 tensor on an accelerator) is copied at the call into a staging buffer that
 is reused from save to save (page-aligned; pinned when CUDA is available).
 Before the next optimizer step the engine calls `release()`: it waits for
-the chunk being written (at most CHUNK_BYTES) and copies whatever has not
+the window being written (at most CHUNK_BYTES) and copies whatever has not
 been written yet into the staging buffer, and the writer continues from
 there. When the write finishes before the next step, which is the common
 case, nothing is copied at all. The staging buffer is laid out like the file
@@ -79,6 +84,13 @@ def _bytes_of(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
+def _joined(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """One 1-D uint8 view covering `a` and `b`, views of one storage with `b`
+    right after `a`."""
+    return torch.empty(0, dtype=torch.uint8, device=a.device).set_(
+        a.untyped_storage(), a.storage_offset(), (a.numel() + b.numel(),))
+
+
 class ShardWriter:
     """One shard file: `tensors` (key -> tensor, any shape/dtype/device)
     stored as safetensors with `metadata` in the header.
@@ -91,13 +103,25 @@ class ShardWriter:
     def __init__(self, path: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str],
                  in_place: set[str], aio: Any):
         self.path, self.aio = path, aio
-        specs = [(key, tuple(t.shape), t.dtype) for key, t in tensors.items()]
-        header, offsets = safetensors_header(specs, metadata)
-        self.size = len(header) + sum(t.numel() * t.element_size() for t in tensors.values())
+        data = {key: _bytes_of(t) for key, t in tensors.items()}
+        # In memory order: slices of one flat buffer (a ZeRO partition's
+        # masters, its Adam states) become one run of the file, written as one.
+        keys = sorted(data, key=lambda k: (data[k].device.type, data[k].data_ptr()))
+        header, offsets = safetensors_header([(k, tuple(tensors[k].shape), tensors[k].dtype) for k in keys],
+                                             metadata)
+        self.size = len(header) + sum(t.numel() for t in data.values())
         self.parts = [_Part(0, torch.frombuffer(bytearray(header), dtype=torch.uint8), False)]
-        for (key, t), offset in zip(tensors.items(), offsets):
-            if t.numel():
-                self.parts.append(_Part(offset, _bytes_of(t), key in in_place and t.device.type == "cpu"))
+        for key, offset in zip(keys, offsets):
+            t, last = data[key], self.parts[-1]
+            own = key in in_place and t.device.type == "cpu"  # written from its own memory
+            if not t.numel():
+                continue
+            if (len(self.parts) > 1 and last.in_place == own and last.data.device == t.device
+                    and last.data.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+                    and last.data.data_ptr() + last.data.numel() == t.data_ptr()):
+                last.data = _joined(last.data, t)  # adjacent in memory and in the file
+            else:
+                self.parts.append(_Part(offset, t, own))
         self._lock = threading.Lock()
         self._staging: torch.Tensor | None = None
 
@@ -120,7 +144,7 @@ class ShardWriter:
             torch.cuda.synchronize()
 
     def release(self, staging: StagingBuffer) -> None:
-        """Stop reading training memory: wait for the chunk being written and
+        """Stop reading training memory: wait for the window being written and
         stage every in-place byte not written yet. Called before the state
         changes (an optimizer step); cheap once the write is done."""
         with self._lock:
@@ -138,17 +162,23 @@ class ShardWriter:
         handle = AioHandle.from_config(self.aio)
         try:
             os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644))
-            for part in self.parts:
-                while True:
-                    with self._lock:  # release() swaps part.data only between chunks
-                        n = part.data.numel()
-                        if part.written >= n:
-                            break
-                        chunk = part.data[part.written:min(n, part.written + CHUNK_BYTES)]
+            todo = list(self.parts)
+            while todo:
+                with self._lock:  # release() swaps part.data only between windows
+                    window, room = [], CHUNK_BYTES
+                    for part in todo:  # the next CHUNK_BYTES of the file, across parts
+                        chunk = part.data[part.written:part.written + room]
                         handle.async_pwrite(chunk, tmp, part.offset + part.written)
-                        digest.update(byte_view(chunk))  # while the device writes
-                        handle.wait()
+                        window.append((part, chunk))
+                        room -= chunk.numel()
+                        if not room:
+                            break
+                    for _, chunk in window:
+                        digest.update(byte_view(chunk))  # in file order, while the device writes
+                    handle.wait()
+                    for part, chunk in window:
                         part.written += chunk.numel()
+                todo = [part for part in todo if part.written < part.data.numel()]
             fd = os.open(tmp, os.O_RDONLY)
             try:
                 os.fsync(fd)
