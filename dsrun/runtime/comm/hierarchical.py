@@ -81,6 +81,8 @@ def quantized_reduce_scatter(segments: Sequence[torch.Tensor], out: torch.Tensor
         block: elements per int4 block (even); one fp32 scale each.
         async_op: return before the first all-to-all completes; the handle's
             `wait()` then decodes, runs the second stage and writes `out`.
+            With one rank per node there is no first stage: everything
+            runs before the call returns.
 
     Returns:
         A handle (async_op) or None.
