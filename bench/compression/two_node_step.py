@@ -165,7 +165,7 @@ def rank_main(args) -> None:
 
 # ---------------------------------------------------------------- the head
 
-def launch(run: str, args, cluster, wrapper: Path, hosts: Path, work: Path) -> list[dict] | None:
+def launch(run: str, args, cluster, net, wrapper: Path, hosts: Path, work: Path) -> list[dict] | None:
     """One dsrun job over SSH for configuration `run`: each rank's result dict in rank order, or None
     when the job failed (its output is printed).
 
@@ -173,13 +173,11 @@ def launch(run: str, args, cluster, wrapper: Path, hosts: Path, work: Path) -> l
         SystemExit: a collective between the nodes went through shared memory, or the ranks did not
             see 2 nodes of 2 (the measurement would not be of two nodes).
     """
-    from tests.multinode.netns_link import ADDR_A, IFACE_A
-
     out = Path(tempfile.mkdtemp(prefix=f"{run}-", dir=work))
     cmd = [sys.executable, "-m", "dsrun.launcher.cli", "--hostfile", str(hosts),
-           "--ssh_config", str(cluster.ssh_config), "--remote_python", str(wrapper), "--master_addr", ADDR_A,
+           "--ssh_config", str(cluster.ssh_config), "--remote_python", str(wrapper), "--master_addr", net.addr_a,
            "--no_local_rank", str(Path(__file__).resolve()), "--rank", run, "--model", args.model,
-           "--warmup", str(args.warmup), "--steps", str(args.steps), "--out", str(out), "--iface", IFACE_A]
+           "--warmup", str(args.warmup), "--steps", str(args.steps), "--out", str(out), "--iface", net.iface_a]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
     (out / "dsrun.log").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:  # reported, and the other configurations still run
@@ -240,7 +238,7 @@ def print_tables(model: str, runs: list[str], links: list[str], data: dict, load
 
 def head_main(args) -> None:
     from gpt_step import MODELS  # noqa: F401 (fails early on a broken path)
-    from tests.multinode.netns_link import ADDR_A, node_link, python_wrapper
+    from tests.multinode.netns_link import node_link, python_wrapper
     from tests.multinode.sshd import loopback_sshd
 
     runs, links = args.runs.split(","), args.links.split(",")
@@ -262,15 +260,15 @@ def head_main(args) -> None:
         work = Path(tmp)
         hosts = work / "hosts"
         hosts.write_text("node-a slots=2\nnode-b slots=2\n")
-        wrapper = python_wrapper(work / "python", sys.executable)
         (work / "sshd").mkdir()
-        with node_link() as net, loopback_sshd(work / "sshd", extra_addresses=(ADDR_A,)) as cluster:
+        with node_link() as net, loopback_sshd(work / "sshd", extra_addresses=(net.addr_a,)) as cluster:
+            wrapper = python_wrapper(work / "python", sys.executable, net)
             for rep in range(args.repeats):
                 for link in links:
                     net.set_rate(None if link == "free" else link)
                     for run in runs:
                         loads.append(os.getloadavg()[0])
-                        results = launch(run, args, cluster, wrapper, hosts, work)
+                        results = launch(run, args, cluster, net, wrapper, hosts, work)
                         if results is None:
                             continue
                         s = summarise(run, results, args.steps)

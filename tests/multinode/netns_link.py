@@ -12,8 +12,8 @@ there slows both.
 
 Instead node-b's processes run in a network namespace of their own,
 joined to this one by a veth pair in the benchmarking range of RFC 2544
-(198.18.0.1 here, 198.18.0.2 in the namespace; no existing interface or
-address is changed). Each node's ranks bind gloo to their end of the pair
+(198.18.N.1 here, 198.18.N.2 in the namespace, N the link's index; no
+existing interface or address is changed). Each node's ranks bind gloo to their end of the pair
 (GLOO_SOCKET_IFNAME), so:
 - ranks of node-a talk to each other through this machine's `lo`, ranks of
   node-b through the namespace's own `lo`;
@@ -44,10 +44,8 @@ from typing import Iterator
 
 from tests.system_packages import ensure_debian_packages
 
-NETNS = "dsrun-node-b"
-IFACE_A, IFACE_B = "dsrun-va", "dsrun-vb"
-ADDR_A, ADDR_B = "198.18.0.1", "198.18.0.2"  # RFC 2544 benchmarking range, a /30 of our own
 PREFIX = 30
+MAX_LINKS = 64  # several benchmarks or tests may hold a link at once, each its own names and /30
 
 
 def _ip(*args: str, netns: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
@@ -60,17 +58,40 @@ def _tc(*args: str, netns: str | None = None, check: bool = True) -> subprocess.
     return subprocess.run(cmd, capture_output=True, text=True, check=check)
 
 
-def _remove() -> None:
-    """Delete the pair and the namespace if they exist (the qdiscs go with the interfaces)."""
-    _ip("link", "del", IFACE_A, check=False)
-    _ip("netns", "del", NETNS, check=False)
-
-
 @dataclass
 class NodeLink:
-    """The link between node-a (this namespace) and node-b (namespace NETNS)."""
+    """The link between node-a (this namespace) and node-b (namespace `netns`).
 
+    Attributes:
+        index: which of the MAX_LINKS sets of names and addresses this link uses.
+        netns: node-b's network namespace.
+        iface_a, iface_b: the veth ends (node-a's here, node-b's in `netns`).
+        addr_a, addr_b: their addresses, 198.18.index.1 and .2 (RFC 2544's range).
+        rate: the current limit per direction (tc syntax), None for none.
+    """
+
+    index: int
     rate: str | None = None
+
+    @property
+    def netns(self) -> str:
+        return f"dsrun-nb{self.index}"
+
+    @property
+    def iface_a(self) -> str:
+        return f"dsrun-va{self.index}"
+
+    @property
+    def iface_b(self) -> str:
+        return f"dsrun-vb{self.index}"
+
+    @property
+    def addr_a(self) -> str:
+        return f"198.18.{self.index}.1"
+
+    @property
+    def addr_b(self) -> str:
+        return f"198.18.{self.index}.2"
 
     def set_rate(self, rate: str | None) -> None:
         """Limit each direction to `rate` (tc syntax, e.g. "200mbit"), or lift the limit (None).
@@ -82,7 +103,7 @@ class NodeLink:
         Raises:
             subprocess.CalledProcessError: tc refused the rate (its stderr says why).
         """
-        for netns, iface in ((None, IFACE_A), (NETNS, IFACE_B)):
+        for netns, iface in ((None, self.iface_a), (self.netns, self.iface_b)):
             _tc("qdisc", "del", "dev", iface, "root", netns=netns, check=False)
             if rate is not None:
                 _tc("qdisc", "add", "dev", iface, "root", "tbf", "rate", rate, "burst", "64kb", "latency", "200ms",
@@ -91,48 +112,64 @@ class NodeLink:
 
     def bytes(self) -> int:
         """Bytes that crossed the link so far, both directions (node-a's end: sent + received)."""
-        stats = Path("/sys/class/net") / IFACE_A / "statistics"
+        stats = Path("/sys/class/net") / self.iface_a / "statistics"
         return int((stats / "tx_bytes").read_text()) + int((stats / "rx_bytes").read_text())
+
+    def _remove(self) -> None:
+        """Delete the pair and the namespace (the qdiscs go with the interfaces)."""
+        _ip("link", "del", self.iface_a, check=False)
+        _ip("netns", "del", self.netns, check=False)
+
+
+def _unused_index() -> int:
+    namespaces = _ip("netns", "list").stdout.split()
+    addresses = _ip("-o", "-4", "addr", "show").stdout
+    for index in range(MAX_LINKS):
+        link = NodeLink(index)
+        if (link.netns not in namespaces and not Path(f"/sys/class/net/{link.iface_a}").exists()
+                and f" 198.18.{index}." not in addresses):
+            return index
+    raise RuntimeError(f"all {MAX_LINKS} link names are taken (dsrun-nb0 ... ); a run killed by SIGKILL leaves "
+                       "its own: remove it with `ip netns del dsrun-nbN; ip link del dsrun-vaN`")
 
 
 @contextlib.contextmanager
 def node_link(rate: str | None = None) -> Iterator[NodeLink]:
-    """Create the namespace and the veth pair for the `with` block; remove both afterwards, also on error.
+    """Create a namespace and a veth pair for the `with` block; remove both afterwards, also on error.
 
-    Needs root and iproute2 (installed if missing). A pair left by a killed
-    earlier run is removed first.
+    Needs root and iproute2 (installed if missing). Takes the first set of
+    names no other link holds, so several can exist at once.
 
     Raises:
-        RuntimeError: not root.
+        RuntimeError: not root, or every set of names is taken.
         subprocess.CalledProcessError: an `ip` command failed (its stderr says why).
     """
     if shutil.which("ip") is None or shutil.which("tc") is None:
         ensure_debian_packages("iproute2")
     if os.geteuid() != 0:
         raise RuntimeError("a network namespace and a veth pair need root; run as root")
-    _remove()
+    link = NodeLink(_unused_index())
     try:
-        _ip("netns", "add", NETNS)
-        _ip("link", "add", IFACE_A, "type", "veth", "peer", "name", IFACE_B)
-        _ip("link", "set", IFACE_B, "netns", NETNS)
-        _ip("addr", "add", f"{ADDR_A}/{PREFIX}", "dev", IFACE_A)
-        _ip("link", "set", IFACE_A, "up")
-        _ip("addr", "add", f"{ADDR_B}/{PREFIX}", "dev", IFACE_B, netns=NETNS)
-        _ip("link", "set", IFACE_B, "up", netns=NETNS)
-        _ip("link", "set", "lo", "up", netns=NETNS)
-        link = NodeLink()
+        _ip("netns", "add", link.netns)
+        _ip("link", "add", link.iface_a, "type", "veth", "peer", "name", link.iface_b)
+        _ip("link", "set", link.iface_b, "netns", link.netns)
+        _ip("addr", "add", f"{link.addr_a}/{PREFIX}", "dev", link.iface_a)
+        _ip("link", "set", link.iface_a, "up")
+        _ip("addr", "add", f"{link.addr_b}/{PREFIX}", "dev", link.iface_b, netns=link.netns)
+        _ip("link", "set", link.iface_b, "up", netns=link.netns)
+        _ip("link", "set", "lo", "up", netns=link.netns)
         link.set_rate(rate)
         yield link
     finally:
-        _remove()
+        link._remove()
 
 
-def python_wrapper(path: Path, python: str) -> Path:
+def python_wrapper(path: Path, python: str, link: NodeLink) -> Path:
     """Write an executable script at `path` that runs `python` on the node its SSH session reached.
 
     Sessions that arrived at node-b's address (127.0.0.2, from
-    SSH_CONNECTION) run `python` inside the namespace with gloo bound to
-    node-b's end of the pair; any other process runs it here, bound to
+    SSH_CONNECTION) run `python` inside `link`'s namespace with gloo bound
+    to node-b's end of the pair; any other process runs it here, bound to
     node-a's end. Give the path to dsrun as `--remote_python`: the agents
     and the ranks both start through it.
     """
@@ -140,8 +177,8 @@ def python_wrapper(path: Path, python: str) -> Path:
     path.write_text(f"""#!/bin/sh
 # dsrun --remote_python for two nodes on one machine (tests/multinode/netns_link.py)
 case " $SSH_CONNECTION " in
-  *" 127.0.0.2 "*) GLOO_SOCKET_IFNAME={IFACE_B} exec ip netns exec {NETNS} {py} "$@" ;;
-  *) GLOO_SOCKET_IFNAME={IFACE_A} exec {py} "$@" ;;
+  *" 127.0.0.2 "*) GLOO_SOCKET_IFNAME={link.iface_b} exec ip netns exec {link.netns} {py} "$@" ;;
+  *) GLOO_SOCKET_IFNAME={link.iface_a} exec {py} "$@" ;;
 esac
 """)
     path.chmod(0o755)

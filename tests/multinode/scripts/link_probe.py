@@ -24,7 +24,7 @@ from dsrun.runtime.comm.logger import comms_logger
 p = argparse.ArgumentParser()
 p.add_argument("--mib", type=float, default=2.0)
 p.add_argument("--iters", type=int, default=3)
-p.add_argument("--iface", default="dsrun-va")
+p.add_argument("--iface", required=True, help="node-a's end of the link (NodeLink.iface_a)")
 p.add_argument("--local_rank", type=int, default=-1)
 args = p.parse_args()
 
