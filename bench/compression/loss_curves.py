@@ -16,6 +16,9 @@ optimizer differs:
   variance is updated on steps 1, 2, ... 16, then every 2nd, 4th ... step up
   to --freeze; after it the interval between synchronisations doubles every
   --freeze steps (1, 2, 4 ...).
+- zerooneadam-nolocal (not run by default): the same with DeepSpeed's
+  default local_step_scaler 32678, so no local steps within a short run:
+  separates the effect of the frozen variance from that of skipped rounds.
 - lamb: "Lamb" (DeepSpeed's FusedLamb), max_coeff 0.3, min_coeff 0.01.
 - onebitlamb: "OneBitLamb", freeze_step --freeze, with DeepSpeed's tutorial
   values max_coeff 0.3, min_coeff 0.01, coeff_beta 0.9, factor_max 4.0,
@@ -45,7 +48,8 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-RUNS = ("adam", "onebitadam", "zerooneadam", "lamb", "onebitlamb")
+RUNS = ("adam", "onebitadam", "zerooneadam", "lamb", "onebitlamb", "zerooneadam-nolocal")
+DEFAULT_RUNS = RUNS[:5]
 LAMB_COEFFS = {"max_coeff": 0.3, "min_coeff": 0.01}
 WINDOW = 25
 
@@ -59,6 +63,8 @@ def config(run: str, steps: int, freeze: int) -> dict:
         "onebitadam": ("OneBitAdam", {"freeze_step": freeze}),
         "zerooneadam": ("ZeroOneAdam", {"var_freeze_step": freeze, "var_update_scaler": 16,
                                         "local_step_scaler": freeze, "local_step_clipper": 16}),
+        "zerooneadam-nolocal": ("ZeroOneAdam", {"var_freeze_step": freeze, "var_update_scaler": 16,
+                                                "local_step_scaler": 32678, "local_step_clipper": 16}),
         "lamb": ("Lamb", LAMB_COEFFS),
         "onebitlamb": ("OneBitLamb", {"freeze_step": freeze, **LAMB_COEFFS, "coeff_beta": 0.9, "factor_max": 4.0,
                                       "factor_min": 0.5, "factor_threshold": 0.1}),
@@ -126,7 +132,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--freeze", type=int, default=100, help="freeze_step / var_freeze_step")
-    ap.add_argument("--runs", default=",".join(RUNS))
+    ap.add_argument("--runs", default=",".join(DEFAULT_RUNS))
     ap.add_argument("--png", type=Path, default=ROOT / "bench" / "compression" / "loss_curves.png")
     args = ap.parse_args()
     runs = args.runs.split(",")
