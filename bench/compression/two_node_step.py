@@ -36,8 +36,10 @@ gradient_clipping 0; the 48M GPT of bench/step_time/gpt_step.py, or its
   between synchronisations doubles every step up to 4 (DeepSpeed's defaults
   keep it at 1 for 32678 steps), so some timed steps send nothing.
 - onebitlamb: "OneBitLamb", freeze_step = --warmup.
-- stage3: "AdamW" at ZeRO stage 3 (parameters all-gathered in forward and
-  backward, gradients reduce-scattered).
+- stage3: "AdamW" at ZeRO stage 3 (parameters all-gathered in forward,
+  gradients reduce-scattered; with --stage3_reuse_distance 0 every unit is
+  released after use and gathered again in backward, the ZeRO++ paper's 3
+  transfers of the model per step).
 - stage3-qwz: + "zero_quantized_weights" (ZeRO++ qwZ: int8 all-gathers).
 - stage3-hpz: + "zero_hpz_partition_size": 2 (ZeRO++ hpZ: a secondary
   partition inside each node for the backward all-gather).
@@ -85,8 +87,9 @@ ZERO_PP = {"qwz": {"zero_quantized_weights": True}, "hpz": {"zero_hpz_partition_
 ZERO_PP["zpp"] = {**ZERO_PP["qwz"], **ZERO_PP["hpz"], **ZERO_PP["qgz"]}
 
 
-def config(run: str, micro: int, bucket: int, warmup: int) -> dict:
-    """The ds_config of configuration `run` (see the module docstring)."""
+def config(run: str, micro: int, bucket: int, warmup: int, reuse_distance: int = 10 ** 9) -> dict:
+    """The ds_config of configuration `run` (see the module docstring); `reuse_distance`:
+    stage3_max_reuse_distance of the stage 3 runs."""
     common = {"lr": LR, "weight_decay": WEIGHT_DECAY}
     stage = 3 if run.startswith("stage3") else 0
     optimizer = {
@@ -96,6 +99,8 @@ def config(run: str, micro: int, bucket: int, warmup: int) -> dict:
         "onebitlamb": {"type": "OneBitLamb", "params": {**common, "freeze_step": warmup}},
     }.get(run, {"type": "AdamW", "params": common})
     zero = {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket}
+    if stage == 3:
+        zero["stage3_max_reuse_distance"] = reuse_distance
     if run.startswith("stage3-"):
         zero.update(ZERO_PP[run.split("-", 1)[1]])
     cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_clipping": 0.0, "optimizer": optimizer,
@@ -130,7 +135,7 @@ def rank_main(args) -> None:
     s = MODELS[args.model]
     model = GPT(s)
     engine, *_ = dsrun.initialize(model=model, model_parameters=model.parameters(),
-                                  config=config(args.rank, s.micro, s.bucket, args.warmup))
+                                  config=config(args.rank, s.micro, s.bucket, args.warmup, args.stage3_reuse_distance))
     rank = dist.get_rank()
     g = torch.Generator().manual_seed(rank)
     data = [torch.randint(0, s.vocab, (s.micro, s.seq + 1), generator=g) for _ in range(args.warmup + args.steps)]
@@ -177,7 +182,8 @@ def launch(run: str, args, cluster, net, wrapper: Path, hosts: Path, work: Path)
     cmd = [sys.executable, "-m", "dsrun.launcher.cli", "--hostfile", str(hosts),
            "--ssh_config", str(cluster.ssh_config), "--remote_python", str(wrapper), "--master_addr", net.addr_a,
            "--no_local_rank", str(Path(__file__).resolve()), "--rank", run, "--model", args.model,
-           "--warmup", str(args.warmup), "--steps", str(args.steps), "--out", str(out), "--iface", net.iface_a]
+           "--warmup", str(args.warmup), "--steps", str(args.steps), "--out", str(out),
+           "--stage3_reuse_distance", str(args.stage3_reuse_distance), "--iface", net.iface_a]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
     (out / "dsrun.log").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:  # reported, and the other configurations still run
@@ -214,6 +220,7 @@ def print_tables(model: str, runs: list[str], links: list[str], data: dict, load
     n = sum(p.numel() for p in GPT(MODELS[model]).parameters())
     print(f"\nGPT {model} ({n / 1e6:.1f}M parameters), 2 nodes x 2 ranks x 1 thread over loopback SSH, fp32; "
           f"{args.repeats} interleaved repeat(s) x {args.steps} timed steps after {args.warmup} warm-up steps; "
+          f"stage3_max_reuse_distance {args.stage3_reuse_distance:g}; "
           f"load average before the launches {min(loads):.1f}-{max(loads):.1f} (torch {torch.__version__})")
     for link in links:
         print(f"\nlink {link}{' (each direction)' if link != 'free' else ''}\n")
@@ -292,6 +299,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--stage3_reuse_distance", type=int, default=10 ** 9,
+                    help="stage3_max_reuse_distance of the stage 3 runs; dsrun's default 1e9 keeps every unit "
+                         "gathered from forward to backward when it fits, 0 releases each after use so backward "
+                         "gathers again (the regime ZeRO++ and hpZ are for)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds one launch may take")
     ap.add_argument("--rank", help=argparse.SUPPRESS)  # set by the head for the ranks it launches
     ap.add_argument("--out", help=argparse.SUPPRESS)
