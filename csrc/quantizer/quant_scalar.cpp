@@ -34,7 +34,7 @@ struct V {
   static reg load_i8(const int8_t* p) { return static_cast<float>(*p); }
   static reg load_u4(const uint8_t* p) { return static_cast<float>((*p & 0xf) - 8); }  // unused (W == 1)
   static uint32_t ge0_mask(reg x) { return x >= 0.0f; }
-  static reg pm1(uint32_t bits) { return bits & 1u ? 1.0f : -1.0f; }
+  static reg pm1(uint32_t bits);
 };
 
 #include "quantizer/quant_impl.h"
@@ -44,6 +44,7 @@ V::ireg V::max_abs_bits(ireg acc, reg x) {
   return a > acc ? a : acc;
 }
 V::reg V::quant(reg x, reg d, float qmax) { return quant1(x, d, qmax); }
+V::reg V::pm1(uint32_t bits) { return kPm1[bits & 1u]; }
 }  // namespace
 
 const dsrun_quant_kernels* dsrun_quant_kernels_scalar() { return &kKernels; }
