@@ -1,7 +1,8 @@
-"""The communication thread (comm/comm_thread.py) and overlapped_all_reduce.
+"""The communication thread (comm/comm_thread.py) and the overlapped collectives.
 
-Stage 0 reduces its gradient buckets with `overlapped_all_reduce`; on shm it
-runs on a background thread (DSRUN_COMM_OVERLAP=thread). These tests check
+Stage 0 reduces its gradient buckets with `overlapped_all_reduce`, ZeRO its
+regions with `overlapped_reduce_scatter` / `overlapped_all_gather`; on shm
+they run on a background thread (DSRUN_COMM_OVERLAP=thread). These tests check
 what that must not break: order and results, errors surfacing at wait(),
 a dead peer turning into an error instead of a hang, ranks that disagree on
 the mode, and a clean process exit with work still queued.
@@ -92,6 +93,46 @@ def test_overlapped_all_reduce_modes(monkeypatch, mode: str) -> None:
                 assert lo == hi == expected
             assert r["small"] == 1.0 and r["calls"] == 5
             assert r["transports"] == ({"torch": 4, "shm": 1} if mode == "torch" else {"shm": 5})
+
+
+def _region_body() -> dict:
+    """ZeRO's overlapped batches: reduce-scatters whose outputs alias the
+    input (stage 1) or not (stages 2-3), all-gathers whose input is the own
+    slice of the output, with a main-thread collective issued in between."""
+    import torch.distributed as dist
+
+    from dsrun.runtime.comm import collectives, comms_logger
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    comms_logger.reset()
+    n = 1_000_000
+    full = [torch.arange(2 * n, dtype=torch.float32) * (rank + 1) + i for i in range(3)]
+    own = [f[rank * n:(rank + 1) * n] for f in full[:2]] + [torch.empty(n)]
+    rs = collectives.overlapped_reduce_scatter(list(zip(own, full)))
+    small = torch.tensor([float(rank)])
+    collectives.all_reduce(small)  # waits for the queued batch, runs after it on both ranks
+    gathered = torch.zeros(2 * n)
+    gathered[rank * n:(rank + 1) * n] = rank + 1
+    ag = collectives.overlapped_all_gather([(gathered, gathered[rank * n:(rank + 1) * n])])
+    rs.wait()
+    ag.wait()
+    base = torch.arange(rank * n, (rank + 1) * n, dtype=torch.float32) * 3
+    stats = comms_logger.snapshot()
+    return {"rs_exact": [bool(torch.equal(o, base + 2 * i)) for i, o in enumerate(own)],
+            "ag": (gathered[:n].unique().tolist(), gathered[n:].unique().tolist()), "small": small.item(),
+            "rs_calls": stats["reduce_scatter_tensor"].calls, "ag_calls": stats["all_gather_into_tensor"].calls,
+            "transports": stats["reduce_scatter_tensor"].transports}
+
+
+@pytest.mark.parametrize("mode", ["thread", "sync", "torch"])
+def test_overlapped_reduce_scatter_and_all_gather_modes(monkeypatch, mode: str) -> None:
+    monkeypatch.setenv("DSRUN_COMM_OVERLAP", mode)
+    for r in run_ranks(_region_body, 2):
+        assert r["rs_exact"] == [True, True, True]
+        assert r["ag"] == ([1.0], [2.0]) and r["small"] == 1.0
+        assert r["rs_calls"] == 3 and r["ag_calls"] == 1
+        assert r["transports"] == {"torch" if mode == "torch" else "shm": 3}
 
 
 def _disagree_body() -> dict:

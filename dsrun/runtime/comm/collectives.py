@@ -25,10 +25,11 @@ The choice has two levels:
    torch.distributed (same semantics, same errors). These properties are
    the same on every rank for one collective, so all ranks take the same
    transport.
-An overlapped all_reduce (stage 0's gradient buckets) on shm runs on a
-communication thread unless DSRUN_COMM_OVERLAP says otherwise ("sync": on
-the caller's thread; "torch": gloo's async all_reduce); see [Note: overlap
-on a communication thread].
+The overlapped collectives (stage 0's gradient all-reduces, ZeRO's
+reduce-scatters and all-gathers) on shm run on a communication thread
+unless DSRUN_COMM_OVERLAP says otherwise ("sync": on the caller's thread;
+"torch": gloo's async collectives); see [Note: overlap on a communication
+thread].
 On shm, all_reduce/reduce_scatter accumulate in fp32 in rank order and
 round once, so every rank gets bit-identical results.
 
@@ -49,13 +50,18 @@ re-init) gets a new choice.
 The shm collectives return when the result is in place; with async_op=True
 the handle is already complete, and their time is counted as synchronous
 seconds in the comms logger. The copies into and out of shared memory are
-the work, done by the calling thread. The one exception is
-`overlapped_all_reduce`, below.
+the work, done by the calling thread. The exceptions are the overlapped
+collectives, below.
 
 [Note: overlap on a communication thread]
-`overlapped_all_reduce` is for a caller with compute to do until it waits:
-stage 0 launches its gradient buckets from backward hooks. On a group that
-shm serves, DSRUN_COMM_OVERLAP picks how it runs:
+`overlapped_all_reduce`, `overlapped_reduce_scatter` and
+`overlapped_all_gather` are for a caller with compute to do until it waits:
+stage 0 launches its gradient buckets from backward hooks, stages 1-3 their
+gradient regions, stage 3 its unit gathers and prefetches, stages 1-2 the
+gather of each run of buckets the optimizer has stepped. The last two take a
+list of (output, input) pairs, one per bucket, run in order as one piece of
+work with one handle. On a group that shm serves, DSRUN_COMM_OVERLAP picks
+how they run:
 - "thread" (the default): on this process's communication thread
   (comm_thread.py): one thread, one FIFO queue. ctypes releases the GIL for
   the native call and autograd releases it around every kernel, so
@@ -65,12 +71,13 @@ shm serves, DSRUN_COMM_OVERLAP picks how it runs:
   the ShmGroup is never used by two threads at once. An error on the thread
   surfaces at the handle's `wait()`.
 - "sync": on the caller's thread, finished when the call returns.
-- "torch": gloo's async all_reduce, on gloo's own thread (2.5-3x shm's cost).
+- "torch": gloo's async collectives, on gloo's own thread (2.5-3x shm's
+  cost for all_reduce, more for gloo's reduce-scatter and all-gather).
 The ranks agree on the mode when the shm group opens (one 2-element
 all_reduce); if they differ, all use "sync" and a warning says so, because
 "torch" on some ranks and shm on others would deadlock. Elsewhere (no
 shm: GPU, several nodes, subgroups) it is torch.distributed's async
-all_reduce whatever the mode.
+collective whatever the mode.
 Why "thread" is the default: with 2 ranks on 2 cores there is no idle core
 to hide the copies in, so overlap cannot remove their CPU time (about 70 ms
 per step for the 48M GPT's 192 MB of gradients, plus 10 ms to average);
@@ -88,6 +95,11 @@ each mode alternated in one pair of processes with a no-sync floor step
   1.05-1.07x the floor, sync 1.08-1.16x, torch 1.10-1.14x; in the 2 on a
   quieter machine thread and sync level (1.06-1.09x), torch 1.18x.
 With more cores than ranks the thread also hides the copies themselves.
+ZeRO stages 1-3 on the 48M GPT, each stage against itself in "sync" in the
+same pair of processes (--paired ...,dsrun-N,dsrun-N:sync; 6 cycles under
+a load of 23-36 on 2 cores): median per-cycle ratio to DDP thread/sync
+1.06/1.14 (stage 1), 1.06/1.08 (stage 2), 1.15/1.25 (stage 3); CPU per step
+(both ranks) 5.34/5.68, 5.57/5.42, 5.75/5.99 s (DDP 5.64, floor 5.01).
 """
 from __future__ import annotations
 
@@ -294,6 +306,48 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM,
                   lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op))
 
 
+def _overlapped(name: str, counted: list[torch.Tensor], group: ProcessGroup | None, shm,
+                on_shm, on_torch, finish) -> Handle:
+    """Run the collectives `on_shm(shm)` (one call doing them all, in order)
+    or `on_torch()` (issuing them async, returning their Works) the way
+    DSRUN_COMM_OVERLAP says (see [Note: overlap on a communication thread]),
+    counting each tensor of `counted` as one `name` call; `finish()` runs
+    before the returned handle's `wait()` returns."""
+    world = get_world_size(group)
+    mode = _WorldShm.overlap if shm is not None else TORCH
+    if mode == "sync":
+        with timed() as t:
+            comm_thread.drain()
+            on_shm(shm)
+            finish()
+        for i, tensor in enumerate(counted):
+            comms_logger.record(name, tensor, t.seconds if i == 0 else 0.0, transport=SHM, group_size=world)
+        return CompletedWork()
+    for tensor in counted:
+        comms_logger.record(name, tensor, 0.0, transport=TORCH if mode == TORCH else SHM, group_size=world)
+    if mode == TORCH:
+        works = on_torch()
+        return _ThenWork(_AllWork(works), finish, name)
+
+    def run_and_finish() -> None:
+        on_shm(shm)
+        finish()
+    return _ThenWork(comm_thread.get().submit(name, run_and_finish), op=name)
+
+
+class _AllWork(dist.Work):
+    """Several async Works as one: `wait()` waits for each, in order."""
+
+    def __init__(self, works: list) -> None:
+        super().__init__()
+        self._works = works
+
+    def wait(self, timeout=None) -> bool:
+        for work in self._works:
+            work.wait()
+        return True
+
+
 def overlapped_all_reduce(tensor: torch.Tensor, group: ProcessGroup | None = None,
                           average: bool = False) -> Handle:
     """Sum `tensor` in place across `group` while the caller keeps computing
@@ -308,21 +362,49 @@ def overlapped_all_reduce(tensor: torch.Tensor, group: ProcessGroup | None = Non
     """
     world = get_world_size(group)
     finish = (lambda: tensor.div_(world)) if average and world > 1 else (lambda: None)
-    shm = _served(group, tensor, reduce_op=ReduceOp.SUM)
-    mode = _WorldShm.overlap if shm is not None else TORCH
-    if mode == "sync":
-        all_reduce(tensor, group=group)
-        finish()
-        return CompletedWork()
-    comms_logger.record("all_reduce", tensor, 0.0, transport=TORCH if mode == TORCH else SHM,
-                        group_size=world, inter_node=nodes.spans_nodes(group))
-    if mode == TORCH:
-        return _ThenWork(dist.all_reduce(tensor, group=group, async_op=True), finish, "all_reduce")
+    return _overlapped("all_reduce", [tensor], group, _served(group, tensor, reduce_op=ReduceOp.SUM),
+                       lambda shm: shm.all_reduce(tensor, "sum"),
+                       lambda: [dist.all_reduce(tensor, group=group, async_op=True)], finish)
 
-    def reduce_and_finish() -> None:
-        shm.all_reduce(tensor, "sum")
-        finish()
-    return _ThenWork(comm_thread.get().submit("all_reduce", reduce_and_finish), op="all_reduce")
+
+def overlapped_reduce_scatter(pairs: list[tuple[torch.Tensor, torch.Tensor]],
+                              group: ProcessGroup | None = None) -> Handle:
+    """`reduce_scatter_tensor(output, input)` (SUM) for each (output [n],
+    input [world*n]) pair, in order, while the caller keeps computing
+    (ZeRO's gradient regions during backward): one handle for all, run as
+    `overlapped_all_reduce` runs (DSRUN_COMM_OVERLAP, [Note: overlap on a
+    communication thread]). An output may alias its rank's slice of the
+    input. Nothing in `pairs` may be touched before `wait()` returns."""
+    shm = _world_shm(group)
+    if shm is not None and not all(shm_comm.supports(o, i, reduce=True) for o, i in pairs):
+        shm = None
+
+    def on_shm(g: shm_comm.ShmGroup) -> None:
+        for o, i in pairs:
+            g.reduce_scatter(o, i, "sum")
+    return _overlapped("reduce_scatter_tensor", [i for _, i in pairs], group, shm, on_shm,
+                       lambda: [dist.reduce_scatter_tensor(o, i, group=group, async_op=True) for o, i in pairs],
+                       lambda: None)
+
+
+def overlapped_all_gather(pairs: list[tuple[torch.Tensor, torch.Tensor]],
+                          group: ProcessGroup | None = None) -> Handle:
+    """`all_gather_into_tensor(output, input)` for each (output [world*n],
+    input [n]) pair, in order, while the caller keeps computing (stage 3's
+    unit gathers and prefetches, stages 1-2's updated parameters): one
+    handle for all, run as `overlapped_all_reduce` runs. An input may be
+    its rank's slice of the output. Nothing in `pairs` may be touched
+    before `wait()` returns."""
+    shm = _world_shm(group)
+    if shm is not None and not all(shm_comm.supports(o, i, reduce=False) for o, i in pairs):
+        shm = None
+
+    def on_shm(g: shm_comm.ShmGroup) -> None:
+        for o, i in pairs:
+            g.all_gather(o, i)
+    return _overlapped("all_gather_into_tensor", [o for o, _ in pairs], group, shm, on_shm,
+                       lambda: [dist.all_gather_into_tensor(o, i, group=group, async_op=True) for o, i in pairs],
+                       lambda: None)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None = None,

@@ -112,6 +112,9 @@ class CommThread:
                 work._finish(e)
             else:
                 work._finish(None)
+            # Drop the tensors fn captured now, not when the next item arrives:
+            # a transient buffer (ZeRO's gradient staging) must be freeable once waited on.
+            del item, work, fn
 
 
 class _Process:

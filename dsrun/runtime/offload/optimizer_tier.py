@@ -143,6 +143,7 @@ class OptimizerTier:
             for fset, span, master in s._views:
                 resident(fset)
                 self._fused_span(s, fset, span, master, factor)
+                s.span_stepped(fset, span)  # stages 1-2 start gathering it (see stage12.py)
 
     def _fused_span(self, s, fset, span, master, factor: float) -> None:
         state = self.adam_state(s.optimizer, master)

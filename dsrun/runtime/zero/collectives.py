@@ -31,6 +31,18 @@ counted twice in the comms logger: `comm.all_reduce` / the native ops
 record what is ACTUALLY sent, and `logical_reduce_scatter` /
 `logical_all_gather` record the ZeRO operation (region elements), which is
 what the paper's Ψ accounting is about.
+
+[Note: overlapped regions]
+With async_op=True the per-bucket reduce-scatters (all-gathers) of one
+region go out as ONE overlapped batch (`comm.collectives.overlapped_reduce_scatter`
+/ `overlapped_all_gather`): where shared memory serves the group they run
+on the communication thread, in issue order, while the caller computes
+(stages 1-2: backward goes on while a bucket is reduced; stage 3: the
+next unit's gather and the last unit's gradients travel during compute),
+and the handle's `wait()` is where the caller blocks and where an error
+surfaces. The region's buffers must not be touched until then, which the
+callers guarantee (the reducer's staging and outputs, a GATHERING unit's
+`full`). Synchronous calls (async_op=False) run the collectives inline.
 """
 from __future__ import annotations
 
@@ -141,10 +153,13 @@ def reduce_region(layout: FlatLayout, buckets: Sequence[BucketSlot], full: torch
                     out[dst:dst + w].copy_(full[src:src + w])
     else:
         base = buckets[0].offset
-        for b, (_, dst, w) in zip(buckets, _relative_spans(layout, buckets, shard.rank)):
-            lo = b.offset - base
-            works.append(collectives.reduce_scatter_tensor(out[dst:dst + w], full[lo:lo + b.padded_numel],
-                                                           group=shard.group, async_op=True))
+        pairs = [(out[dst:dst + w], full[b.offset - base:b.offset - base + b.padded_numel])
+                 for b, (_, dst, w) in zip(buckets, _relative_spans(layout, buckets, shard.rank))]
+        if async_op:  # on the communication thread where shm serves: see [Note: overlapped regions]
+            works.append(collectives.overlapped_reduce_scatter(pairs, group=shard.group))
+        else:
+            for o, i in pairs:
+                collectives.reduce_scatter_tensor(o, i, group=shard.group)
     if replicate.size > 1:
         RegionHandle(works, finish).wait()  # the replicas sum what the shard group reduced
         works, finish = [collectives.all_reduce(out, group=replicate.group, async_op=True)], None
@@ -182,10 +197,13 @@ def all_gather_region(layout: FlatLayout, buckets: Sequence[BucketSlot], full: t
         works.append(collectives.all_reduce(full, group=shard.group, async_op=True))
     else:
         base = buckets[0].offset
-        for b, (src, _, w) in zip(buckets, _relative_spans(layout, buckets, shard.rank)):
-            lo = b.offset - base
-            works.append(collectives.all_gather_into_tensor(full[lo:lo + b.padded_numel], full[src:src + w],
-                                                            group=shard.group, async_op=True))
+        pairs = [(full[b.offset - base:b.offset - base + b.padded_numel], full[src:src + w])
+                 for b, (src, _, w) in zip(buckets, _relative_spans(layout, buckets, shard.rank))]
+        if async_op:  # see [Note: overlapped regions]
+            works.append(collectives.overlapped_all_gather(pairs, group=shard.group))
+        else:
+            for o, i in pairs:
+                collectives.all_gather_into_tensor(o, i, group=shard.group)
     handle = RegionHandle(works)
     if not async_op:
         handle.wait()

@@ -17,6 +17,17 @@ fp32 master weights, optimizer states and averaged gradients for it.
 After the optimizer step the owners' new weights are all-gathered back into
 the flat buffers (buckets grouped up to allgather_bucket_size elements).
 Traffic per step: Ψ reduce-scatter + Ψ all-gather = 2Ψ logical elements.
+
+[Note: gathering while the step runs]
+Both collectives are overlapped (see [Note: overlapped regions] in
+collectives.py): the reduce-scatters run while backward goes on, and a
+run of buckets is all-gathered as soon as the in-memory optimizer tier has
+stepped its last bucket (`span_stepped`), while it steps the next ones.
+`_after_step` issues whatever is left (the torch and NVMe tiers report no
+spans) and waits for every gather, so when `step` returns the parameters
+are complete on every rank, as before: nothing outside the step sees a
+half-gathered buffer. Runs are issued in plan order whichever way, so
+every rank's sequence of collectives is the same.
 """
 from __future__ import annotations
 
@@ -79,6 +90,9 @@ class PartitionedOptimizerStrategy(ZeroStrategy):
         self._hooks = [p.register_post_accumulate_grad_hook(self.reducer.accumulate)
                        for fset in self.sets for p in fset.params]
         self._gather_plan = [(fset, _runs(fset, int(allgather_bucket_size))) for fset in self.sets]
+        self._gathers: list = []  # handles of this step's gathers, in plan order
+        self._next_gather = 0  # index of the next run to issue, over every set's runs in order
+        self._plan = [(fset, buckets) for fset, runs in self._gather_plan for buckets in runs]
 
     def backward(self, loss: torch.Tensor, *, sync: bool, retain_graph: bool) -> None:
         reduce_now = sync or self.stage == 2
@@ -88,16 +102,32 @@ class PartitionedOptimizerStrategy(ZeroStrategy):
             with self.watchdog.waiting("reduce-scatter of gradients (end of backward)"):
                 self.reducer.flush()
 
+    def span_stepped(self, fset, span) -> None:
+        """Issue the gathers of the runs whose buckets are all stepped now
+        (see [Note: gathering while the step runs])."""
+        if self.groups.shard.size == 1:
+            return
+        stepped = (self.sets.index(fset), span.buckets[-1].index)  # the tier steps in plan order
+        while self._next_gather < len(self._plan):
+            run_set, buckets = self._plan[self._next_gather]
+            if (self.sets.index(run_set), buckets[-1].index) > stepped:
+                return  # its last bucket is not stepped yet
+            self._issue_gather()
+
+    def _issue_gather(self) -> None:
+        fset, buckets = self._plan[self._next_gather]
+        start, end = fset.layout.region(buckets)
+        with self.watchdog.waiting("all-gather of updated parameters (after the step)"):
+            self._gathers.append(all_gather_region(fset.layout, buckets, fset.full[start:end],
+                                                   self.groups.shard, async_op=True))
+        self._next_gather += 1
+
     def _after_step(self) -> None:
         if self.groups.shard.size == 1:
             return  # every rank stepped all of it (the copy was written in the step)
-        handles = []
-        for fset, runs in self._gather_plan:
-            for buckets in runs:
-                start, end = fset.layout.region(buckets)
-                with self.watchdog.waiting("all-gather of updated parameters (after the step)"):
-                    handles.append(all_gather_region(fset.layout, buckets, fset.full[start:end],
-                                                     self.groups.shard, async_op=True))
+        while self._next_gather < len(self._plan):
+            self._issue_gather()
+        handles, self._gathers, self._next_gather = self._gathers, [], 0
         with self.watchdog.waiting("all-gather of updated parameters (after the step)"):
             for h in handles:
                 h.wait()  # parameters are complete on every rank after this

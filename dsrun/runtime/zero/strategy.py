@@ -213,6 +213,10 @@ class ZeroStrategy(GradientStrategy):
             log.warning("%s (first in parameter %s); skipping step, loss scale %g -> %g", what,
                         self.last_overflow_param, scale, self.precision.scaler.scale)
 
+    def span_stepped(self, fset: FlatParamSet, span: Span) -> None:
+        """The optimizer tier finished `span`'s new values (its compute
+        shards are final for this step); a stage may start sending them."""
+
     def _after_step(self) -> None:
         raise NotImplementedError
 
