@@ -4,6 +4,7 @@ dsrun ZeRO stages 0-3, next to the compute floor, measured side by side in one r
     .venv/bin/python bench/step_time/gpt_step.py [--repeats 3] [--warmup 2] [--steps 5]
         [--runs floor,ddp,fsdp2,dsrun-0,dsrun-1,dsrun-2,dsrun-3] [--model 48m|small] [--torch_adam]
     .venv/bin/python bench/step_time/gpt_step.py --paired floor,ddp,sync,thread,torch --repeats 12 [--model small]
+    .venv/bin/python bench/step_time/gpt_step.py --paired floor,ddp,fsdp2,dsrun-0,dsrun-1,dsrun-2,dsrun-3 --repeats 12
 
 Model: d=512, 10 layers, 8 heads, vocab 32000, seq 256, micro-batch 2, tied
 embedding/head (48.0M parameters), fp32; `--model small` (d=256, 4 layers,
@@ -44,13 +45,22 @@ of the median to DDP's and to the floor's, and each rank's peak RSS
 
 `--paired` compares configurations more finely than separate launches can
 on a shared machine: one pair of processes holds a plain replica
-("floor"), a DDP copy ("ddp") and a dsrun stage-0 engine driven in each
-DSRUN_COMM_OVERLAP mode ("sync", "thread", "torch"; see [Note: overlap on
-a communication thread] in dsrun/runtime/comm/collectives.py), and runs
-`--repeats` cycles of one step of each, the order rotated every cycle.
-Reported: each mode's median ratio to the DDP and floor steps of the same
-cycle, how often one beat another in the same cycle, and the CPU seconds
-of all threads of both ranks per step.
+("floor"), a DDP copy ("ddp"), an FSDP2 copy ("fsdp2") and one dsrun engine
+per ZeRO stage named ("dsrun-N"), and runs `--repeats` cycles of one step
+of each, the order rotated every cycle. "dsrun-N:MODE" drives stage N's
+overlapped collectives in DSRUN_COMM_OVERLAP mode MODE (default thread; see
+[Note: overlap on a communication thread] in
+dsrun/runtime/comm/collectives.py), so "dsrun-2:sync,dsrun-2" is stage 2
+before and after its collectives moved to the communication thread;
+"sync", "thread", "torch" alone are stage 0 in that mode. Reported: each
+mode's median ratio to the DDP and floor steps of the same cycle (wall
+and CPU), how often it beat DDP in the same cycle, the CPU seconds of all
+threads of both ranks per step (a figure the machine's load moves far
+less than wall time) and the load average before and after. All modes of
+one process share its allocator, and dsrun fixes glibc's mmap threshold
+for the whole process (dsrun/runtime/allocator.py), so the floor, DDP and
+FSDP2 steps here pay the page faults dsrun's policy costs; separate
+launches (--runs) show that cost, e.g. `--runs ddp,dsrun-0,dsrun-0:DSRUN_MALLOC=0`.
 """
 from __future__ import annotations
 
@@ -204,44 +214,76 @@ def _rank(run: str, env: dict, s: Shape, torch_adam: bool, warmup: int, steps: i
     dist.destroy_process_group()
 
 
-PAIRED = ("floor", "ddp", "sync", "thread", "torch")  # the last three: dsrun-0 with that DSRUN_COMM_OVERLAP
+OVERLAP = ("sync", "thread", "torch")  # DSRUN_COMM_OVERLAP values; alone in --paired: dsrun-0 with that mode
+PAIRED = ("floor", "ddp", "fsdp2", *OVERLAP, "dsrun-0", "dsrun-1", "dsrun-2", "dsrun-3")
+
+
+def paired_mode(mode: str) -> tuple[str, int | None, str | None]:
+    """A --paired mode -> (kind, ZeRO stage, DSRUN_COMM_OVERLAP): "floor",
+    "ddp", "fsdp2"; "sync"/"thread"/"torch" (dsrun stage 0 in that mode);
+    "dsrun-N" (stage N, thread) or "dsrun-N:MODE"."""
+    name, _, overlap = mode.partition(":")
+    if name in OVERLAP and not overlap:
+        return "dsrun", 0, name
+    if name in ("floor", "ddp", "fsdp2") and not overlap:
+        return name, None, None
+    if name in RUNS[3:] and overlap in ("", *OVERLAP):
+        return "dsrun", int(name.split("-")[1]), overlap or "thread"
+    raise SystemExit(f"--paired: unknown mode {mode!r}; known: {', '.join(PAIRED)}, dsrun-N:{'|'.join(OVERLAP)}")
 
 
 def _paired_rank(modes: list[str], s: Shape, torch_adam: bool, warmup: int, cycles: int, rank: int, port: int,
                  out: "mp.Queue") -> None:
     """One step per mode per cycle, the order rotated each cycle, on model
-    copies that live side by side in this process: "floor" a plain replica
-    (no gradient exchange), "ddp" a DDP copy, "sync"/"thread"/"torch" one
-    dsrun stage-0 engine with that DSRUN_COMM_OVERLAP mode. Puts
+    copies that live side by side in this process (see `paired_mode`): a
+    plain replica (no gradient exchange), a DDP copy, an FSDP2 copy and one
+    dsrun engine per ZeRO stage named, each stage driven in the
+    DSRUN_COMM_OVERLAP mode its names ask for. Puts
     (rank, {mode: [(wall s, CPU s of all this process's threads)]})."""
     _rank_env({}, rank, port)
     import torch.distributed as dist
 
     from dsrun.runtime.comm import collectives
 
-    engine = _dsrun_engine(GPT(s), s, 0, torch_adam)  # initialises the default group
+    parsed = {m: paired_mode(m) for m in modes}
+    engines = {}
+    for stage in sorted({st for kind, st, _ in parsed.values() if kind == "dsrun"}):
+        torch.manual_seed(0)
+        engines[stage] = _dsrun_engine(GPT(s), s, stage, torch_adam)  # the first initialises the default group
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
     replicas = {}
-    for mode in ("floor", "ddp"):
-        if mode in modes:
+    for kind in ("floor", "ddp", "fsdp2"):
+        if kind in modes:
             torch.manual_seed(0)
-            model = GPT(s) if mode == "floor" else nn.parallel.DistributedDataParallel(GPT(s))
-            replicas[mode] = (model, _torch_adamw(model.parameters()))
+            model = GPT(s)
+            if kind == "ddp":
+                model = nn.parallel.DistributedDataParallel(model)
+            elif kind == "fsdp2":
+                from torch.distributed.fsdp import fully_shard
+
+                for block in model.h:
+                    fully_shard(block)
+                fully_shard(model)
+            replicas[kind] = (model, _torch_adamw(model.parameters()))
     g = torch.Generator().manual_seed(rank)
     batch = torch.randint(0, s.vocab, (s.micro, s.seq + 1), generator=g)
     results: dict[str, list[tuple[float, float]]] = {m: [] for m in modes}
     for c in range(warmup + cycles):
         for mode in modes[c % len(modes):] + modes[:c % len(modes)]:
+            kind, stage, overlap = parsed[mode]
             dist.barrier()
             t0, c0 = time.perf_counter(), time.process_time()
-            if mode in replicas:
-                model, opt = replicas[mode]
+            if kind in replicas:
+                model, opt = replicas[kind]
                 model(batch[:, :-1], batch[:, 1:]).backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
             else:
                 # Every rank sets the same mode at the same step: what the ranks'
                 # agreement at group creation (collectives.py) guarantees in a real job.
-                collectives._WorldShm.overlap = mode
+                collectives._WorldShm.overlap = overlap
+                engine = engines[stage]
                 engine.backward(engine(batch[:, :-1], batch[:, 1:]))
                 engine.step()
             c1 = time.process_time()
@@ -324,27 +366,37 @@ def compare_configurations(specs: list[str], s: Shape, args) -> None:
 
 
 def compare_paired(modes: list[str], s: Shape, args) -> None:
+    load_before = os.getloadavg()
     results = _launch("paired", _paired_rank, modes, s, args.torch_adam, 1, args.repeats)
+    load_after = os.getloadavg()
     wall = {m: [max(a[0], b[0]) for a, b in zip(results[0][1][m], results[1][1][m])] for m in modes}
     cpu = {m: [a[1] + b[1] for a, b in zip(results[0][1][m], results[1][1][m])] for m in modes}
 
     def per_cycle(a: str, b: str, of=wall) -> str:
         return f"{statistics.median(x / y for x, y in zip(of[a], of[b])):.3f}" if b in of else "-"
 
+    def wins(a: str, b: str) -> str:
+        return f"{sum(x < y for x, y in zip(wall[a], wall[b]))}/{args.repeats}" if b in wall and a != b else "-"
+
     print(f"\n{_title(s, args)}; {args.repeats} cycles of one step per mode (order rotated) after 1 "
           "warm-up cycle, in one pair of processes; sync/thread/torch: dsrun stage 0 with that "
-          "DSRUN_COMM_OVERLAP\n")
-    print("| mode | min s/step | median s/step | spread | vs DDP | vs floor | CPU s/step, both ranks |")
-    print("|---|---|---|---|---|---|---|")
+          "DSRUN_COMM_OVERLAP, dsrun-N: stage N (thread unless :MODE)")
+    print("load average (1/5/15 min) before " + "/".join(f"{x:.1f}" for x in load_before)
+          + ", after " + "/".join(f"{x:.1f}" for x in load_after) + f" on {os.cpu_count()} CPUs\n")
+    print("| mode | min s/step | median s/step | spread | vs DDP | vs floor | faster than DDP | "
+          "CPU s/step, both ranks | CPU vs DDP | CPU vs floor |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for m in modes:
         med = statistics.median(wall[m])
         print(f"| {m} | {min(wall[m]):.3f} | {med:.3f} | {(max(wall[m]) - min(wall[m])) / med:.1%} | "
-              f"{per_cycle(m, 'ddp')} | {per_cycle(m, 'floor')} | {statistics.median(cpu[m]):.3f} |")
-    print("\n(vs DDP, vs floor: median over cycles of the ratio to that cycle's step; CPU: median)")
-    for a, b in itertools.combinations(modes, 2):
-        wins = sum(x < y for x, y in zip(wall[a], wall[b]))
-        print(f"{a} faster than {b} in {wins}/{args.repeats} cycles; median per-cycle ratio "
-              f"{per_cycle(a, b)} (wall), {per_cycle(a, b, cpu)} (CPU)")
+              f"{per_cycle(m, 'ddp')} | {per_cycle(m, 'floor')} | {wins(m, 'ddp')} | "
+              f"{statistics.median(cpu[m]):.3f} | {per_cycle(m, 'ddp', cpu)} | {per_cycle(m, 'floor', cpu)} |")
+    print("\n(vs DDP, vs floor: median over cycles of the ratio to that cycle's step, wall or CPU; "
+          "CPU: median; faster than DDP: cycles in which the step beat DDP's)")
+    if len(modes) <= 6:
+        for a, b in itertools.combinations(modes, 2):
+            print(f"{a} faster than {b} in {wins(a, b)} cycles; median per-cycle ratio "
+                  f"{per_cycle(a, b)} (wall), {per_cycle(a, b, cpu)} (CPU)")
 
 
 def _title(s: Shape, args) -> str:
@@ -366,14 +418,13 @@ def main() -> None:
                     help="dsrun configurations use torch.optim.AdamW(fused=True) instead of dsrun's native Adam")
     ap.add_argument("--paired", default=None,
                     help=f"instead of --runs: alternate these step by step in one pair of processes "
-                         f"(any of {','.join(PAIRED)})")
+                         f"(any of {','.join(PAIRED)}, or dsrun-N:MODE with MODE one of {','.join(OVERLAP)})")
     args = ap.parse_args()
     s = MODELS[args.model]
     if args.paired:
         modes = args.paired.split(",")
-        unknown = set(modes) - set(PAIRED)
-        if unknown:
-            raise SystemExit(f"--paired: unknown {', '.join(sorted(unknown))}; known: {', '.join(PAIRED)}")
+        for mode in modes:
+            paired_mode(mode)  # fail before launching
         compare_paired(modes, s, args)
         return
     specs = args.runs.split(",")
