@@ -313,7 +313,7 @@ def _overlapped(name: str, counted: list[torch.Tensor], group: ProcessGroup | No
     DSRUN_COMM_OVERLAP says (see [Note: overlap on a communication thread]),
     counting each tensor of `counted` as one `name` call; `finish()` runs
     before the returned handle's `wait()` returns."""
-    world = get_world_size(group)
+    world, inter_node = get_world_size(group), nodes.spans_nodes(group)
     mode = _WorldShm.overlap if shm is not None else TORCH
     if mode == "sync":
         with timed() as t:
@@ -321,10 +321,12 @@ def _overlapped(name: str, counted: list[torch.Tensor], group: ProcessGroup | No
             on_shm(shm)
             finish()
         for i, tensor in enumerate(counted):
-            comms_logger.record(name, tensor, t.seconds if i == 0 else 0.0, transport=SHM, group_size=world)
+            comms_logger.record(name, tensor, t.seconds if i == 0 else 0.0, transport=SHM, group_size=world,
+                                inter_node=inter_node)
         return CompletedWork()
     for tensor in counted:
-        comms_logger.record(name, tensor, 0.0, transport=TORCH if mode == TORCH else SHM, group_size=world)
+        comms_logger.record(name, tensor, 0.0, transport=TORCH if mode == TORCH else SHM, group_size=world,
+                            inter_node=inter_node)
     if mode == TORCH:
         works = on_torch()
         return _ThenWork(_AllWork(works), finish, name)
