@@ -14,6 +14,7 @@
 
 namespace {
 #include "common/scalar_convert.h"
+#include "common/bf16_avx2.h"
 
 struct V {
   static constexpr int W = 8;
@@ -37,15 +38,7 @@ struct V {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
   static void stream_bf16(uint16_t* p, reg x) {
-    // Round to nearest even on the bit pattern, nan -> quiet nan, then pack
-    // the high halves of the 8 lanes into 8 uint16.
-    const __m256i u = _mm256_castps_si256(x);
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
-    const __m256i is_nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), is_nan);
-    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(p), f32_to_bf16_bits(x));
   }
   static void stream_f16(uint16_t* p, reg x) {
     _mm_stream_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));

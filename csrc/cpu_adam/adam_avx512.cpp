@@ -14,6 +14,7 @@
 
 namespace {
 #include "common/scalar_convert.h"
+#include "common/bf16_avx512.h"
 
 struct V {
   static constexpr int W = 16;
@@ -37,12 +38,7 @@ struct V {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
   static void stream_bf16(uint16_t* p, reg x) {
-    const __m512i u = _mm512_castps_si512(x);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
-    const __mmask16 is_nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-    r = _mm512_mask_blend_epi32(is_nan, r, _mm512_set1_epi32(0x7fc0));
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(p), f32_to_bf16_bits(x));
   }
   static void stream_f16(uint16_t* p, reg x) {
     _mm256_stream_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));

@@ -14,6 +14,7 @@
 
 namespace {
 #include "common/scalar_convert.h"
+#include "common/bf16_avx2.h"
 
 struct V {
   static constexpr int W = 8;
@@ -30,14 +31,7 @@ struct V {
   }
   static void store(float* p, reg x) { _mm256_storeu_ps(p, x); }
   static void store_bf16(uint16_t* p, reg x) {
-    // Round to nearest even on the bit pattern, nan -> quiet nan (as cvt_f32_to_bf16).
-    const __m256i u = _mm256_castps_si256(x);
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
-    const __m256i is_nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), is_nan);
-    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), f32_to_bf16_bits(x));
   }
   static void store_f16(uint16_t* p, reg x) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));

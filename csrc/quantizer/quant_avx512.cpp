@@ -16,6 +16,7 @@
 
 namespace {
 #include "common/scalar_convert.h"
+#include "common/bf16_avx512.h"
 
 struct V {
   static constexpr int W = 16;
@@ -32,11 +33,7 @@ struct V {
   }
   static void store(float* p, reg x) { _mm512_storeu_ps(p, x); }
   static void store_bf16(uint16_t* p, reg x) {
-    const __m512i u = _mm512_castps_si512(x);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
-    r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), r, _mm512_set1_epi32(0x7fc0));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), f32_to_bf16_bits(x));
   }
   static void store_f16(uint16_t* p, reg x) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
