@@ -63,13 +63,17 @@ def quantize_blockwise(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch
     return native if native is not None else _quantize_torch(x, block)
 
 
+def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
+    """x (any shape, n elements) as fp32 rows of `block`: shape (ceil(n/block), block), the tail zero-padded."""
+    n = x.numel()
+    padded = torch.zeros(-(-n // block) * block, dtype=torch.float32, device=x.device)
+    padded[:n] = x.reshape(-1)
+    return padded.view(-1, block)
+
+
 def _quantize_torch(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The PyTorch path of `quantize_blockwise` (and the kernels' reference)."""
-    n = x.numel()
-    blocks = -(-n // block)
-    padded = torch.zeros(blocks * block, dtype=torch.float32, device=x.device)
-    padded[:n] = x.reshape(-1)
-    view = padded.view(blocks, block)
+    view = _blocks(x, block)
     scales = view.abs().amax(dim=1) / 127.0
     q = torch.where(scales.unsqueeze(1) > 0, view / scales.unsqueeze(1).clamp(min=1e-38), 0.0)
     return q.round_().clamp_(-127, 127).to(torch.int8).view(-1), scales
@@ -132,11 +136,7 @@ def quantize_int4(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tens
 
 def _quantize_int4_torch(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The PyTorch path of `quantize_int4` (and the kernels' reference)."""
-    n = x.numel()
-    blocks = -(-n // block)
-    padded = torch.zeros(blocks * block, dtype=torch.float32, device=x.device)
-    padded[:n] = x.reshape(-1)
-    view = padded.view(blocks, block)
+    view = _blocks(x, block)
     finite = torch.isfinite(view).all(dim=1)
     scales = torch.where(finite, view.abs().amax(dim=1) / INT4_MAX, torch.nan)
     usable = (finite & (scales > 0)).unsqueeze(1)
