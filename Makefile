@@ -27,7 +27,7 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/dsrun --num_procs 2 examples/train_gpt.py --config examples/configs/gpt_demo.json
 
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 test-quick: install
 	$(PY) -m pytest -q -m "not slow"
