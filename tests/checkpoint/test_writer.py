@@ -105,3 +105,31 @@ def test_slices_of_one_buffer_are_written_as_one_run(tmp_path, monkeypatch):
     assert runs == sorted([7000 * 4, 3000 * 4, 10 * 8])  # a+b, d (not in place), c
     w.snapshot(StagingBuffer())
     _check_file(tmp_path / "s.safetensors", expected, w.write())
+
+
+def test_large_runs_are_aligned_for_o_direct(tmp_path):
+    """A run of at least ALIGNED_RUN_BYTES written from its own memory starts
+    at a file offset congruent to its address modulo 4096 (a filler before
+    it), the data section starts on a page, and the file is plain safetensors
+    whose only extra keys are the fillers."""
+    base = torch.randn(3 * writer_mod.ALIGNED_RUN_BYTES // 4 + 3)
+    tensors = {"module/a": base[3:3 + writer_mod.ALIGNED_RUN_BYTES // 4],  # one run of two slices
+               "optim/a/exp_avg": base[3 + writer_mod.ALIGNED_RUN_BYTES // 4:],
+               "rng/x": torch.arange(5, dtype=torch.uint8),
+               "module/b": torch.randn(writer_mod.ALIGNED_RUN_BYTES // 4 + 1)}
+    expected = {k: t.clone() for k, t in tensors.items()}
+    w = ShardWriter(str(tmp_path / "s.safetensors"), tensors, {"k": "v"}, set(tensors), AioConfig())
+    assert w.parts[0].data.numel() % 4096 == 0 and w.parts[0].data.data_ptr() % 4096 == 0
+    large = [p for p in w.parts[1:] if p.data.numel() >= writer_mod.ALIGNED_RUN_BYTES]
+    assert len(large) == 2  # module/a + optim/a/exp_avg joined, module/b
+    assert all((p.offset - p.data.data_ptr()) % 4096 == 0 for p in large)
+    written = w.write()
+    with open(tmp_path / "s.safetensors", "rb") as f:
+        raw = f.read()
+    assert len(raw) == written.bytes and xxhash.xxh3_128(raw).hexdigest() == written.checksum
+    got = load_file(tmp_path / "s.safetensors")
+    fillers = {k for k in got if k.startswith(writer_mod.FILLER_PREFIX)}
+    assert fillers and all(not got[k].any() and got[k].numel() < 4096 for k in fillers)
+    assert set(got) - fillers == set(expected)
+    for key, t in expected.items():
+        assert torch.equal(got[key], t), key

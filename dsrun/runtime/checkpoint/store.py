@@ -178,10 +178,11 @@ def atomic_write(path: str, chunks: Iterable[bytes | memoryview]) -> None:
 
 
 def safetensors_header(specs: list[tuple[str, tuple[int, ...], torch.dtype]],
-                       metadata: dict[str, str] | None = None) -> tuple[bytes, list[int]]:
-    """The safetensors header (8-byte length + JSON, padded to 8 bytes) for
-    tensors described by `specs` (key, shape, dtype), stored in that order,
-    and each tensor's byte offset in the file."""
+                       metadata: dict[str, str] | None = None, align: int = 8) -> tuple[bytes, list[int]]:
+    """The safetensors header (8-byte length + JSON) for tensors described by
+    `specs` (key, shape, dtype), stored in that order, and each tensor's byte
+    offset in the file. The JSON ends with spaces so that the data starts at
+    a multiple of `align` bytes (a multiple of 8, as the format asks)."""
     header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
     offset, offsets = 0, []
     for key, shape, dtype in specs:
@@ -193,7 +194,7 @@ def safetensors_header(specs: list[tuple[str, tuple[int, ...], torch.dtype]],
         offsets.append(offset)
         offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # the format aligns the data to 8 bytes
+    raw += b" " * (-(8 + len(raw)) % align)
     raw = struct.pack("<Q", len(raw)) + raw
     return raw, [len(raw) + o for o in offsets]
 

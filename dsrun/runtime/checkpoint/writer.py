@@ -21,6 +21,26 @@ writes and waits once per CHUNK_BYTES, not once per tensor. Without the native o
 goes to a temporary name, is fsynced and renamed (see [Note: commit
 protocol] in store.py).
 
+[Note: aligned runs]
+O_DIRECT moves whole 4 KiB blocks between the device and memory: the
+memory address and the file offset must both be multiples of 4096. The
+async I/O op writes a request's unaligned head and tail (under 4 KiB each)
+with plain pwrite and the aligned middle with O_DIRECT; when the middle's
+memory address is not aligned too, every byte of it is first copied into a
+bounce buffer. A tensor's address and its offset in a safetensors file are
+unrelated, and the format allows no gaps between tensors, so the writer
+makes them congruent modulo 4096: the header's JSON ends with spaces so that
+the data starts at a multiple of 4096, and before each run of at least
+ALIGNED_RUN_BYTES written from its own memory it stores a filler, a uint8
+tensor of zeros under a key starting with FILLER_PREFIX, as long as needed
+(at most 4095 bytes) to bring the run's file offset to its address modulo
+4096. The middle of every such run then goes from the tensor's memory to
+the device with no copy. Staged tensors need no filler: the staging buffer
+is page-aligned and laid out like the file. Fillers are plain safetensors
+tensors (any safetensors reader accepts the file) and have no entry in the
+rank's description, so a load, an export or `dsrun-ckpt inspect` never
+sees them; the checksum covers them like every other byte.
+
 [Note: copy-on-write snapshot]
 An asynchronous save must not write values that training has changed since
 the call. Copying everything at the call (what a save to pinned memory does
@@ -41,17 +61,22 @@ the disk with O_DIRECT without a bounce copy.
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 import threading
 from typing import Any
 
 import torch
 
-from dsrun.ops.aio import AioHandle, new_aligned_tensor
+from dsrun.ops.aio import PAGE, AioHandle, new_aligned_tensor
 from dsrun.runtime.checkpoint import checksum
 from dsrun.runtime.checkpoint.store import FileEntry, byte_view, safetensors_header
 
 CHUNK_BYTES = 32 << 20
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True) if os.name == "posix" else None
+ALIGNED_RUN_BYTES = 64 << 10  # runs from this size on get a filler before them: see [Note: aligned runs]
+FILLER_PREFIX = "__dsrun_filler__/"  # safetensors keys of fillers (uint8 zeros; no index entry)
 
 
 class StagingBuffer:
@@ -84,6 +109,21 @@ def _bytes_of(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
+def _preallocate(fd: int, nbytes: int) -> None:
+    """Reserve the file's blocks up front (fallocate(2), as fio lays out its
+    files) so that the direct writes do not allocate as they go; a file
+    system without fallocate is left as it is (no zero-filling emulation)."""
+    if _LIBC is not None and nbytes:
+        _LIBC.fallocate(fd, 0, ctypes.c_int64(0), ctypes.c_int64(nbytes))
+
+
+def _follows(a: torch.Tensor | None, b: torch.Tensor) -> bool:
+    """Whether `b` starts right where `a` ends in the same storage."""
+    return (a is not None and a.device == b.device
+            and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+            and a.data_ptr() + a.numel() == b.data_ptr())
+
+
 def _joined(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """One 1-D uint8 view covering `a` and `b`, views of one storage with `b`
     right after `a`."""
@@ -107,21 +147,33 @@ class ShardWriter:
         # In memory order: slices of one flat buffer (a ZeRO partition's
         # masters, its Adam states) become one run of the file, written as one.
         keys = sorted(data, key=lambda k: (data[k].device.type, data[k].data_ptr()))
-        header, offsets = safetensors_header([(k, tuple(tensors[k].shape), tensors[k].dtype) for k in keys],
-                                             metadata)
-        self.size = len(header) + sum(t.numel() for t in data.values())
-        self.parts = [_Part(0, torch.frombuffer(bytearray(header), dtype=torch.uint8), False)]
-        for key, offset in zip(keys, offsets):
-            t, last = data[key], self.parts[-1]
-            own = key in in_place and t.device.type == "cpu"  # written from its own memory
-            if not t.numel():
-                continue
-            if (len(self.parts) > 1 and last.in_place == own and last.data.device == t.device
-                    and last.data.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
-                    and last.data.data_ptr() + last.data.numel() == t.data_ptr()):
-                last.data = _joined(last.data, t)  # adjacent in memory and in the file
+        runs: list[tuple[list[str], torch.Tensor | None, bool]] = []  # (keys, their bytes, from own memory)
+        for key in keys:
+            t = data[key]
+            own = key in in_place and t.device.type == "cpu"
+            if runs and not t.numel():  # takes no bytes: anywhere in the file
+                runs[-1][0].append(key)
+            elif runs and runs[-1][2] == own and _follows(runs[-1][1], t):
+                runs[-1] = (runs[-1][0] + [key], _joined(runs[-1][1], t), own)
             else:
-                self.parts.append(_Part(offset, t, own))
+                runs.append(([key], t if t.numel() else None, own))
+        # See [Note: aligned runs]: a filler before each large run written from
+        # its own memory makes its file offset congruent to its address.
+        specs, sources, at = [], [], 0  # sources: (offset in the data section, bytes, own)
+        for run_keys, t, own in runs:
+            if own and t is not None and t.numel() >= ALIGNED_RUN_BYTES and (pad := (t.data_ptr() - at) % PAGE):
+                specs.append((f"{FILLER_PREFIX}{len(specs)}", (pad,), torch.uint8))
+                sources.append((at, torch.zeros(pad, dtype=torch.uint8), True))  # private: never changes
+                at += pad
+            specs += [(key, tuple(tensors[key].shape), tensors[key].dtype) for key in run_keys]
+            if t is not None:
+                sources.append((at, t, own))
+                at += t.numel()
+        header, _ = safetensors_header(specs, metadata, align=PAGE)
+        self.size = len(header) + at
+        head = new_aligned_tensor(len(header))  # page-aligned: O_DIRECT without a bounce copy
+        head.copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
+        self.parts = [_Part(0, head, False)] + [_Part(len(header) + o, t, own) for o, t, own in sources]
         self._lock = threading.Lock()
         self._staging: torch.Tensor | None = None
 
@@ -161,7 +213,11 @@ class ShardWriter:
         digest = checksum.new()
         handle = AioHandle.from_config(self.aio)
         try:
-            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644))
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                _preallocate(fd, self.size)
+            finally:
+                os.close(fd)
             todo = list(self.parts)
             while todo:
                 with self._lock:  # release() swaps part.data only between windows
