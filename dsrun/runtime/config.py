@@ -429,7 +429,9 @@ class ZeroConfig(_Section):
                                            "scattered as block-wise int4 by an all-to-all within each node, "
                                            "then one across nodes.")
     zero_quantized_nontrainable_weights: bool = Field(False, description="ZeRO++ (stage 3): keep frozen "
-                                                      "parameters' partitions quantized to int8.")
+                                                      "(requires_grad=False) parameters' partitions as "
+                                                      "block-wise int8, quantized once, and all-gather them "
+                                                      "as int8.")
     mics_shard_size: Int = Field(-1, description="MiCS: ranks a model state is sharded over; -1 = off.")
     offload_optimizer: OffloadOptimizerConfig = Field(default_factory=OffloadOptimizerConfig,
                                                       description="Offload of optimizer states.")
@@ -479,6 +481,11 @@ class ZeroConfig(_Section):
             raise _Problem(f"quantized gradient reduction (ZeRO++ qgZ) needs stage 3 (stage is {self.stage}); "
                            "set zero_optimization.stage to 3 or remove zero_quantized_gradients",
                            key="zero_quantized_gradients")
+        if self.zero_quantized_nontrainable_weights and self.stage != 3:
+            raise _Problem(f"int8 frozen weights (ZeRO++ zero_quantized_nontrainable_weights) need stage 3, "
+                           f"where frozen parameters are partitioned (stage is {self.stage}; below it every "
+                           "rank keeps them whole); set zero_optimization.stage to 3 or remove "
+                           "zero_quantized_nontrainable_weights", key="zero_quantized_nontrainable_weights")
         return self
 
 
@@ -799,7 +806,6 @@ def _on(value: Any) -> bool:
 NOT_YET_SUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("fp16.auto_cast", _on, "fp16 auto-casting of inputs"),
     Unsupported("fp16.fp16_master_weights_and_grads", _on, "fp16 master weights"),
-    Unsupported("zero_optimization.zero_quantized_nontrainable_weights", _on, "int8 frozen weights (ZeRO++)"),
     Unsupported("zero_optimization.mics_shard_size", lambda v: v > 0, "MiCS sharding", "set it to -1"),
     Unsupported("sparse_gradients", _on, "sparse gradients"),
     Unsupported("checkpoint.use_node_local_storage", _on, "node-local checkpoint storage (dsrun needs "

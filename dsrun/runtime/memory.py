@@ -36,7 +36,8 @@ import torch
 
 _BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
-               torch.float64: "fp64", torch.int64: "int64", torch.int32: "int32"}
+               torch.float64: "fp64", torch.int64: "int64", torch.int32: "int32",
+               torch.int8: "int8"}
 CATEGORIES = ("params", "grads", "master", "optimizer_states")
 
 

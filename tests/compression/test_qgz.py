@@ -263,10 +263,3 @@ def test_quantized_gradients_need_stage_3():
     cfg = load_config({"train_batch_size": 2, "zero_optimization": {"stage": 3, "zero_quantized_gradients": True}},
                       world_size=1)
     assert cfg.zero_optimization.zero_quantized_gradients
-
-
-def test_quantized_nontrainable_weights_rejected_loudly():
-    from dsrun.runtime.config import ConfigError, load_config
-    with pytest.raises(ConfigError, match="zero_quantized_nontrainable_weights=true: .* int8 frozen weights"):
-        load_config({"train_batch_size": 2,
-                     "zero_optimization": {"stage": 3, "zero_quantized_nontrainable_weights": True}}, world_size=1)

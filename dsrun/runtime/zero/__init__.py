@@ -56,5 +56,6 @@ def build_zero_strategy(cfg, module: torch.nn.Module, optimizer: torch.optim.Opt
             unit_patterns=zero.stage3_unit_modules, optimizer_tier=tier,
             param_tier=build_param_tier(cfg, topology), quantized_weights=zero.zero_quantized_weights,
             quantized_gradients=zero.zero_quantized_gradients,
-            hpz_partition_size=int(zero.zero_hpz_partition_size))
+            hpz_partition_size=int(zero.zero_hpz_partition_size),
+            quantized_nontrainable_weights=zero.zero_quantized_nontrainable_weights)
     raise ValueError(f"zero_optimization.stage={zero.stage} is not available")

@@ -170,21 +170,29 @@ def reduce_region(layout: FlatLayout, buckets: Sequence[BucketSlot], full: torch
 
 
 def all_gather_region(layout: FlatLayout, buckets: Sequence[BucketSlot], full: torch.Tensor,
-                      shard: RankGroup, async_op: bool = False, quantize_block: int = 0) -> RegionHandle:
+                      shard: RankGroup, async_op: bool = False, quantize_block: int = 0,
+                      message: torch.Tensor | None = None) -> RegionHandle:
     """Complete a full region from every shard-group rank's shards, in place.
 
     full: shape (region elements,), any dtype, parameter-major (the layout's
     views apply). On entry it must hold this rank's shards at their own
     positions (see `own_shard_views`); everything else is overwritten.
     quantize_block > 0: ZeRO++ qwZ, see `_all_gather_quantized`.
-    Raises ValueError when the sizes do not match the layout.
+    message: this rank's shards of the region already quantized (int8,
+    `quantized.pack_message` of them in blocks of quantize_block, e.g. the
+    int8 frozen shards of flat_params.py): sent as they are, and `full`
+    need not hold them on entry.
+    Raises ValueError when the sizes do not match the layout, or for a
+    message without a quantize_block.
     """
     _check(layout, buckets, full, shard)
     comms_logger.record(LOGICAL_ALL_GATHER, full)
-    if shard.size == 1:
+    if message is not None and quantize_block < 1:
+        raise ValueError("a pre-quantized message needs its quantize_block")
+    if shard.size == 1 and message is None:
         return RegionHandle([])
     if quantize_block > 0:
-        handle = _all_gather_quantized(layout, buckets, full, shard, quantize_block)
+        handle = _all_gather_quantized(layout, buckets, full, shard, quantize_block, message)
         if not async_op:
             handle.wait()
         return handle
@@ -211,27 +219,35 @@ def all_gather_region(layout: FlatLayout, buckets: Sequence[BucketSlot], full: t
 
 
 def _all_gather_quantized(layout: FlatLayout, buckets: Sequence[BucketSlot], full: torch.Tensor,
-                          shard: RankGroup, block: int) -> RegionHandle:
+                          shard: RankGroup, block: int, message: torch.Tensor | None = None) -> RegionHandle:
     """ZeRO++ qwZ: every rank sends its shards of the region as block-wise
     int8 with fp32 scales (dsrun/runtime/comm/quantized.py) in one
     all-gather; `wait()` decodes every rank's shards, this rank's too, so
     all ranks compute with the same (quantized) weights. The partitions and
-    master weights are untouched: only this gathered copy is approximate."""
+    master weights are untouched: only this gathered copy is approximate.
+    message: the rank's shards already quantized (see `all_gather_region`)."""
     own = _relative_spans(layout, buckets, shard.rank)
     width = sum(w for _, _, w in own)  # the same on every rank: buckets are padded to the shard size
-    values = torch.cat([full[src:src + w] for src, _, w in own])
-    mine = quantized.pack_message(values, block)
-    gathered = torch.empty(shard.size * mine.numel(), dtype=torch.int8, device=full.device)
-    work = collectives.all_gather_into_tensor(gathered, mine, group=shard.group, async_op=True)
+    if message is None:
+        message = quantized.pack_message(torch.cat([full[src:src + w] for src, _, w in own]), block)
+    elif message.dtype != torch.int8 or message.numel() != quantized.message_numel(width, block):
+        raise ValueError(f"a quantized message of {width} values in blocks of {block} has "
+                         f"{quantized.message_numel(width, block)} int8 elements, got {message.numel()} "
+                         f"{message.dtype}")
+    if shard.size == 1:
+        gathered, works = message, []
+    else:
+        gathered = torch.empty(shard.size * message.numel(), dtype=torch.int8, device=full.device)
+        works = [collectives.all_gather_into_tensor(gathered, message, group=shard.group, async_op=True)]
 
     def finish() -> None:
-        for r, message in enumerate(gathered.view(shard.size, -1)):
-            decoded = quantized.unpack_message(message, width, block, full.dtype)
+        for r, row in enumerate(gathered.view(shard.size, -1)):
+            decoded = quantized.unpack_message(row, width, block, full.dtype)
             at = 0
             for src, _, w in _relative_spans(layout, buckets, r):
                 full[src:src + w].copy_(decoded[at:at + w])
                 at += w
-    return RegionHandle([work], finish)
+    return RegionHandle(works, finish)
 
 
 def own_shard_views(layout: FlatLayout, buckets: Sequence[BucketSlot], full: torch.Tensor,

@@ -18,6 +18,22 @@ per gather unit, one bucket per parameter). On this rank it holds:
 Trainable parameters come first, frozen ones (stage 3 partitions them too)
 after them: masters and gradients cover the trainable prefix only.
 
+[Note: int8 frozen shards]
+ZeRO++'s zero_quantized_nontrainable_weights (stage 3, `frozen_block` > 0):
+the frozen buckets' shards, the tail [trainable_shard_numel, shard_numel)
+of the partition, are not kept in the compute dtype. `partition` holds the
+trainable prefix only and `frozen_message` this rank's frozen shards as
+one int8 message of dsrun/runtime/comm/quantized.py (`pack_message`:
+int8 codes in blocks of `frozen_block` elements, then the fp32 scales'
+bytes), about 1/4 of fp32's bytes (1/2 of bf16's). The values are
+quantized once, from the compute-dtype values, when the set is built; the
+unit all-gathers the message as it is (collectives.py, `message=`), so a
+gather never quantizes them again. Reads of whole values (checkpoints,
+full_fp32_param) see the decoded compute-dtype values. Writes (a
+checkpoint load, GatheredParameters(modifier_rank=...)) go into a decoded
+staging copy (`frozen_staging`) that `commit_frozen` quantizes again, only
+if some value changed.
+
 The optimizer sees one tensor per `Span` (`master_view(span)`): a run of
 buckets of one optimizer group whose master, gradient and compute shards are
 each contiguous. At stage 3 that is one span per (unit, group); at stages 0-2
@@ -30,6 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dsrun.runtime.comm import quantized
 from dsrun.runtime.precision import PrecisionPolicy
 from dsrun.runtime.zero.groups import RankGroup
 from dsrun.runtime.zero.params import record_of
@@ -68,17 +85,19 @@ class FlatParamSet:
         pin_memory: page-lock a master kept on the CPU for a CUDA model.
         partition_device: where the stage-3 compute partition lives (None:
             with the parameters; parameter offload puts it in host memory).
+        frozen_block: > 0 (stage 3 only) keeps the frozen shards as int8
+            blocks of this many elements (see [Note: int8 frozen shards]).
 
     Raises:
-        ValueError: frozen parameters before trainable ones, or a group's
-            parameters not adjacent.
+        ValueError: frozen parameters before trainable ones, a group's
+            parameters not adjacent, or frozen_block without partition_params.
     """
 
     def __init__(self, name: str, members: list[tuple[torch.nn.Parameter, str, int | None]],
                  shard: RankGroup, precision: PrecisionPolicy, bucket_numel: int | None,
                  partition_params: bool, grad_in_full: bool = False,
                  master_device: torch.device | None = None, pin_memory: bool = False,
-                 partition_device: torch.device | None = None):
+                 partition_device: torch.device | None = None, frozen_block: int = 0):
         keys = [k for _, _, k in members]
         if None in keys and any(k is not None for k in keys[keys.index(None):]):
             raise ValueError(f"{name}: frozen parameters must come after trainable ones")
@@ -99,13 +118,22 @@ class FlatParamSet:
         self.trainable_numel = sum(b.padded_numel for b in trainable)  # full flat elements
         self.trainable_shard_numel = self.trainable_numel // self.layout.world_size
         self.spans = _spans(self.layout, trainable, self.key_of_bucket, merge=partition_params)
+        if frozen_block and not partition_params:
+            raise ValueError(f"{name}: int8 frozen shards need partitioned parameters (stage 3)")
+        self.frozen_shard_numel = self.layout.shard_numel - self.trainable_shard_numel
+        self.frozen_block = frozen_block if self.frozen_shard_numel else 0
+        self.frozen_message: torch.Tensor | None = None  # int8, see [Note: int8 frozen shards]
+        self.frozen_staging: torch.Tensor | None = None
         device = _device(self.params[0])
         compute, accum = precision.compute_dtype, precision.grad_accum_dtype
         if partition_params:
             self.full = None
             where = torch.device(device if partition_device is None else partition_device)
-            self.partition = torch.zeros(self.layout.shard_numel, dtype=compute, device=where,
+            kept = self.trainable_shard_numel if self.frozen_block else self.layout.shard_numel
+            self.partition = torch.zeros(kept, dtype=compute, device=where,
                                          pin_memory=pin_memory and where != torch.device(device))
+            if self.frozen_block:  # filled by _load_initial_values, then quantized once
+                self.frozen_staging = torch.zeros(self.frozen_shard_numel, dtype=compute, device=where)
         else:
             # Untouched pages cost nothing: they fill as parameters move in and
             # the originals are freed, so the model never exists twice.
@@ -121,6 +149,9 @@ class FlatParamSet:
                                    and torch.cuda.is_available())
                        if self.separate_master else None)
         self._load_initial_values()
+        if self.frozen_block:
+            self.frozen_message = quantized.pack_message(self.frozen_staging, self.frozen_block)
+            self.frozen_staging = None
         self.grad_full = self.grad_partition = None
         if grad_in_full:
             self.grad_full = torch.zeros(self.trainable_numel, dtype=accum, device=device)
@@ -163,7 +194,7 @@ class FlatParamSet:
         (stage 3) the compute partition."""
         n = values.numel()
         if self.partition is not None:
-            self.partition[dst:dst + n].copy_(values)
+            self.partition_piece(dst, n).copy_(values)
         if self.master is not None and self.key_of_bucket[slot.bucket] is not None:
             self.master[dst:dst + n].copy_(values)
 
@@ -203,12 +234,52 @@ class FlatParamSet:
         return [self.grad_view(s) for s in self.spans]
 
     def shard_of_slot(self, slot: int) -> torch.Tensor:
-        """This rank's shard of slot's bucket in the compute copy (DeepSpeed's ds_tensor)."""
+        """This rank's shard of slot's bucket in the compute copy (DeepSpeed's
+        ds_tensor): int8 codes for an int8 frozen shard, as DeepSpeed's."""
         bucket = self.layout.buckets[self.layout.slots[slot].bucket]
         src, dst, w = self.layout.shard_spans(self.rank, [bucket])[0]
+        if self.frozen_block and dst >= self.trainable_shard_numel:
+            at = dst - self.trainable_shard_numel
+            return self.frozen_message[at:at + w]
         if self.partition is not None:
             return self.partition[dst:dst + w]
         return self.full[src:src + w]
+
+    # ---- the stage-3 compute partition, int8 frozen shards included ------------------
+    def partition_piece(self, lo: int, n: int) -> torch.Tensor:
+        """Elements [lo, lo + n) of this rank's compute partition, (n,),
+        compute dtype, writable. Inside the int8 frozen shards it is a view
+        of the decoded staging copy: writes reach the int8 shards at
+        `commit_frozen()` (see [Note: int8 frozen shards])."""
+        if not self.frozen_block or lo + n <= self.trainable_shard_numel:
+            return self.partition[lo:lo + n]
+        if lo < self.trainable_shard_numel:
+            raise ValueError(f"{self.name}: elements [{lo}, {lo + n}) span trainable and frozen shards")
+        at = lo - self.trainable_shard_numel
+        return self.stage_frozen()[at:at + n]
+
+    def frozen_values(self) -> torch.Tensor:
+        """This rank's frozen shards, (shard_numel - trainable_shard_numel,),
+        compute dtype: decoded from int8 (a new tensor) or the partition's tail."""
+        if not self.frozen_block:
+            return self.partition[self.trainable_shard_numel:]
+        if self.frozen_staging is not None:
+            return self.frozen_staging
+        return quantized.unpack_message(self.frozen_message, self.frozen_shard_numel, self.frozen_block,
+                                        self.partition.dtype)
+
+    def stage_frozen(self) -> torch.Tensor:
+        """The decoded staging copy of the int8 frozen shards (made on first use)."""
+        if self.frozen_staging is None:
+            self.frozen_staging = self.frozen_values()
+        return self.frozen_staging
+
+    def commit_frozen(self) -> None:
+        """Quantize the staging copy into the int8 frozen shards if any value
+        changed, and free it. No-op when nothing is staged."""
+        staged, self.frozen_staging = self.frozen_staging, None
+        if staged is not None and not torch.equal(staged, self.frozen_values()):
+            self.frozen_message.copy_(quantized.pack_message(staged, self.frozen_block))  # in place: ds_tensor views it
 
     def write_back_master(self) -> None:
         """Copy the stepped master weights into the compute copy (casting).

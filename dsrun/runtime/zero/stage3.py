@@ -148,6 +148,10 @@ class PartitionedParamStrategy(ZeroStrategy):
             ranks and gathers backward from it (see `_hpz_group`; raises
             ConfigError when such a block would span nodes, NodeMapError
             when the node map is unknown).
+        quantized_nontrainable_weights: ZeRO++ zero_quantized_nontrainable_weights:
+            frozen parameters' shards are kept as int8 (QWZ_BLOCK elements
+            per fp32 scale), quantized once here, and gathered as that int8
+            (flat_params.py [Note: int8 frozen shards]; unit.py).
     """
 
     stage = 3
@@ -160,7 +164,7 @@ class PartitionedParamStrategy(ZeroStrategy):
                  unit_patterns: list[str] | None = None,
                  watchdog_timeout: float | None = None, group=None, optimizer_tier=None, param_tier=None,
                  quantized_weights: bool = False, quantized_gradients: bool = False,
-                 hpz_partition_size: int = 1):
+                 hpz_partition_size: int = 1, quantized_nontrainable_weights: bool = False):
         groups = ZeroGroups.sharded(group)
         super().__init__(optimizer, topology, precision, groups, sub_group_size, watchdog_timeout,
                          optimizer_tier=optimizer_tier)
@@ -198,7 +202,8 @@ class PartitionedParamStrategy(ZeroStrategy):
             fset = FlatParamSet(uname, members, groups.shard, precision, 1, partition_params=True,
                                 master_device=self._master_device(members[0][0]),
                                 pin_memory=self.optimizer_tier.pin_memory or self.param_tier.pin_memory,
-                                partition_device=self.param_tier.partition_device(self._param_device(members)))
+                                partition_device=self.param_tier.partition_device(self._param_device(members)),
+                                frozen_block=QWZ_BLOCK if quantized_nontrainable_weights else 0)
             self.sets.append(fset)
             unit = Unit(len(self.units), uname, modules, fset, uname == PERSISTENT, self)
             self.units.append(unit)
@@ -281,6 +286,7 @@ class PartitionedParamStrategy(ZeroStrategy):
 
     def _after_step(self) -> None:
         for unit in self.units:
+            unit.fset.commit_frozen()  # a checkpoint load may have written frozen values
             unit.invalidate_secondary()  # the partitions changed
             if unit.persistent:
                 unit.release(force=True)  # stale values: gathered again below
@@ -290,10 +296,12 @@ class PartitionedParamStrategy(ZeroStrategy):
         super().sync_master_from_params(params)
         for unit in {id(rec.unit): rec.unit for p in params
                      if (rec := record_of(p)) is not None and rec.strategy is self}.values():
+            unit.fset.commit_frozen()
             unit.invalidate_secondary()
 
     def _held(self) -> dict[str, list[torch.Tensor]]:
         held = super()._held()
+        held["params"] += [t for f in self.sets for t in (f.frozen_message, f.frozen_staging) if t is not None]
         held["gathered_params"] = [u.full for u in self.units if u.state is not UnitState.SHARDED]
         if self.hpz is not None:
             held["hpz_secondary"] = [u.secondary for u in self.units if u.secondary is not None]

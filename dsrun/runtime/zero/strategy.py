@@ -310,10 +310,10 @@ class ZeroStrategy(GradientStrategy):
                 if piece.slot.index != rec.slot:
                     continue
                 lo, n = piece.shard_offset, piece.hi - piece.lo
-                targets = [fset.partition] + ([fset.master] if trainable else [])
-                for target in targets:
-                    if target is not None:
-                        target[lo:lo + n].copy_(flat[piece.lo:piece.hi])
+                if fset.partition is not None:
+                    fset.partition_piece(lo, n).copy_(flat[piece.lo:piece.hi])
+                if fset.master is not None and trainable:
+                    fset.master[lo:lo + n].copy_(flat[piece.lo:piece.hi])
 
     def full_fp32_param(self, param):
         """Full fp32 master value of `param` (its compute value if frozen; collective)."""
@@ -321,7 +321,7 @@ class ZeroStrategy(GradientStrategy):
         def source(fset: FlatParamSet) -> torch.Tensor:
             out = fset.partition_of(fset.master_view)
             if fset.partition is not None:  # frozen parameters (stage 3) have no master
-                out[fset.trainable_shard_numel:].copy_(fset.partition[fset.trainable_shard_numel:])
+                out[fset.trainable_shard_numel:].copy_(fset.frozen_values())
             return out
         return self._full_from_partition(param, source)
 
@@ -359,8 +359,8 @@ class ZeroStrategy(GradientStrategy):
                 trainable = fset.key_of_bucket[slot.bucket] is not None
                 if fset.master is not None and trainable:
                     value = fset.master[so:so + n]
-                elif fset.partition is not None:
-                    value = fset.partition[so:so + n]
+                elif fset.partition is not None:  # int8 frozen shards: their decoded staging copy
+                    value = fset.partition_piece(so, n)
                 else:  # stages 0-2 in fp32: the master is the own shard of `full`
                     value = fset.full[slot.offset + piece.lo:slot.offset + piece.hi]
                 key, offset = None, 0

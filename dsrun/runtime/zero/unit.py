@@ -38,6 +38,17 @@ world: exact, in the compute dtype, never quantized. The optimizer step,
 a checkpoint load and GatheredParameters(modifier_rank=...) change the
 partitions: they mark the secondary stale, and the next gather is primary
 again. The secondary's bytes show in memory_breakdown() as hpz_secondary.
+
+[Note: int8 frozen shards in a gather]
+With zero_quantized_nontrainable_weights the unit's frozen buckets (the
+tail of `full`) are stored as int8 (flat_params.py, [Note: int8 frozen
+shards]) and gathered in a second all-gather of that int8 message over
+the shard group, in forward and backward alike; the trainable buckets
+(the head) are gathered as above. The secondary partition then covers the
+trainable buckets only: frozen values cross the shard group in backward
+too, but as int8 quantized once (a secondary would have to quantize the
+decoded values a second time, and backward would then see other weights
+than forward).
 """
 from __future__ import annotations
 
@@ -88,9 +99,14 @@ class Unit:
         self._views = [self.full[s.offset:s.offset + s.numel].view(s.shape) for s in fset.layout.slots]
         self.full.untyped_storage().resize_(0)  # no bytes until gathered
         self._empty = torch.empty(0, dtype=part.dtype, device=part.device)
+        # Buckets gathered from the compute partition (all but int8 frozen ones) and their elements.
+        buckets = fset.layout.buckets
+        self._exact = [b for b, k in zip(buckets, fset.key_of_bucket) if k is not None or not fset.frozen_block]
+        self._exact_numel = sum(b.padded_numel for b in self._exact)
         hpz = owner.hpz
-        self._secondary_layout = (FlatLayout(fset.layout.slots, fset.layout.buckets, hpz.size)
-                                  if hpz is not None and not persistent else None)
+        slots = [s for s in fset.layout.slots if s.bucket < len(self._exact)]
+        self._secondary_layout = (FlatLayout(slots, self._exact, hpz.size)
+                                  if hpz is not None and not persistent and self._exact else None)
         # (padded_numel / h,) in the compute dtype, where `full` lives; see [Note: hpZ secondary partition]
         self.secondary = (torch.zeros(self._secondary_layout.shard_numel, dtype=part.dtype, device=part.device)
                           if self._secondary_layout is not None else None)
@@ -119,24 +135,33 @@ class Unit:
         over the shard group."""
         if self.state is not UnitState.SHARDED:
             return
-        fset = self.fset
+        fset, shard = self.fset, self.owner.groups.shard
         secondary = self.secondary_valid and phase.startswith("backward")
         if secondary:
             layout, group, block = self._secondary_layout, self.owner.hpz, 0
             reading, what = contextlib.nullcontext(), "hpZ all-gather"
         else:
-            layout, group, block = fset.layout, self.owner.groups.shard, self._quantize_block(phase)
+            layout, group, block = fset.layout, shard, self._quantize_block(phase)
             reading, what = self.owner.param_tier.resident(fset), "all-gather"  # NVMe: read it in
+        exact, handles = self._exact, []
         with torch.no_grad():
             self.full.untyped_storage().resize_(self._nbytes)
-            with reading:
-                source = self.secondary if secondary else fset.partition
-                for view, dst in own_shard_views(layout, layout.buckets, self.full, group.rank):
-                    view.copy_(source[dst:dst + view.numel()])
+            if exact:
+                with reading:
+                    source = self.secondary if secondary else fset.partition
+                    for view, dst in own_shard_views(layout, exact, self.full, group.rank):
+                        view.copy_(source[dst:dst + view.numel()])
             # Issuing may block too (synchronous transports such as shm).
             with self.owner.watchdog.waiting(f"{what} of unit '{self.name}' ({phase})"):
-                self.handle = all_gather_region(layout, layout.buckets, self.full, group,
-                                                async_op=True, quantize_block=block)
+                if exact:
+                    handles.append(all_gather_region(layout, exact, self.full[:self._exact_numel], group,
+                                                     async_op=True, quantize_block=block))
+                if fset.frozen_block:  # see [Note: int8 frozen shards in a gather]
+                    frozen = fset.layout.buckets[len(exact):]
+                    handles.append(all_gather_region(fset.layout, frozen, self.full[self._exact_numel:], shard,
+                                                     async_op=True, quantize_block=fset.frozen_block,
+                                                     message=fset.frozen_message))
+        self.handle = RegionHandle(handles)
         self._fill_secondary = self.secondary is not None and not secondary
         self.state = UnitState.GATHERING
         self._set_params(self._empty, ZeroParamStatus.INFLIGHT)
