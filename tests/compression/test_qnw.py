@@ -217,3 +217,59 @@ def test_needs_stage_3(stage):
     with pytest.raises(ConfigError, match="zero_quantized_nontrainable_weights.*need stage 3"):
         load_config({"train_batch_size": 2, "zero_optimization": {
             "stage": stage, "zero_quantized_nontrainable_weights": True}}, world_size=1)
+
+
+def _rank_with_hpz():
+    from tests.dist_helpers import as_nodes
+    as_nodes(2)
+    out = {}
+    for name, zero in (("qnw", {}), ("hpz", {"zero_hpz_partition_size": 2}),
+                       ("hpz_qwz", {"zero_hpz_partition_size": 2, "zero_quantized_weights": True})):
+        engine, _ = _engine(True, **zero)
+        losses = _steps(engine, 3)
+        # The secondary covers the trainable buckets: 1/2 of them per rank, fp32.
+        trainable = sum(f.trainable_numel for u, f in zip(engine.strategy.units, engine.strategy.sets)
+                        if not u.persistent and f.trainable_numel)
+        out[name] = (losses, engine.memory_breakdown().get("hpz_secondary"), 4 * trainable // 2)
+    return out
+
+
+def test_with_hpz_and_qwz():
+    """2 nodes x 2 ranks: hpZ in fp32 is exact, so it changes no loss bit;
+    with qwZ too the trainable weights' gathers are int8 as well (qwZ's 2%)."""
+    res = run_ranks(_rank_with_hpz, 4, timeout=400)[0]
+    assert res["hpz"][0] == res["qnw"][0]
+    assert res["hpz"][1] == {"fp32": res["hpz"][2]} and res["qnw"][1] is None
+    for a, b in zip(res["qnw"][0], res["hpz_qwz"][0]):
+        assert abs(a - b) <= 0.02 * abs(a), (res["qnw"][0], res["hpz_qwz"][0])
+
+
+def _rank_modify(offload: str, nvme: str):
+    import dsrun
+    zero = {"offload_param": {"device": offload, "nvme_path": nvme}} if offload != "none" else {}
+    engine, model = _engine(True, **zero)
+    plain, _ = _engine(False, **zero)
+    first = _steps(engine, 2), _steps(plain, 2)
+    wte = model.wte.weight
+    before = full_param(engine, wte)
+    with dsrun.zero.GatheredParameters([wte], modifier_rank=0):
+        with torch.no_grad():
+            wte.mul_(0.5)
+    halved = full_param(engine, wte)
+    _steps(engine, 1, first=2)
+    with dsrun.zero.GatheredParameters([wte]):
+        gathered = wte.detach().clone()
+    return first, before, halved, gathered
+
+
+@pytest.mark.parametrize("offload", ["none", "cpu", "nvme"])
+def test_gathered_parameters_modify_and_param_offload(tmp_path, offload):
+    """GatheredParameters(modifier_rank=0) on a frozen weight re-quantizes its
+    shards; halving is exact (every block's scale halves, its codes stay),
+    so the new values are exactly half the old decoded ones. With parameter
+    offload the int8 shards stay in memory beside the offloaded partition."""
+    (first, plain), before, halved, gathered = run_ranks(_rank_modify, 2, offload, str(tmp_path), timeout=300)[0]
+    for a, b in zip(plain, first):
+        assert abs(a - b) <= 5e-3 * abs(a), (plain, first)
+    assert torch.equal(halved, before * 0.5)
+    assert torch.equal(gathered, halved)  # what a gather decodes after a step
