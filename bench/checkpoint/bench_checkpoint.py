@@ -29,7 +29,11 @@ so the slower rank counts):
               the future is done
   load        engine.load_checkpoint (same 2 ranks), dcp.load of the same
               tensors, and the dsrun checkpoint loaded by one process at
-              stage 0 ("load 1 proc", a fresh process, its start excluded)
+              stage 0 ("load 1 proc", a fresh process, its start excluded);
+              that process then saves the same state itself and loads it
+              back ("load 1 proc same-size": the same bytes read by the
+              same process without resharding; "reshard/same" is the
+              issue's "load on another world size / same-size load")
 
 then, with --deepspeed DIR (a directory holding DeepSpeed, e.g. made by
 `DS_BUILD_OPS=0 pip install --target DIR --no-deps deepspeed==0.19.8 hjson
@@ -38,8 +42,9 @@ py-cpuinfo msgpack tqdm einops nvidia-ml-py`), a pair of DeepSpeed ranks
 load_checkpoint. Configurations alternate within every repeat (dsrun pair,
 1-process load, DeepSpeed pair, next stage, ...); the table gives the median
 over repeats and the min-max spread, and ratios are taken per repeat before
-the median. Goals of issue 9: save time <= 1.2x the time the disk needs for
-the same bytes (fio), async stall <= 0.1x the blocking save.
+the median. Goals of issue 9: save time <= 1.25x the time the disk needs for
+the same bytes (fio), async stall <= 0.1x the blocking save, reshard/same
+<= 1.2x.
 """
 from __future__ import annotations
 
@@ -187,7 +192,13 @@ def _load_alone(args, stage: int, queue) -> None:
                                   config=_config(args, 0))
     t = time.perf_counter()
     engine.load_checkpoint(os.path.join(args.dir, f"dsrun{stage}"), tag="sync")
-    queue.put({"load_1": time.perf_counter() - t})
+    row = {"load_1": time.perf_counter() - t}
+    root = os.path.join(args.dir, f"dsrun{stage}", "alone")  # the same state, saved by this one process
+    engine.save_checkpoint(root, tag="same")
+    t = time.perf_counter()
+    engine.load_checkpoint(root, tag="same")
+    row["load_1_same"] = time.perf_counter() - t
+    queue.put(row)
 
 
 def _deepspeed_worker(rank: int, world: int, port: int, args, stage: int, queue) -> None:
@@ -253,6 +264,8 @@ COLUMNS = [  # (heading, function of one repeat's row, format)
     ("DS save s", lambda r: r.get("ds_save"), "{:.3f}"),
     ("load s", lambda r: r["load"], "{:.3f}"),
     ("load 1 proc s", lambda r: r["load_1"], "{:.3f}"),
+    ("load 1 proc same-size s", lambda r: r.get("load_1_same"), "{:.3f}"),
+    ("reshard/same", lambda r: r["load_1"] / r["load_1_same"] if r.get("load_1_same") else None, "{:.2f}x"),
     ("DCP load s", lambda r: r["dcp_load"], "{:.3f}"),
     ("DS load s", lambda r: r.get("ds_load"), "{:.3f}"),
 ]

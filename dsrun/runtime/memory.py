@@ -102,7 +102,8 @@ def estimate_zero_memory(model_or_num_params, world_size: int, stage: int, dtype
                          bucket_numel: int | None = None, padded_numel: int | None = None,
                          working_set_numel: int = 0, offload_optimizer: str = "none",
                          offload_param: str = "none", sub_group_size: int = 1_000_000_000,
-                         buffer_count: int = 4) -> MemoryEstimate:
+                         buffer_count: int = 4, hpz_partition_size: int = 1, frozen_numel: int = 0,
+                         quantized_nontrainable_weights: bool = False) -> MemoryEstimate:
     """Predict the persistent per-rank bytes of ZeRO stage 0-3.
 
     model_or_num_params: an nn.Module (its trainable parameters) or Ψ.
@@ -117,9 +118,20 @@ def estimate_zero_memory(model_or_num_params, world_size: int, stage: int, dtype
     "none", "cpu" or "nvme" (ds_config's offload devices; parameters only at
     stage 3); sub_group_size and buffer_count size the NVMe optimizer's
     host buffers (category "offload_buffers").
+    hpz_partition_size: ZeRO++ hpZ's h (stage 3): each rank also keeps a
+    secondary 1/h of the gathered units in the compute dtype (category
+    "hpz_secondary", as memory_breakdown names it; padded_numel should then
+    cover the non-persistent units only, which are the ones that have one).
+    frozen_numel: elements of frozen (requires_grad=False) parameters, which
+    stage 3 partitions with the others into "params" (below stage 3 they
+    stay whole module parameters outside ZeRO's buffers and are not
+    counted); quantized_nontrainable_weights keeps their shards as int8 in
+    blocks of 256 with an fp32 scale each (ZeRO++; one rounded-up block per
+    unit is not counted).
 
     Raises ValueError for an unknown dtype, stage or offload device, N < 1,
-    or parameter offload below stage 3.
+    parameter offload, hpZ or int8 frozen weights below stage 3, or an h
+    that does not divide N.
     """
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
@@ -133,6 +145,10 @@ def estimate_zero_memory(model_or_num_params, world_size: int, stage: int, dtype
             raise ValueError(f"{what} must be none, cpu or nvme, got {device!r}")
     if offload_param != "none" and stage != 3:
         raise ValueError(f"offload_param needs stage 3, got stage {stage}")
+    if (hpz_partition_size > 1 or quantized_nontrainable_weights) and stage != 3:
+        raise ValueError(f"hpz_partition_size > 1 and quantized_nontrainable_weights need stage 3, got stage {stage}")
+    if hpz_partition_size < 1 or world_size % hpz_partition_size:
+        raise ValueError(f"hpz_partition_size must divide world_size {world_size}, got {hpz_partition_size}")
     psi, padded = _num_and_padded(model_or_num_params, world_size, bucket_numel)
     if padded_numel is not None:
         padded = padded_numel
@@ -162,6 +178,15 @@ def estimate_zero_memory(model_or_num_params, world_size: int, stage: int, dtype
             placement["offload_buffers"] = "host"
     if offload_param != "none":
         placement["params"] = tier_of[offload_param]
+    if stage == 3 and frozen_numel:
+        frozen_shard = -(-int(frozen_numel) // world_size)
+        if quantized_nontrainable_weights:  # int8 codes + 4 bytes of scale per block (comm/quantized.py)
+            blocks = -(-frozen_shard // 256)
+            cats["params"]["int8"] = blocks * 256 + 4 * blocks
+        else:
+            cats["params"][dtype] += frozen_shard * _BYTES[dtype]
+    if hpz_partition_size > 1:
+        cats["hpz_secondary"] = {dtype: padded // hpz_partition_size * _BYTES[dtype]}
     return MemoryEstimate(stage, world_size, psi, cats, working_set_numel * _BYTES[dtype], placement)
 
 

@@ -16,7 +16,8 @@ import os
 
 import torch
 
-from dsrun.runtime.checkpoint.store import CheckpointError, SliceReader, load_index, resolve_tag
+from dsrun.runtime.checkpoint.reader import SliceReader
+from dsrun.runtime.checkpoint.store import CheckpointError, load_index, resolve_tag
 
 
 def _tag_dir(checkpoint_dir: str, tag: str | None) -> str:

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from dsrun.runtime.comm.quantized import dequantize_blockwise, message_numel, quantize_blockwise
+from dsrun.runtime.memory import estimate_zero_memory
 from tests.dist_helpers import run_ranks
 from tests.zero.models import TinyGPT, base_config, batches, full_param, param_groups
 
@@ -231,6 +232,13 @@ def _rank_with_hpz():
         trainable = sum(f.trainable_numel for u, f in zip(engine.strategy.units, engine.strategy.sets)
                         if not u.persistent and f.trainable_numel)
         out[name] = (losses, engine.memory_breakdown().get("hpz_secondary"), 4 * trainable // 2)
+        if name == "hpz":
+            frozen = sum(p.ds_numel for n, p in engine.module.named_parameters() if n.startswith(FROZEN))
+            psi = sum(p.ds_numel for p in engine.module.parameters() if p.requires_grad)
+            est = estimate_zero_memory(psi, 4, 3, "fp32", padded_numel=trainable, hpz_partition_size=2,
+                                       frozen_numel=frozen, quantized_nontrainable_weights=True)
+            units = sum(1 for f in engine.strategy.sets if f.frozen_block)
+            out["estimate"] = (est.categories, engine.memory_breakdown(), units)
     return out
 
 
@@ -242,6 +250,12 @@ def test_with_hpz_and_qwz():
     assert res["hpz"][1] == {"fp32": res["hpz"][2]} and res["qnw"][1] is None
     for a, b in zip(res["qnw"][0], res["hpz_qwz"][0]):
         assert abs(a - b) <= 0.02 * abs(a), (res["qnw"][0], res["hpz_qwz"][0])
+    # estimate_zero_memory counts the secondary exactly and the int8 frozen shards up to
+    # one rounded-up block (256 + 4 bytes) per unit that holds some.
+    est, actual, units = res["estimate"]
+    assert est["hpz_secondary"] == actual["hpz_secondary"]
+    assert 0 <= actual["params"]["int8"] - est["params"]["int8"] <= 260 * units, (est, actual)
+    assert est["params"]["fp32"] == actual["params"]["fp32"]
 
 
 def _rank_modify(offload: str, nvme: str):
@@ -273,3 +287,18 @@ def test_gathered_parameters_modify_and_param_offload(tmp_path, offload):
         assert abs(a - b) <= 5e-3 * abs(a), (plain, first)
     assert torch.equal(halved, before * 0.5)
     assert torch.equal(gathered, halved)  # what a gather decodes after a step
+
+
+def test_estimate_zero_memory_hpz_and_int8_frozen():
+    base = estimate_zero_memory(1000, 4, 3, "bf16")
+    hpz = estimate_zero_memory(1000, 4, 3, "bf16", hpz_partition_size=2)
+    assert hpz.total - base.total == hpz.categories["hpz_secondary"]["bf16"] == 1000 // 2 * 2
+    frozen = estimate_zero_memory(1000, 4, 3, "bf16", frozen_numel=4096)
+    int8 = estimate_zero_memory(1000, 4, 3, "bf16", frozen_numel=4096, quantized_nontrainable_weights=True)
+    assert frozen.categories["params"]["bf16"] - base.categories["params"]["bf16"] == 1024 * 2
+    assert int8.categories["params"] == {"bf16": 250 * 2, "int8": 1024 + 4 * 4}
+    for bad in ({"hpz_partition_size": 3}, {"hpz_partition_size": 0}):
+        with pytest.raises(ValueError, match="divide"):
+            estimate_zero_memory(1000, 4, 3, **bad)
+    with pytest.raises(ValueError, match="need stage 3"):
+        estimate_zero_memory(1000, 4, 2, hpz_partition_size=2)

@@ -36,7 +36,8 @@ import torch
 import dsrun
 from dsrun.runtime import comm
 from dsrun.runtime.checkpoint.pieces import HeldPiece, plain_pieces
-from dsrun.runtime.checkpoint.store import (INDEX, LATEST, CheckpointError, FileEntry, Index, SliceReader,
+from dsrun.runtime.checkpoint.reader import SliceReader
+from dsrun.runtime.checkpoint.store import (INDEX, LATEST, CheckpointError, FileEntry, Index,
                                             StoredSlice, TensorEntry, atomic_write, dtype_name, dtype_of,
                                             fsync_dir, index_time, load_index, read_shard_metadata,
                                             resolve_tag, shard_name, stream_safetensors, write_json_atomic)
@@ -192,7 +193,9 @@ def _raise_unless_all(results: list[tuple[bool, str]], error: BaseException | No
         raise error
     bad = [r for r, (ok, _) in enumerate(results) if not ok]
     if bad:
-        raise CheckpointError(f"{what} failed on rank(s) {bad} (their own error is raised there)")
+        reports = "; ".join(f"rank {r}: {results[r][1]}" for r in bad if results[r][1])
+        raise CheckpointError(f"{what} failed on rank(s) {bad}" + (f": {reports}" if reports else
+                                                                   " (their own error is raised there)"))
 
 
 # ---- JSON helpers ----------------------------------------------------------------
@@ -549,11 +552,12 @@ def _load_tensors(engine, index: Index, reader: SliceReader, names: set[str], op
         if gname.startswith("optim/"):
             name, key = gname[len("optim/"):].rsplit("/", 1)
             optim_keys.setdefault(name, []).append(key)
+    requests = []  # read together: each file once, in file order (see [Note: verified reads] in reader.py)
     with torch.no_grad():
         for p in held_pieces(engine):
             if p.name not in names:
                 continue
-            reader.read_into(f"module/{p.name}", p.lo, p.hi, p.value)
+            requests.append((f"module/{p.name}", p.lo, p.hi, p.value))
             if not optimizer_states or p.state_key is None:
                 continue
             state = engine.optimizer.state[p.state_key]
@@ -561,11 +565,12 @@ def _load_tensors(engine, index: Index, reader: SliceReader, names: set[str], op
                 if key not in state:  # as the optimizer's first step would create it
                     state[key] = torch.zeros_like(p.state_key, memory_format=torch.contiguous_format)
                 flat = state[key].view(-1)
-                reader.read_into(f"optim/{p.name}/{key}", p.lo, p.hi,
-                                 flat[p.state_offset:p.state_offset + p.hi - p.lo])
+                requests.append((f"optim/{p.name}/{key}", p.lo, p.hi,
+                                 flat[p.state_offset:p.state_offset + p.hi - p.lo]))
             for key, rec in index.optimizer_scalars.get(p.name, {}).items():
                 value = rec["value"]
                 state[key] = value if rec["dtype"] is None else torch.tensor(value, dtype=dtype_of(rec["dtype"]))
+        reader.read_many(requests)
 
 
 def _optimizer_extras(optimizer, rank: int) -> dict[str, torch.Tensor]:
@@ -672,7 +677,10 @@ def load(engine, load_dir: str, tag: str | None = None, load_module_strict: bool
     try:
         index = load_index(tag_dir)
         names = _check_names(engine, index, load_module_strict, tag_dir)
-        reader = SliceReader(tag_dir, index)
+        # Each file's checksum is checked by one rank (file i by rank i mod
+        # world size) as it reads; the "read" agreement fails every rank.
+        reader = SliceReader(tag_dir, index, verify_files=set(sorted(index.files)[topo.rank::topo.world_size]),
+                             aio=engine.config.aio)
         optim = load_optimizer_states and not load_module_only
         _load_tensors(engine, index, reader, names, optim)
         if optim:
@@ -682,9 +690,11 @@ def load(engine, load_dir: str, tag: str | None = None, load_module_strict: bool
             client_state = _decode_client(index.client_state, reader) if index.client_state is not None else {}
         if optim:
             _load_optimizer_extras(engine, index, reader)
+        reader.verify_rest()
     except Exception as e:
         error = e
-    _raise_unless_all(rdv.agree("read", error is None), error, f"loading checkpoint {tag_dir}")
+    _raise_unless_all(rdv.agree("read", error is None, "" if error is None else str(error)), error,
+                      f"loading checkpoint {tag_dir}")
     strategy = engine.strategy
     if isinstance(strategy, ZeroStrategy):
         strategy.after_checkpoint_load()  # collective: masters -> compute copies -> full parameters

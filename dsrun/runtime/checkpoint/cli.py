@@ -21,7 +21,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from dsrun.runtime.checkpoint.store import (INDEX, LATEST, CheckpointError, SliceReader, atomic_write,
+from dsrun.runtime.checkpoint.reader import SliceReader
+from dsrun.runtime.checkpoint.store import (INDEX, LATEST, CheckpointError, atomic_write,
                                             dtype_of, fsync_dir, load_index, resolve_tag, stream_safetensors,
                                             tag_is_complete, verify_file)
 

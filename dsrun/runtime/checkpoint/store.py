@@ -199,6 +199,25 @@ def safetensors_header(specs: list[tuple[str, tuple[int, ...], torch.dtype]],
     return raw, [len(raw) + o for o in offsets]
 
 
+def safetensors_dtype(name: str) -> torch.dtype | None:
+    """The torch dtype of a safetensors dtype name ("F32", ...), None if unknown."""
+    return _NAMES.get(name)
+
+
+def follows(a: torch.Tensor | None, b: torch.Tensor) -> bool:
+    """Whether 1-D `b` starts right where 1-D `a` ends in the same storage."""
+    return (a is not None and a.device == b.device and a.dtype == b.dtype
+            and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+            and a.data_ptr() + a.numel() * a.element_size() == b.data_ptr())
+
+
+def joined(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """One 1-D view covering `a` and `b` (1-D views of one storage, `b`
+    right after `a`: see `follows`)."""
+    return torch.empty(0, dtype=a.dtype, device=a.device).set_(
+        a.untyped_storage(), a.storage_offset(), (a.numel() + b.numel(),))
+
+
 def byte_view(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor without a copy and without NumPy
     (not installed by `pip install dsrun`); valid while `t` is alive."""
@@ -327,60 +346,3 @@ def load_index(tag_dir: str) -> Index:
         raise CheckpointError(f"{path}: format version {index.format_version}, this dsrun reads "
                               f"{', '.join(map(str, READABLE_VERSIONS))} (a newer dsrun wrote it?)")
     return index
-
-
-class SliceReader:
-    """Reads element ranges of global tensors from a tag's shards.
-
-    Each shard is verified (size, then its checksum streamed: `verify_file`)
-    the first time it is opened, then opened with safetensors' `safe_open`, which reads only the
-    requested slice. Raises CheckpointError naming the file on a missing,
-    truncated or corrupted shard.
-    """
-
-    def __init__(self, tag_dir: str, index: Index, verify: bool = True):
-        self.tag_dir, self.index, self.verify = tag_dir, index, verify
-        self._open: dict[str, Any] = {}
-
-    def _handle(self, file: str):
-        if file not in self._open:
-            from safetensors import safe_open
-
-            path = os.path.join(self.tag_dir, file)
-            entry = self.index.files.get(file)
-            if not os.path.isfile(path):
-                raise CheckpointError(f"checkpoint file {path} is missing")
-            if entry is not None and self.verify:
-                verify_file(self.tag_dir, file, entry)
-            try:
-                self._open[file] = safe_open(path, framework="pt")
-            except Exception as e:  # safetensors raises its own error types
-                raise CheckpointError(f"checkpoint file {path} cannot be read: {e}") from None
-        return self._open[file]
-
-    def read_into(self, name: str, lo: int, hi: int, out: torch.Tensor) -> None:
-        """Copy elements [lo, hi) of global tensor `name` into 1-D `out`
-        (hi - lo,), casting to its dtype. Raises CheckpointError when the
-        stored slices do not cover [lo, hi)."""
-        entry = self.index.tensors[name]
-        covered = 0
-        for s in entry.slices:
-            a, b = max(lo, s.lo), min(hi, s.hi)
-            if a >= b:
-                continue
-            part = self._handle(s.file).get_slice(s.key)[a - s.lo:b - s.lo]
-            out[a - lo:b - lo].copy_(part)
-            covered += b - a
-        if covered != hi - lo:
-            raise CheckpointError(f"checkpoint tensor {name!r} stores {covered} of elements [{lo}, {hi}) "
-                                  "(the index's slices do not cover it)")
-
-    def read_full(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The whole global tensor `name` with its shape (stored dtype unless `dtype`)."""
-        entry = self.index.tensors[name]
-        numel = 1
-        for d in entry.shape:
-            numel *= d
-        out = torch.empty(numel, dtype=dtype or dtype_of(entry.dtype))
-        self.read_into(name, 0, numel, out)
-        return out.view(entry.shape)

@@ -71,7 +71,7 @@ import torch
 
 from dsrun.ops.aio import PAGE, AioHandle, new_aligned_tensor
 from dsrun.runtime.checkpoint import checksum
-from dsrun.runtime.checkpoint.store import FileEntry, byte_view, safetensors_header
+from dsrun.runtime.checkpoint.store import FileEntry, byte_view, follows, joined, safetensors_header
 
 CHUNK_BYTES = 32 << 20
 _LIBC = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True) if os.name == "posix" else None
@@ -117,20 +117,6 @@ def _preallocate(fd: int, nbytes: int) -> None:
         _LIBC.fallocate(fd, 0, ctypes.c_int64(0), ctypes.c_int64(nbytes))
 
 
-def _follows(a: torch.Tensor | None, b: torch.Tensor) -> bool:
-    """Whether `b` starts right where `a` ends in the same storage."""
-    return (a is not None and a.device == b.device
-            and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-            and a.data_ptr() + a.numel() == b.data_ptr())
-
-
-def _joined(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """One 1-D uint8 view covering `a` and `b`, views of one storage with `b`
-    right after `a`."""
-    return torch.empty(0, dtype=torch.uint8, device=a.device).set_(
-        a.untyped_storage(), a.storage_offset(), (a.numel() + b.numel(),))
-
-
 class ShardWriter:
     """One shard file: `tensors` (key -> tensor, any shape/dtype/device)
     stored as safetensors with `metadata` in the header.
@@ -153,8 +139,8 @@ class ShardWriter:
             own = key in in_place and t.device.type == "cpu"
             if runs and not t.numel():  # takes no bytes: anywhere in the file
                 runs[-1][0].append(key)
-            elif runs and runs[-1][2] == own and _follows(runs[-1][1], t):
-                runs[-1] = (runs[-1][0] + [key], _joined(runs[-1][1], t), own)
+            elif runs and runs[-1][2] == own and follows(runs[-1][1], t):
+                runs[-1] = (runs[-1][0] + [key], joined(runs[-1][1], t), own)
             else:
                 runs.append(([key], t if t.numel() else None, own))
         # See [Note: aligned runs]: a filler before each large run written from

@@ -1,0 +1,250 @@
+"""Reading element ranges of global tensors from a tag's shards, checking each
+file's checksum on the way.
+
+[Note: verified reads]
+A load must never use corrupted bytes silently, and hashing every file in a
+pass of its own before reading it (what earlier dsrun did) reads every byte
+twice. `SliceReader.read_many` takes all the ranges a load needs at once,
+turns them into byte ranges of each file (from the shard's safetensors
+header), and reads each file once, in file order, in windows of
+WINDOW_BYTES through the async I/O op (O_DIRECT where the file system
+allows it), straight into the destination tensors when their dtype is the
+stored one. When this reader verifies the file, the bytes nobody asked for
+(the header, fillers, slices other ranks need) are read into a scratch
+buffer, and every byte is fed to the checksum in file order while the next
+window is being read, so hashing costs no extra pass. The digest is
+compared when the file is done: a mismatch raises CheckpointError naming
+the file before the load returns, so values that were read are never used
+(the load fails on every rank: see [Note: commit protocol] in store.py).
+Which files a reader verifies is the caller's choice: a single process
+verifies every file it opens; the ranks of a load share the files (file i
+is verified by rank i mod world size, reading it whole even if it needs
+nothing from it, see `verify_rest`), and the load's agreement makes every
+rank fail when one found a bad file. Sizes are checked by every reader on
+every file it opens, so a truncated file is named at once.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from typing import Any
+
+import torch
+
+from dsrun.ops.aio import AioHandle, new_aligned_tensor
+from dsrun.runtime.checkpoint import checksum
+from dsrun.runtime.checkpoint.store import (CheckpointError, Index, byte_view, dtype_of, follows, joined,
+                                            safetensors_dtype)
+
+WINDOW_BYTES = 32 << 20
+
+
+class SliceReader:
+    """Reads element ranges of global tensors from a tag's shards.
+
+    verify: check checksums at all (False: sizes only).
+    verify_files: the files this reader checks (default: every file it
+        opens); each is read whole once, the first time it is read from,
+        or by `verify_rest`. See [Note: verified reads].
+    aio: the config's `aio` section (block size, queue depth, threads).
+    Raises CheckpointError naming the file on a missing, truncated,
+    unreadable or corrupted shard.
+    """
+
+    def __init__(self, tag_dir: str, index: Index, verify: bool = True, verify_files: set[str] | None = None,
+                 aio: Any = None):
+        self.tag_dir, self.index = tag_dir, index
+        self._verify_files = (set(index.files) if verify_files is None else set(verify_files)) if verify else set()
+        self._aio = aio if aio is not None else {}
+        self._headers: dict[str, tuple[int, dict[str, Any]]] = {}  # file -> (data start, header)
+        self._verified: set[str] = set()
+        self._scratch: list[torch.Tensor] = []
+
+    def _path(self, file: str) -> str:
+        return os.path.join(self.tag_dir, file)
+
+    def _header(self, file: str) -> tuple[int, dict[str, Any]]:
+        """(where the data section starts, the parsed safetensors header);
+        checks the file's presence and size first."""
+        if file not in self._headers:
+            path = self._path(file)
+            if not os.path.isfile(path):
+                raise CheckpointError(f"checkpoint file {path} is missing")
+            size, entry = os.path.getsize(path), self.index.files.get(file)
+            if entry is not None and size != entry.bytes:
+                raise CheckpointError(f"checkpoint file {path} is truncated or altered: {size} bytes, "
+                                      f"the index recorded {entry.bytes}")
+            try:
+                with open(path, "rb") as f:
+                    (n,) = struct.unpack("<Q", f.read(8))
+                    if n > size - 8:
+                        raise ValueError(f"header length {n} exceeds the file")
+                    header = json.loads(f.read(n))
+            except (ValueError, struct.error, UnicodeDecodeError) as e:
+                raise CheckpointError(f"checkpoint file {path} cannot be read: not a safetensors file ({e})") \
+                    from None
+            self._headers[file] = (8 + n, header)
+        return self._headers[file]
+
+    def _segments(self, name: str, lo: int, hi: int, out: torch.Tensor, segs: dict, casts: list) -> None:
+        """Add the byte ranges holding elements [lo, hi) of `name` to `segs`
+        (file -> [(start, dest uint8 view)]); a destination of another dtype
+        gets a temporary, copied into it by `read_many` (`casts`)."""
+        entry = self.index.tensors[name]
+        covered = 0
+        for s in entry.slices:
+            a, b = max(lo, s.lo), min(hi, s.hi)
+            if a >= b:
+                continue
+            start, header = self._header(s.file)
+            rec = header.get(s.key)
+            dtype = safetensors_dtype(rec["dtype"]) if isinstance(rec, dict) else None
+            size = torch.empty((), dtype=dtype).element_size() if dtype is not None else 0
+            if dtype is None or rec["data_offsets"][1] - rec["data_offsets"][0] != (s.hi - s.lo) * size:
+                raise CheckpointError(f"checkpoint file {self._path(s.file)}: tensor {s.key!r} is missing or does "
+                                      f"not hold elements [{s.lo}, {s.hi}) of {name!r} as the index says")
+            dst = out[a - lo:b - lo]
+            if dst.dtype != dtype or dst.device.type != "cpu" or not dst.is_contiguous():
+                tmp = torch.empty(b - a, dtype=dtype)
+                casts.append((dst, tmp))
+                dst = tmp
+            first = start + rec["data_offsets"][0] + (a - s.lo) * size
+            segs.setdefault(s.file, []).append((first, dst.reshape(-1).view(torch.uint8)))
+            covered += b - a
+        if covered != hi - lo:
+            raise CheckpointError(f"checkpoint tensor {name!r} stores {covered} of elements [{lo}, {hi}) "
+                                  "(the index's slices do not cover it)")
+
+    def read_many(self, requests: list[tuple[str, int, int, torch.Tensor]]) -> None:
+        """For each (name, lo, hi, out): copy elements [lo, hi) of global
+        tensor `name` into 1-D `out` (hi - lo,), casting to its dtype. Reads
+        each file once (see [Note: verified reads]). Raises CheckpointError."""
+        segs: dict[str, list[tuple[int, torch.Tensor]]] = {}
+        casts: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for name, lo, hi, out in requests:
+            self._segments(name, lo, hi, out, segs, casts)
+        for file in sorted(segs):
+            self._read_file(file, segs[file])
+        for dst, tmp in casts:
+            dst.copy_(tmp)
+
+    def verify_rest(self) -> None:
+        """Check every file this reader verifies that no read has covered
+        yet (reading it whole). Raises CheckpointError naming a bad file."""
+        for file in sorted(self._verify_files - self._verified):
+            self._header(file)
+            self._read_file(file, [])
+
+    def _read_file(self, file: str, wanted: list[tuple[int, torch.Tensor]]) -> None:
+        path = self._path(file)
+        hashing = file in self._verify_files and file not in self._verified
+        entry = self.index.files.get(file)
+        size = os.path.getsize(path)
+        pieces: list[tuple[int, torch.Tensor | int, bool]] = []  # (start, dest or gap length, hashed)
+        end = 0  # of the bytes covered so far, in file order
+        for start, dest in _merged(sorted(wanted, key=lambda w: w[0])):
+            if hashing and start > end:
+                pieces.append((end, start - end, True))
+            overlap = min(max(end - start, 0), dest.numel())  # bytes read twice are hashed once
+            if overlap:
+                pieces.append((start, dest[:overlap], False))
+            if overlap < dest.numel():
+                pieces.append((start + overlap, dest[overlap:], True))
+            end = max(end, start + dest.numel())
+        if hashing and end < size:
+            pieces.append((end, size - end, True))
+        digest = checksum.new(entry.algorithm) if hashing and entry is not None else None
+        handles = [AioHandle.from_config(self._aio) for _ in range(2)]
+        try:
+            previous = None  # the window in flight on the other handle
+            for w, window in enumerate(_windows(pieces)):
+                views = self._submit(handles[w % 2], w % 2, window, path)
+                if previous is not None:
+                    self._finish(handles[(w - 1) % 2], previous, digest, path)
+                previous = views
+            if previous is not None:
+                self._finish(handles[(w % 2)], previous, digest, path)
+        finally:
+            for h in handles:
+                h.close()
+        if digest is not None and digest.hexdigest() != entry.checksum:
+            raise CheckpointError(f"checkpoint file {path} is corrupted: its {entry.algorithm} checksum does not "
+                                  "match the index")
+        if hashing:
+            self._verified.add(file)
+
+    def _submit(self, handle: AioHandle, slot: int, window, path: str) -> list[tuple[torch.Tensor, bool]]:
+        """Start reading one window; gaps go to this slot's scratch buffer.
+        Returns the views to hash, in file order."""
+        views, used = [], 0
+        for start, dest, hashed in window:
+            if isinstance(dest, int):  # a gap: only hashed
+                while len(self._scratch) <= slot:
+                    self._scratch.append(new_aligned_tensor(WINDOW_BYTES))
+                dest, used = self._scratch[slot][used:used + dest], used + dest
+            try:
+                handle.async_pread(dest, path, start)
+            except OSError as e:
+                raise CheckpointError(f"checkpoint file {path} cannot be read: {e}") from None
+            views.append((dest, hashed))
+        return views
+
+    @staticmethod
+    def _finish(handle: AioHandle, views, digest, path: str) -> None:
+        try:
+            handle.wait()
+        except OSError as e:
+            raise CheckpointError(f"checkpoint file {path} cannot be read: {e}") from None
+        if digest is not None:
+            for view, hashed in views:
+                if hashed:
+                    digest.update(byte_view(view))
+
+    def read_into(self, name: str, lo: int, hi: int, out: torch.Tensor) -> None:
+        """Copy elements [lo, hi) of global tensor `name` into 1-D `out`
+        (hi - lo,), casting to its dtype. Raises CheckpointError when the
+        stored slices do not cover [lo, hi) or a file is bad."""
+        self.read_many([(name, lo, hi, out)])
+
+    def read_full(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The whole global tensor `name` with its shape (stored dtype unless `dtype`)."""
+        entry = self.index.tensors[name]
+        numel = 1
+        for d in entry.shape:
+            numel *= d
+        out = torch.empty(numel, dtype=dtype or dtype_of(entry.dtype))
+        self.read_into(name, 0, numel, out)
+        return out.view(entry.shape)
+
+
+def _merged(wanted: list[tuple[int, torch.Tensor]]) -> list[tuple[int, torch.Tensor]]:
+    """Sorted (file offset, uint8 destination) ranges, with ranges that follow
+    each other both in the file and in memory joined into one read."""
+    out: list[tuple[int, torch.Tensor]] = []
+    for start, dest in wanted:
+        if not dest.numel():
+            continue
+        if out and out[-1][0] + out[-1][1].numel() == start and follows(out[-1][1], dest):
+            out[-1] = (out[-1][0], joined(out[-1][1], dest))
+        else:
+            out.append((start, dest))
+    return out
+
+
+def _windows(pieces):
+    """`pieces` (start, dest tensor or gap length, hashed) cut into windows of
+    at most WINDOW_BYTES (a gap's scratch must fit one window)."""
+    window, room = [], WINDOW_BYTES
+    for start, dest, hashed in pieces:
+        n = dest if isinstance(dest, int) else dest.numel()
+        done = 0
+        while done < n:
+            take = min(room, n - done)
+            window.append((start + done, take if isinstance(dest, int) else dest[done:done + take], hashed))
+            done, room = done + take, room - take
+            if not room:
+                yield window
+                window, room = [], WINDOW_BYTES
+    if window:
+        yield window
