@@ -35,7 +35,7 @@ def _checkpoint(tmp_path):
     return full, index
 
 
-@pytest.mark.parametrize("window", [reader_mod.WINDOW_BYTES, 4096 * 3 + 8])
+@pytest.mark.parametrize("window", [reader_mod.WINDOW_BYTES, 4096 * 3])
 def test_read_many_fills_in_place(tmp_path, monkeypatch, window):
     monkeypatch.setattr(reader_mod, "WINDOW_BYTES", window)
     full, index = _checkpoint(tmp_path)

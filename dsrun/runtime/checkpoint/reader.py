@@ -7,24 +7,28 @@ pass of its own before reading it (what earlier dsrun did) reads every byte
 twice. `SliceReader.read_many` takes all the ranges a load needs at once,
 turns them into byte ranges of each file (from the shard's safetensors
 header), and reads each file once, in file order, in windows of
-WINDOW_BYTES through the async I/O op (O_DIRECT where the file system
-allows it), straight into the destination tensors when their dtype is the
-stored one. When this reader verifies the file, the bytes nobody asked for
-(the header, fillers, slices other ranks need) are read into a scratch
-buffer, and every byte is fed to the checksum in file order while the next
-window is being read, so hashing costs no extra pass. The digest is
-compared when the file is done: a mismatch raises CheckpointError naming
-the file before the load returns, so values that were read are never used
-(the load fails on every rank: see [Note: commit protocol] in store.py).
-Which files a reader verifies is the caller's choice: a single process
-verifies every file it opens; the ranks of a load share the files (file i
-is verified by rank i mod world size, reading it whole even if it needs
-nothing from it, see `verify_rest`), and the load's agreement makes every
-rank fail when one found a bad file. Sizes are checked by every reader on
-every file it opens, so a truncated file is named at once.
+WINDOW_BYTES into a page-aligned scratch buffer through the async I/O op
+(O_DIRECT where the file system allows it; window starts are multiples of
+4096, so no request has an unaligned head, which would be a synchronous
+read of its own). While the next window is being read (two handles, two
+scratch buffers), the finished one is fed to the checksum and the wanted
+bytes in it are copied to their destinations (casting when the dtype
+differs). A reader that verifies the file reads all of it (header, fillers,
+slices other ranks need); otherwise only the wanted ranges, widened to 4 KiB
+and merged when less than GAP_BYTES apart. The digest is compared when the
+file is done: a mismatch raises CheckpointError naming the file before the
+load returns, so values that were read are never used (the load fails on
+every rank: see [Note: commit protocol] in store.py). Which files a reader
+verifies is the caller's choice: a single process verifies every file it
+opens; the ranks of a load share the files (file i is verified by rank
+i mod world size, reading it whole even if it needs nothing from it, see
+`verify_rest`), and the load's agreement makes every rank fail, with the
+file's name, when one found a bad file. Sizes are checked by every reader
+on every file it opens, so a truncated file is named at once.
 """
 from __future__ import annotations
 
+import bisect
 import json
 import os
 import struct
@@ -32,12 +36,12 @@ from typing import Any
 
 import torch
 
-from dsrun.ops.aio import AioHandle, new_aligned_tensor
+from dsrun.ops.aio import PAGE, AioHandle, new_aligned_tensor
 from dsrun.runtime.checkpoint import checksum
-from dsrun.runtime.checkpoint.store import (CheckpointError, Index, byte_view, dtype_of, follows, joined,
-                                            safetensors_dtype)
+from dsrun.runtime.checkpoint.store import CheckpointError, Index, byte_view, dtype_of, safetensors_dtype
 
-WINDOW_BYTES = 32 << 20
+WINDOW_BYTES = 32 << 20  # a multiple of 4096
+GAP_BYTES = 1 << 20  # ranges closer than this are read as one (the gap read and dropped)
 
 
 class SliceReader:
@@ -141,30 +145,25 @@ class SliceReader:
         hashing = file in self._verify_files and file not in self._verified
         entry = self.index.files.get(file)
         size = os.path.getsize(path)
-        pieces: list[tuple[int, torch.Tensor | int, bool]] = []  # (start, dest or gap length, hashed)
-        end = 0  # of the bytes covered so far, in file order
-        for start, dest in _merged(sorted(wanted, key=lambda w: w[0])):
-            if hashing and start > end:
-                pieces.append((end, start - end, True))
-            overlap = min(max(end - start, 0), dest.numel())  # bytes read twice are hashed once
-            if overlap:
-                pieces.append((start, dest[:overlap], False))
-            if overlap < dest.numel():
-                pieces.append((start + overlap, dest[overlap:], True))
-            end = max(end, start + dest.numel())
-        if hashing and end < size:
-            pieces.append((end, size - end, True))
+        wanted = sorted((w for w in wanted if w[1].numel()), key=lambda w: w[0])
         digest = checksum.new(entry.algorithm) if hashing and entry is not None else None
         handles = [AioHandle.from_config(self._aio) for _ in range(2)]
         try:
             previous = None  # the window in flight on the other handle
-            for w, window in enumerate(_windows(pieces)):
-                views = self._submit(handles[w % 2], w % 2, window, path)
+            for w, (start, end) in enumerate(_windows(_spans(wanted, size, hashing))):
+                slot = w % 2
+                while len(self._scratch) <= slot:
+                    self._scratch.append(new_aligned_tensor(WINDOW_BYTES))
+                window = self._scratch[slot][:end - start]
+                try:
+                    handles[slot].async_pread(window, path, start)
+                except OSError as e:
+                    raise CheckpointError(f"checkpoint file {path} cannot be read: {e}") from None
                 if previous is not None:
-                    self._finish(handles[(w - 1) % 2], previous, digest, path)
-                previous = views
+                    self._finish(handles[1 - slot], *previous, wanted, digest, path)
+                previous = (start, window)
             if previous is not None:
-                self._finish(handles[(w % 2)], previous, digest, path)
+                self._finish(handles[w % 2], *previous, wanted, digest, path)
         finally:
             for h in handles:
                 h.close()
@@ -174,32 +173,23 @@ class SliceReader:
         if hashing:
             self._verified.add(file)
 
-    def _submit(self, handle: AioHandle, slot: int, window, path: str) -> list[tuple[torch.Tensor, bool]]:
-        """Start reading one window; gaps go to this slot's scratch buffer.
-        Returns the views to hash, in file order."""
-        views, used = [], 0
-        for start, dest, hashed in window:
-            if isinstance(dest, int):  # a gap: only hashed
-                while len(self._scratch) <= slot:
-                    self._scratch.append(new_aligned_tensor(WINDOW_BYTES))
-                dest, used = self._scratch[slot][used:used + dest], used + dest
-            try:
-                handle.async_pread(dest, path, start)
-            except OSError as e:
-                raise CheckpointError(f"checkpoint file {path} cannot be read: {e}") from None
-            views.append((dest, hashed))
-        return views
-
     @staticmethod
-    def _finish(handle: AioHandle, views, digest, path: str) -> None:
+    def _finish(handle: AioHandle, start: int, window: torch.Tensor, wanted, digest, path: str) -> None:
+        """Wait for a window of the file; hash it; copy the wanted bytes in it
+        to their destinations."""
         try:
             handle.wait()
         except OSError as e:
             raise CheckpointError(f"checkpoint file {path} cannot be read: {e}") from None
         if digest is not None:
-            for view, hashed in views:
-                if hashed:
-                    digest.update(byte_view(view))
+            digest.update(byte_view(window))
+        end = start + window.numel()
+        i = bisect.bisect_right(wanted, start, key=lambda w: w[0] + w[1].numel())  # first ending after start
+        for at, dest in wanted[i:]:
+            if at >= end:
+                break
+            a, b = max(at, start), min(at + dest.numel(), end)
+            dest[a - at:b - at].copy_(window[a - start:b - start])
 
     def read_into(self, name: str, lo: int, hi: int, out: torch.Tensor) -> None:
         """Copy elements [lo, hi) of global tensor `name` into 1-D `out`
@@ -218,33 +208,24 @@ class SliceReader:
         return out.view(entry.shape)
 
 
-def _merged(wanted: list[tuple[int, torch.Tensor]]) -> list[tuple[int, torch.Tensor]]:
-    """Sorted (file offset, uint8 destination) ranges, with ranges that follow
-    each other both in the file and in memory joined into one read."""
-    out: list[tuple[int, torch.Tensor]] = []
-    for start, dest in wanted:
-        if not dest.numel():
-            continue
-        if out and out[-1][0] + out[-1][1].numel() == start and follows(out[-1][1], dest):
-            out[-1] = (out[-1][0], joined(out[-1][1], dest))
+def _spans(wanted: list[tuple[int, torch.Tensor]], size: int, whole: bool) -> list[tuple[int, int]]:
+    """The byte ranges of a file to read: all of it (`whole`), else the
+    wanted ranges widened to 4 KiB boundaries (O_DIRECT reads them with no
+    unaligned head), those less than GAP_BYTES apart merged."""
+    if whole:
+        return [(0, size)] if size else []
+    spans: list[tuple[int, int]] = []
+    for at, dest in wanted:
+        lo, hi = at - at % PAGE, min(size, -(-(at + dest.numel()) // PAGE) * PAGE)
+        if spans and lo - spans[-1][1] < GAP_BYTES:
+            spans[-1] = (spans[-1][0], max(spans[-1][1], hi))
         else:
-            out.append((start, dest))
-    return out
+            spans.append((lo, hi))
+    return spans
 
 
-def _windows(pieces):
-    """`pieces` (start, dest tensor or gap length, hashed) cut into windows of
-    at most WINDOW_BYTES (a gap's scratch must fit one window)."""
-    window, room = [], WINDOW_BYTES
-    for start, dest, hashed in pieces:
-        n = dest if isinstance(dest, int) else dest.numel()
-        done = 0
-        while done < n:
-            take = min(room, n - done)
-            window.append((start + done, take if isinstance(dest, int) else dest[done:done + take], hashed))
-            done, room = done + take, room - take
-            if not room:
-                yield window
-                window, room = [], WINDOW_BYTES
-    if window:
-        yield window
+def _windows(spans: list[tuple[int, int]]):
+    """The spans cut into windows of at most WINDOW_BYTES (a multiple of 4096)."""
+    for lo, hi in spans:
+        for start in range(lo, hi, WINDOW_BYTES):
+            yield start, min(hi, start + WINDOW_BYTES)
