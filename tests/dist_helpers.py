@@ -4,13 +4,24 @@
     results = run_ranks(fn, 2, arg1, arg2, timeout=60)   # [fn's return on rank 0, rank 1]
 
 `fn` must be a module-level (picklable) function; each rank is a fresh
-spawned interpreter with the rank environment of a launcher (RANK,
-LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1, a free
-MASTER_PORT) and one torch thread. The rank calls `fn(*args)` -- it is up
-to fn to call `dsrun.init_distributed()` / `initialize()`. If any rank
-raises, the others are terminated and a RankFailed carrying that rank's
-traceback is raised; if they do not finish within `timeout` seconds, all
-are terminated and RankFailed says which were still running.
+process with the caller's environment plus the rank environment of a
+launcher (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
+MASTER_ADDR=127.0.0.1, a free MASTER_PORT), the caller's stdout/stderr, and
+one torch thread. The rank calls `fn(*args)` -- it is up to fn to call
+`dsrun.init_distributed()` / `initialize()`. If any rank raises, the others
+are terminated and a RankFailed carrying that rank's traceback is raised; if
+they do not finish within `timeout` seconds, all are terminated and
+RankFailed says which were still running.
+
+[Note: ranks forked from a torch-loaded server]
+Importing torch and torch._dynamo (which the first torch optimizer imports)
+costs each rank seconds of CPU, most of a small test's time on 2 cores. The
+ranks are therefore forked by multiprocessing's forkserver, which imports
+those two once and nothing else: no dsrun module, no thread, no process
+group exists before the fork, so a rank starts as clean as a spawned one.
+What a fork would take from the server instead of the caller is passed
+explicitly: the environment (os.environ as it is at the call) and the
+stdout/stderr file descriptors (pytest's capture of the current test).
 """
 from __future__ import annotations
 
@@ -21,7 +32,10 @@ import queue
 import socket
 import time
 import traceback
+from multiprocessing import reduction
 from typing import Any, Callable
+
+_PRELOAD = ["torch", "torch._dynamo"]  # see [Note: ranks forked from a torch-loaded server]
 
 
 class RankFailed(RuntimeError):
@@ -35,8 +49,34 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class _Stdio:
+    """The caller's descriptors 1 and 2 (stdout, stderr), installed in a forked
+    rank: pickled while the rank starts, when multiprocessing can pass
+    descriptors to it."""
+
+    def __reduce__(self):
+        return _Stdio._attach, (reduction.DupFd(1), reduction.DupFd(2))
+
+    @staticmethod
+    def _attach(out, err) -> None:
+        for fd, target in ((out.detach(), 1), (err.detach(), 2)):
+            os.dup2(fd, target)
+            os.close(fd)
+
+
+def context() -> mp.context.BaseContext:
+    """The multiprocessing context ranks start in (see [Note: ranks forked
+    from a torch-loaded server]); a target must set up its rank environment
+    from what it is passed, as `_rank_main` does."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
 def _rank_main(fn: Callable, rank: int, world_size: int, port: int, args: tuple,
-               results: "mp.Queue") -> None:
+               results: "mp.Queue", environ: dict[str, str], stdio: None = None) -> None:
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
@@ -70,10 +110,11 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0)
         RankFailed: a rank raised (its traceback is in the message), exited
             without a result, or the ranks ran past `timeout` seconds.
     """
-    ctx = mp.get_context("spawn")
+    ctx = context()
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, port, args, results),
+    environ = dict(os.environ)
+    procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, port, args, results, environ, _Stdio()),
                          daemon=True) for r in range(world_size)]
     for p in procs:
         p.start()
