@@ -307,3 +307,24 @@ def test_estimate_zero_memory_hpz_and_int8_frozen():
             estimate_zero_memory(1000, 4, 3, **bad)
     with pytest.raises(ValueError, match="need stage 3"):
         estimate_zero_memory(1000, 4, 2, hpz_partition_size=2)
+
+
+def _rank_zero_init():
+    import dsrun
+    reference, _ = _engine(True)
+    with dsrun.zero.Init():
+        model = _model()
+    cfg = base_config(3, "fp32", stage3_param_persistence_threshold=0, zero_quantized_nontrainable_weights=True)
+    cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-2}}
+    shapes = {n: p.ds_shape for n, p in model.named_parameters()}
+    engine, *_ = dsrun.initialize(model=model, model_parameters=param_groups(model, shapes=shapes), config=cfg)
+    same = all(torch.equal(a.frozen_message, b.frozen_message)
+               for a, b in zip(reference.strategy.sets, engine.strategy.sets) if a.frozen_block)
+    return same, _steps(reference, 2), _steps(engine, 2)
+
+
+def test_zero_init_shards_are_quantized_when_adopted():
+    """A model built under zero.Init: its frozen shards are quantized as the
+    engine adopts them, to the same int8 as a model built whole."""
+    same, reference, adopted = run_ranks(_rank_zero_init, 2, timeout=240)[0]
+    assert same and adopted == reference
