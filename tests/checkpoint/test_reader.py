@@ -42,8 +42,11 @@ def test_read_many_fills_in_place(tmp_path, monkeypatch, window):
     reader = SliceReader(str(tmp_path), index)
     w = torch.zeros(2 * N)
     b64 = torch.zeros(N + 10, dtype=torch.float64)  # cast on the way, across both files
-    reader.read_many([("w", 0, N, w[:N]), ("w", N, 2 * N, w[N:]), ("b", N - 5, 2 * N + 5 - 10, b64[:N])])
+    inner, again = torch.zeros(10), torch.zeros(N + 1)  # ranges inside and across others
+    reader.read_many([("w", 0, N, w[:N]), ("w", N, 2 * N, w[N:]), ("b", N - 5, 2 * N + 5 - 10, b64[:N]),
+                      ("w", 7, 17, inner), ("w", N - 1, 2 * N, again)])
     assert torch.equal(w, full["w"])
+    assert torch.equal(inner, full["w"][7:17]) and torch.equal(again, full["w"][N - 1:])
     assert torch.equal(b64[:N], full["b"][N - 5:2 * N - 5].double())
     assert torch.equal(reader.read_full("b"), full["b"])
     reader.verify_rest()  # both files were checked by the reads: nothing is left

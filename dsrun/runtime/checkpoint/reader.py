@@ -29,6 +29,7 @@ on every file it opens, so a truncated file is named at once.
 from __future__ import annotations
 
 import bisect
+import itertools
 import json
 import os
 import struct
@@ -61,16 +62,16 @@ class SliceReader:
         self.tag_dir, self.index = tag_dir, index
         self._verify_files = (set(index.files) if verify_files is None else set(verify_files)) if verify else set()
         self._aio = aio if aio is not None else {}
-        self._headers: dict[str, tuple[int, dict[str, Any]]] = {}  # file -> (data start, header)
+        self._headers: dict[str, tuple[int, dict[str, Any], int]] = {}  # file -> (data start, header, size)
         self._verified: set[str] = set()
         self._scratch: list[torch.Tensor] = []
 
     def _path(self, file: str) -> str:
         return os.path.join(self.tag_dir, file)
 
-    def _header(self, file: str) -> tuple[int, dict[str, Any]]:
-        """(where the data section starts, the parsed safetensors header);
-        checks the file's presence and size first."""
+    def _header(self, file: str) -> tuple[int, dict[str, Any], int]:
+        """(where the data section starts, the parsed safetensors header, the
+        file's size); checks the file's presence and size first."""
         if file not in self._headers:
             path = self._path(file)
             if not os.path.isfile(path):
@@ -88,7 +89,7 @@ class SliceReader:
             except (ValueError, struct.error, UnicodeDecodeError) as e:
                 raise CheckpointError(f"checkpoint file {path} cannot be read: not a safetensors file ({e})") \
                     from None
-            self._headers[file] = (8 + n, header)
+            self._headers[file] = (8 + n, header, size)
         return self._headers[file]
 
     def _segments(self, name: str, lo: int, hi: int, out: torch.Tensor, segs: dict, casts: list) -> None:
@@ -101,11 +102,12 @@ class SliceReader:
             a, b = max(lo, s.lo), min(hi, s.hi)
             if a >= b:
                 continue
-            start, header = self._header(s.file)
+            start, header, file_size = self._header(s.file)
             rec = header.get(s.key)
             dtype = safetensors_dtype(rec["dtype"]) if isinstance(rec, dict) else None
             size = torch.empty((), dtype=dtype).element_size() if dtype is not None else 0
-            if dtype is None or rec["data_offsets"][1] - rec["data_offsets"][0] != (s.hi - s.lo) * size:
+            if (dtype is None or rec["data_offsets"][1] - rec["data_offsets"][0] != (s.hi - s.lo) * size
+                    or start + rec["data_offsets"][1] > file_size):
                 raise CheckpointError(f"checkpoint file {self._path(s.file)}: tensor {s.key!r} is missing or does "
                                       f"not hold elements [{s.lo}, {s.hi}) of {name!r} as the index says")
             dst = out[a - lo:b - lo]
@@ -146,6 +148,7 @@ class SliceReader:
         entry = self.index.files.get(file)
         size = os.path.getsize(path)
         wanted = sorted((w for w in wanted if w[1].numel()), key=lambda w: w[0])
+        reach = list(itertools.accumulate((at + dest.numel() for at, dest in wanted), max))  # ends so far
         digest = checksum.new(entry.algorithm) if hashing and entry is not None else None
         handles = [AioHandle.from_config(self._aio) for _ in range(2)]
         try:
@@ -160,10 +163,10 @@ class SliceReader:
                 except OSError as e:
                     raise CheckpointError(f"checkpoint file {path} cannot be read: {e}") from None
                 if previous is not None:
-                    self._finish(handles[1 - slot], *previous, wanted, digest, path)
+                    self._finish(handles[1 - slot], *previous, wanted, reach, digest, path)
                 previous = (start, window)
             if previous is not None:
-                self._finish(handles[w % 2], *previous, wanted, digest, path)
+                self._finish(handles[w % 2], *previous, wanted, reach, digest, path)
         finally:
             for h in handles:
                 h.close()
@@ -174,9 +177,10 @@ class SliceReader:
             self._verified.add(file)
 
     @staticmethod
-    def _finish(handle: AioHandle, start: int, window: torch.Tensor, wanted, digest, path: str) -> None:
+    def _finish(handle: AioHandle, start: int, window: torch.Tensor, wanted, reach, digest, path: str) -> None:
         """Wait for a window of the file; hash it; copy the wanted bytes in it
-        to their destinations."""
+        to their destinations (`wanted` sorted by start; `reach[i]`: the
+        largest end among wanted[:i + 1])."""
         try:
             handle.wait()
         except OSError as e:
@@ -184,12 +188,13 @@ class SliceReader:
         if digest is not None:
             digest.update(byte_view(window))
         end = start + window.numel()
-        i = bisect.bisect_right(wanted, start, key=lambda w: w[0] + w[1].numel())  # first ending after start
+        i = bisect.bisect_right(reach, start)  # every range before i ends at or before the window
         for at, dest in wanted[i:]:
             if at >= end:
                 break
             a, b = max(at, start), min(at + dest.numel(), end)
-            dest[a - at:b - at].copy_(window[a - start:b - start])
+            if a < b:  # (a range inside an earlier, longer one may end before the window)
+                dest[a - at:b - at].copy_(window[a - start:b - start])
 
     def read_into(self, name: str, lo: int, hi: int, out: torch.Tensor) -> None:
         """Copy elements [lo, hi) of global tensor `name` into 1-D `out`
