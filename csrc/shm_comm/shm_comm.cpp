@@ -136,6 +136,7 @@ int barrier(Group& g, char* err, int errlen) {
   const double start = now_s();
   for (int r = 0; r < g.world; ++r) {
     uint64_t spins = 0;
+    double next_check = start + 1e-3;
     while (g.ctl(r)->seq.load(std::memory_order_acquire) < target) {
       ++spins;
       if (spins < 2000) {
@@ -147,11 +148,18 @@ int barrier(Group& g, char* err, int errlen) {
       // Fewer cores than ranks is common (2 cores here): let the others run.
       if (spins < 20000) {
         sched_yield();
-        continue;
+      } else {
+        const timespec nap{0, 50000};
+        nanosleep(&nap, nullptr);
       }
-      const timespec nap{0, 50000};
-      nanosleep(&nap, nullptr);
+      // The checks below run at most once a millisecond, by the clock: on a
+      // loaded machine one sched_yield can take milliseconds, and counting
+      // 18000 of them before the first check took over 30 s to notice a
+      // dead rank.
       if (spins % 64 != 0) continue;
+      const double t = now_s();
+      if (t < next_check) continue;
+      next_check = t + 1e-3;
       const int bad = g.hdr()->abort_rank.load();
       if (bad >= 0 && bad != g.rank) {
         set_err(err, errlen, "shm collective aborted: rank %d failed", bad);
@@ -164,7 +172,7 @@ int barrier(Group& g, char* err, int errlen) {
                 g.ctl(r)->pid.load(), g.rank);
         return -1;
       }
-      if (now_s() - start > g.timeout_s) {
+      if (t - start > g.timeout_s) {
         int expected = -1;
         g.hdr()->abort_rank.compare_exchange_strong(expected, g.rank);
         set_err(err, errlen, "shm collective: rank %d timed out after %.0f s waiting for rank %d", g.rank,

@@ -1,7 +1,6 @@
 """Shared-memory collectives (dsrun.ops.shm_comm) on real processes, 2 and 3 ranks."""
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import time
 import uuid
@@ -11,7 +10,7 @@ import torch
 
 from dsrun.ops import shm_comm
 from dsrun.ops.builder import get_op
-from tests.dist_helpers import free_port, run_ranks
+from tests.dist_helpers import context, free_port, run_ranks
 
 SIZES = [0, 1, 3001]  # with 4 KiB slots 3001 elements take several steps
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -145,7 +144,7 @@ def _crash_rank(rank: int, world: int, port: int, name: str, results) -> None:
 def test_crash_of_one_rank_is_an_error_not_a_hang():
     world = 3
     name = shm_comm.segment_name(uuid.uuid4().hex[:8], "crash")
-    ctx = mp.get_context("spawn")
+    ctx = context()
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_crash_rank, args=(r, world, port, name, results)) for r in range(world)]
