@@ -132,7 +132,8 @@ class Unit:
         """SHARDED -> GATHERING: fill own shards and issue the all-gather
         (async): from the secondary partition within the hpZ group for a
         backward gather when it is valid, else from the primary partition
-        over the shard group."""
+        over the shard group; int8 frozen shards in a second all-gather over
+        the shard group (see [Note: int8 frozen shards in a gather])."""
         if self.state is not UnitState.SHARDED:
             return
         fset, shard = self.fset, self.owner.groups.shard
