@@ -125,9 +125,10 @@ def estimate_zero_memory(model_or_num_params, world_size: int, stage: int, dtype
     frozen_numel: elements of frozen (requires_grad=False) parameters, which
     stage 3 partitions with the others into "params" (below stage 3 they
     stay whole module parameters outside ZeRO's buffers and are not
-    counted); quantized_nontrainable_weights keeps their shards as int8 in
-    blocks of 256 with an fp32 scale each (ZeRO++; one rounded-up block per
-    unit is not counted).
+    counted), padded as one bucket (stage 3 pads each parameter to a
+    multiple of N: up to N - 1 elements more per parameter);
+    quantized_nontrainable_weights keeps their shards as int8 in blocks of
+    256 with an fp32 scale each (ZeRO++; up to one block more per unit).
 
     Raises ValueError for an unknown dtype, stage or offload device, N < 1,
     parameter offload, hpZ or int8 frozen weights below stage 3, or an h
