@@ -21,15 +21,21 @@ those two once and nothing else: no dsrun module, no thread, no process
 group exists before the fork, so a rank starts as clean as a spawned one.
 What a fork would take from the server instead of the caller is passed
 explicitly: the environment (os.environ as it is at the call) and the
-stdout/stderr file descriptors (pytest's capture of the current test).
+stdout/stderr file descriptors (pytest's capture of the current test). A
+forked child ends with os._exit, which skips atexit handlers (dsrun removes
+swap directories and stops its communication thread there), so
+`RankProcess` runs them when the target returns, as a spawned interpreter's
+exit would.
 """
 from __future__ import annotations
 
+import atexit
 import multiprocessing as mp
 import os
 import pickle
 import queue
 import socket
+import sys
 import time
 import traceback
 from multiprocessing import reduction
@@ -65,12 +71,33 @@ class _Stdio:
 
 
 def context() -> mp.context.BaseContext:
-    """The multiprocessing context ranks start in (see [Note: ranks forked
-    from a torch-loaded server]); a target must set up its rank environment
-    from what it is passed, as `_rank_main` does."""
+    """The multiprocessing context ranks start in (for its Queue); start
+    ranks as `RankProcess`es (see [Note: ranks forked from a torch-loaded
+    server])."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
     return ctx
+
+
+class RankProcess(mp.context.ForkServerProcess):
+    """A process forked from the torch-loaded forkserver that runs the atexit
+    handlers registered in it when its target returns (see [Note: ranks
+    forked from a torch-loaded server]). The target must set up its rank
+    environment from its arguments, as `_rank_main` does."""
+
+    def start(self) -> None:
+        context()  # the server preloads torch
+        super().start()
+
+    def _bootstrap(self, *args, **kwargs) -> int:
+        code = super()._bootstrap(*args, **kwargs)
+        atexit._run_exitfuncs()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (AttributeError, ValueError, OSError):
+                pass
+        return code
 
 
 def _rank_main(fn: Callable, rank: int, world_size: int, port: int, args: tuple,
@@ -114,7 +141,7 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0)
     results = ctx.Queue()
     port = free_port()
     environ = dict(os.environ)
-    procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, port, args, results, environ, _Stdio()),
+    procs = [RankProcess(target=_rank_main, args=(fn, r, world_size, port, args, results, environ, _Stdio()),
                          daemon=True) for r in range(world_size)]
     for p in procs:
         p.start()

@@ -10,7 +10,7 @@ import torch
 
 from dsrun.ops import shm_comm
 from dsrun.ops.builder import get_op
-from tests.dist_helpers import context, free_port, run_ranks
+from tests.dist_helpers import RankProcess, context, free_port, run_ranks
 
 SIZES = [0, 1, 3001]  # with 4 KiB slots 3001 elements take several steps
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -147,7 +147,7 @@ def test_crash_of_one_rank_is_an_error_not_a_hang():
     ctx = context()
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_crash_rank, args=(r, world, port, name, results)) for r in range(world)]
+    procs = [RankProcess(target=_crash_rank, args=(r, world, port, name, results)) for r in range(world)]
     for p in procs:
         p.start()
     try:
