@@ -133,6 +133,13 @@ OPS: dict[str, OpSpec] = {
         description="shared-memory all_reduce/reduce_scatter/all_gather/broadcast for one node",
         hashed_dirs=("shm_comm",),
     ),
+    "host_alloc": OpSpec(
+        name="host_alloc",
+        sources=("host_alloc/host_alloc.cpp",),
+        cflags=("-O2",),
+        description="caching allocator for large CPU tensors (reuses freed blocks, no page faults)",
+        hashed_dirs=("host_alloc",),
+    ),
     "cuda_adam": OpSpec(
         name="cuda_adam",
         sources=("cuda_adam/multi_tensor_adam.cu",),

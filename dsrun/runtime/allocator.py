@@ -19,11 +19,36 @@ a lot was just released. The price is a page fault per fresh page of a new
 large tensor, which the kernel zeroes; small tensors still use the heap.
 It does nothing where glibc is absent, when the user chose a threshold
 already (MALLOC_MMAP_THRESHOLD_ or GLIBC_TUNABLES), or with DSRUN_MALLOC=0.
+
+[Note: caching host allocator]
+Returning every large block to the kernel has a price: the next tensor of
+that size is a fresh mapping, and each of its 4 KiB pages costs a page fault
+and the kernel's zeroing on first touch. A training step frees and
+allocates the same large buffers again and again (a ZeRO-3 unit's gathered
+weights twice a step, each gradient staging region, the gradients
+themselves, activations), and on the 48M-parameter GPT at stages 2-3 that
+was 570-700k page faults per step on 2 ranks against DDP's 260k, 10% more
+CPU time per step (bench/step_time/README.md). Measured one 12.6 MB buffer,
+loaded machine: fresh 7-28 ms, reused 0.3-0.9 ms.
+
+So, with the threshold, torch's CPU allocator is replaced by a caching one
+for tensors of 1 MiB or more (csrc/host_alloc, op "host_alloc"; smaller
+tensors still go to the allocator that was there): a freed block is kept,
+by its size rounded up to whole pages, and handed to the next request of
+exactly that size. The cache is bounded, so freed memory still leaves: it
+keeps at most twice the largest block freed so far (at least 64 MiB), or
+DSRUN_HOST_CACHE_MB when set (0 turns caching off; the threshold alone
+stays), unmapping whatever does not fit, and `trim()` empties it. What
+is cached counts in RSS: the bound is what a peak can grow by, about the
+"two units" of working set the stage-3 memory bound allows. Blocks are
+mmapped, so they are page-aligned. Without the op (DSRUN_OPS_DISABLE=
+host_alloc, no compiler) the threshold alone is in effect.
 """
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import logging
 import os
 
 M_MMAP_THRESHOLD = -3  # mallopt parameter number (malloc.h)
@@ -51,9 +76,14 @@ def _user_chose() -> bool:
 
 
 def use_returning_allocator() -> bool:
-    """Fix glibc's mmap threshold at 1 MiB (see [Note: glibc and peak RSS]).
+    """Fix glibc's mmap threshold at 1 MiB and install the caching host
+    allocator for tensors of that size or more (see [Note: glibc and peak
+    RSS] and [Note: caching host allocator]).
 
-    Idempotent. Returns True when the policy is in effect (set now or before).
+    Idempotent. Returns True when the threshold policy is in effect (set now
+    or before); the caching allocator is installed on top when its native op
+    loads and DSRUN_HOST_CACHE_MB is not 0.
+    Raises ValueError when DSRUN_HOST_CACHE_MB is not a whole number >= 0.
     """
     global _configured
     if _configured:
@@ -62,11 +92,59 @@ def use_returning_allocator() -> bool:
     if lib is None or _user_chose():
         return False
     _configured = bool(lib.mallopt(M_MMAP_THRESHOLD, THRESHOLD_BYTES))
+    if _configured:
+        _install_cache()
     return _configured
 
 
+def _cache_cap_bytes() -> int | None:
+    """DSRUN_HOST_CACHE_MB in bytes; None when unset (automatic cap)."""
+    raw = os.environ.get("DSRUN_HOST_CACHE_MB", "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit():
+        raise ValueError(f"DSRUN_HOST_CACHE_MB={raw!r}: expected a whole number of MiB >= 0 "
+                         "(0 turns the caching host allocator off)")
+    return int(raw) << 20
+
+
+def _install_cache() -> None:
+    cap = _cache_cap_bytes()
+    if cap == 0:
+        return
+    from dsrun.ops.builder import get_op
+
+    op = get_op("host_alloc").load()  # None: the reason was logged once; the threshold alone holds
+    if op is not None and op.dsrun_host_alloc_install(ctypes.c_uint64(THRESHOLD_BYTES),
+                                                      ctypes.c_uint64(cap or 0)) == 2:
+        logging.getLogger("dsrun").warning("dsrun: the caching host allocator was not installed: torch's CPU "
+                                           "allocator was replaced by one without a raw deleter")
+
+
+def cache_stats() -> dict[str, int]:
+    """The caching host allocator's counters: bytes cached now, requests served
+    from the cache (hits) and from fresh mappings (misses), the cap in bytes.
+    All zero when it is not installed."""
+    from dsrun.ops.builder import get_op
+
+    op = get_op("host_alloc")
+    out = (ctypes.c_uint64 * 4)()
+    if _configured and op.load() is not None:
+        op.load().dsrun_host_alloc_stats(out)
+    return dict(zip(("cached_bytes", "hits", "misses", "cap_bytes"), (int(v) for v in out)))
+
+
 def trim() -> None:
-    """Give the heap's free memory back to the kernel (glibc malloc_trim; no-op elsewhere)."""
+    """Give freed host memory back to the kernel: the caching host
+    allocator's blocks and the heap's free pages (glibc malloc_trim; no-op
+    elsewhere)."""
+    if _configured:
+        from dsrun.ops.builder import get_op
+
+        op = get_op("host_alloc").load() if _cache_cap_bytes() != 0 else None
+        if op is not None:
+            op.dsrun_host_alloc_release.restype = ctypes.c_uint64
+            op.dsrun_host_alloc_release()
     lib = _glibc()
     if lib is not None:
         lib.malloc_trim(0)

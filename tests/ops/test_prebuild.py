@@ -25,7 +25,7 @@ def test_wheel_carries_prebuilt_ops_that_load_without_a_compiler(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (wheel,) = (tmp_path / "dist").glob("dsrun-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    for op in ("cpu_adam", "quantizer", "aio", "shm_comm"):
+    for op in ("cpu_adam", "quantizer", "aio", "shm_comm", "host_alloc"):
         assert any(n.startswith(f"dsrun/ops/_prebuilt/{op}-") and n.endswith(f"dsrun_{op}.so") for n in names), op
     assert "dsrun/ops/csrc/cpu_adam/adam_impl.h" in names
     assert not any(n.endswith(".o") for n in names)
@@ -36,6 +36,7 @@ def test_wheel_carries_prebuilt_ops_that_load_without_a_compiler(tmp_path):
     out = subprocess.run([sys.executable, "-c", "from dsrun.ops import adam, aio, quantizer, shm_comm, builder; "
                           "assert adam.native_available() and shm_comm.available(), 'fallback'; "
                           "assert quantizer.native_available(), 'quantizer fallback'; "
+                          "assert builder.get_op('host_alloc').load() is not None, 'no host_alloc'; "
                           "assert aio.AioHandle().engine != 'python'; "
                           "assert str(builder.get_op('aio').path).startswith(%r)" % str(site)],
                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(site), "CXX": "/nonexistent/c++",

@@ -1,0 +1,182 @@
+// A caching host allocator for large CPU tensors: freed blocks of one size
+// are kept and handed to the next request of that size instead of going back
+// to the kernel, so a buffer that a training step frees and allocates again
+// (a ZeRO-3 unit's gathered weights, a gradient staging region, a gradient,
+// an activation) does not pay a page fault and the kernel's zeroing for every
+// 4 KiB page each time. See [Note: caching host allocator] in
+// dsrun/runtime/allocator.py for the policy and why.
+//
+// Only c10's allocator interface is included (not torch/extension.h; see
+// [Note: build time] in dsrun/ops/builder.py). C interface for ctypes.
+#include <c10/core/Allocator.h>
+#include <c10/core/CPUAllocator.h>
+
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <new>
+#include <unordered_map>
+#include <vector>
+
+namespace {
+
+constexpr size_t kPage = 4096;
+
+class CachingHostAllocator final : public c10::Allocator {
+ public:
+  // small: serves requests under min_bytes; its raw deleter must exist
+  // (torch's default CPU allocator has one).
+  CachingHostAllocator(c10::Allocator* small, size_t min_bytes, size_t cap_bytes)
+      : small_(small), small_delete_(small->raw_deleter()), min_bytes_(min_bytes), cap_bytes_(cap_bytes) {}
+
+  c10::DataPtr allocate(size_t n) override {
+    if (n < min_bytes_) return small_->allocate(n);
+    const size_t bytes = (n + kPage - 1) / kPage * kPage;
+    void* ptr = take(bytes);
+    if (ptr == nullptr) {
+      ptr = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (ptr == MAP_FAILED) {
+        // Cached blocks of other sizes may be what stands in the way.
+        release();
+        ptr = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (ptr == MAP_FAILED) throw std::bad_alloc();
+      }
+      std::lock_guard<std::mutex> g(mu_);
+      ++misses_;
+    }
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      live_[ptr] = bytes;
+    }
+    // context == data: torch's raw_allocate/raw_deallocate (used by some
+    // kernels, e.g. bf16 matmul) require it.
+    return {ptr, ptr, &CachingHostAllocator::deleter, c10::Device(c10::DeviceType::CPU)};
+  }
+
+  c10::DeleterFnPtr raw_deleter() const override { return &CachingHostAllocator::deleter; }
+
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    std::memcpy(dest, src, count);
+  }
+
+  // Unmaps every cached block. Returns the bytes given back.
+  size_t release() {
+    std::map<size_t, std::vector<void*>> drop;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      drop.swap(free_);
+      cached_ = 0;
+    }
+    size_t total = 0;
+    for (auto& [bytes, ptrs] : drop) {
+      for (void* p : ptrs) munmap(p, bytes);
+      total += bytes * ptrs.size();
+    }
+    return total;
+  }
+
+  void stats(uint64_t* out) {
+    std::lock_guard<std::mutex> g(mu_);
+    out[0] = cached_;
+    out[1] = hits_;
+    out[2] = misses_;
+    out[3] = cap();
+  }
+
+  static CachingHostAllocator* instance;
+
+ private:
+  // The cache holds at most cap_bytes_ when that was given, else twice the
+  // largest block freed so far (at least 64 MiB).
+  size_t cap() const { return cap_bytes_ ? cap_bytes_ : std::max<size_t>(64u << 20, 2 * largest_); }
+
+  void* take(size_t bytes) {
+    std::lock_guard<std::mutex> g(mu_);
+    auto it = free_.find(bytes);
+    if (it == free_.end() || it->second.empty()) return nullptr;
+    void* p = it->second.back();
+    it->second.pop_back();
+    cached_ -= bytes;
+    ++hits_;
+    return p;
+  }
+
+  // Frees `ptr`: a block of ours goes to the cache (or back to the kernel
+  // when the cache is full); anything else was the small allocator's.
+  void give(void* ptr) {
+    size_t bytes = 0;
+    bool keep = false;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      auto it = live_.find(ptr);
+      if (it != live_.end()) {
+        bytes = it->second;
+        live_.erase(it);
+        largest_ = std::max(largest_, bytes);
+        keep = cached_ + bytes <= cap();
+        if (keep) {
+          free_[bytes].push_back(ptr);
+          cached_ += bytes;
+        }
+      }
+    }
+    if (bytes == 0) {
+      small_delete_(ptr);
+    } else if (!keep) {
+      munmap(ptr, bytes);
+    }
+  }
+
+  static void deleter(void* ptr) { instance->give(ptr); }
+
+  c10::Allocator* small_;
+  const c10::DeleterFnPtr small_delete_;
+  const size_t min_bytes_;
+  const size_t cap_bytes_;
+  std::mutex mu_;
+  std::map<size_t, std::vector<void*>> free_;  // cached blocks by size
+  std::unordered_map<void*, size_t> live_;     // blocks handed out -> size
+  size_t cached_ = 0, largest_ = 0;
+  uint64_t hits_ = 0, misses_ = 0;
+};
+
+CachingHostAllocator* CachingHostAllocator::instance = nullptr;
+
+}  // namespace
+
+extern "C" {
+
+// Installs the allocator as torch's CPU allocator (once per process; later
+// calls return 1 and change nothing). Requests of min_bytes or more are
+// served by it, smaller ones by the allocator that was installed before.
+// cap_bytes: most bytes the cache keeps, 0 = automatic (see cap()).
+// Returns 0 on the first installation, 1 when already installed, 2 when
+// the installed allocator has no raw deleter to hand small blocks back to.
+int dsrun_host_alloc_install(uint64_t min_bytes, uint64_t cap_bytes) {
+  if (CachingHostAllocator::instance != nullptr) return 1;
+  if (c10::GetCPUAllocator()->raw_deleter() == nullptr) return 2;
+  // Never deleted: blocks handed out keep pointing at its deleter until exit.
+  CachingHostAllocator::instance = new CachingHostAllocator(c10::GetCPUAllocator(), min_bytes, cap_bytes);
+  c10::SetCPUAllocator(CachingHostAllocator::instance, /*priority=*/1);
+  return 0;
+}
+
+// Gives every cached block back to the kernel. Returns the bytes released.
+uint64_t dsrun_host_alloc_release() {
+  return CachingHostAllocator::instance ? CachingHostAllocator::instance->release() : 0;
+}
+
+// out[4] = {bytes cached now, requests served from the cache, requests that
+// mapped fresh memory, the cache's current cap in bytes}; zeros when not installed.
+void dsrun_host_alloc_stats(uint64_t* out) {
+  if (CachingHostAllocator::instance) {
+    CachingHostAllocator::instance->stats(out);
+  } else {
+    std::fill(out, out + 4, 0);
+  }
+}
+
+}  // extern "C"
