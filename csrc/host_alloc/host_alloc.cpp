@@ -28,24 +28,52 @@ constexpr size_t kPage = 4096;
 class CachingHostAllocator final : public c10::Allocator {
  public:
   // small: serves requests under min_bytes; its raw deleter must exist
-  // (torch's default CPU allocator has one).
+  // (torch's default CPU allocator has one). cap_bytes: most bytes cached,
+  // on top of the peak rule (0 = the peak rule alone).
   CachingHostAllocator(c10::Allocator* small, size_t min_bytes, size_t cap_bytes)
       : small_(small), small_delete_(small->raw_deleter()), min_bytes_(min_bytes), cap_bytes_(cap_bytes) {}
 
   c10::DataPtr allocate(size_t n) override {
     if (n < min_bytes_) return small_->allocate(n);
     const size_t bytes = (n + kPage - 1) / kPage * kPage;
-    void* ptr = take(bytes);
+    std::vector<std::pair<void*, size_t>> evicted;
+    void* ptr = nullptr;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      auto it = free_.find(bytes);
+      if (it != free_.end()) {
+        ptr = it->second.back();
+        it->second.pop_back();
+        if (it->second.empty()) free_.erase(it);
+        cached_ -= bytes;
+        ++hits_;
+      } else {
+        ++misses_;
+        // Keep live + cached within the peak of live bytes (or the new live
+        // total when that is a new peak): give back cached blocks, largest first.
+        const size_t limit = std::max(peak_live_, live_bytes_ + bytes);
+        while (cached_ > 0 && live_bytes_ + bytes + cached_ > limit) {
+          auto last = std::prev(free_.end());
+          evicted.emplace_back(last->second.back(), last->first);
+          cached_ -= last->first;
+          last->second.pop_back();
+          if (last->second.empty()) free_.erase(last);
+        }
+      }
+      live_bytes_ += bytes;
+      peak_live_ = std::max(peak_live_, live_bytes_);
+    }
+    for (auto& [p, b] : evicted) munmap(p, b);
     if (ptr == nullptr) {
       ptr = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-      if (ptr == MAP_FAILED) {
-        // Cached blocks of other sizes may be what stands in the way.
-        release();
+      if (ptr == MAP_FAILED && release() > 0) {  // cached blocks of other sizes may be in the way
         ptr = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-        if (ptr == MAP_FAILED) throw std::bad_alloc();
       }
-      std::lock_guard<std::mutex> g(mu_);
-      ++misses_;
+      if (ptr == MAP_FAILED) {
+        std::lock_guard<std::mutex> g(mu_);
+        live_bytes_ -= bytes;
+        throw std::bad_alloc();
+      }
     }
     {
       std::lock_guard<std::mutex> g(mu_);
@@ -62,13 +90,15 @@ class CachingHostAllocator final : public c10::Allocator {
     std::memcpy(dest, src, count);
   }
 
-  // Unmaps every cached block. Returns the bytes given back.
+  // Unmaps every cached block and restarts the peak from the bytes live
+  // now. Returns the bytes given back.
   size_t release() {
     std::map<size_t, std::vector<void*>> drop;
     {
       std::lock_guard<std::mutex> g(mu_);
       drop.swap(free_);
       cached_ = 0;
+      peak_live_ = live_bytes_;
     }
     size_t total = 0;
     for (auto& [bytes, ptrs] : drop) {
@@ -83,29 +113,17 @@ class CachingHostAllocator final : public c10::Allocator {
     out[0] = cached_;
     out[1] = hits_;
     out[2] = misses_;
-    out[3] = cap();
+    out[3] = live_bytes_;
+    out[4] = peak_live_;
+    out[5] = cap_bytes_;
   }
 
   static CachingHostAllocator* instance;
 
  private:
-  // The cache holds at most cap_bytes_ when that was given, else twice the
-  // largest block freed so far (at least 64 MiB).
-  size_t cap() const { return cap_bytes_ ? cap_bytes_ : std::max<size_t>(64u << 20, 2 * largest_); }
-
-  void* take(size_t bytes) {
-    std::lock_guard<std::mutex> g(mu_);
-    auto it = free_.find(bytes);
-    if (it == free_.end() || it->second.empty()) return nullptr;
-    void* p = it->second.back();
-    it->second.pop_back();
-    cached_ -= bytes;
-    ++hits_;
-    return p;
-  }
-
-  // Frees `ptr`: a block of ours goes to the cache (or back to the kernel
-  // when the cache is full); anything else was the small allocator's.
+  // Frees `ptr`: a block of ours is cached when live + cached stays within
+  // the peak of live bytes (and the cap, if any), else it goes back to the
+  // kernel; anything else was the small allocator's.
   void give(void* ptr) {
     size_t bytes = 0;
     bool keep = false;
@@ -115,8 +133,8 @@ class CachingHostAllocator final : public c10::Allocator {
       if (it != live_.end()) {
         bytes = it->second;
         live_.erase(it);
-        largest_ = std::max(largest_, bytes);
-        keep = cached_ + bytes <= cap();
+        live_bytes_ -= bytes;
+        keep = live_bytes_ + cached_ + bytes <= peak_live_ && (cap_bytes_ == 0 || cached_ + bytes <= cap_bytes_);
         if (keep) {
           free_[bytes].push_back(ptr);
           cached_ += bytes;
@@ -139,7 +157,7 @@ class CachingHostAllocator final : public c10::Allocator {
   std::mutex mu_;
   std::map<size_t, std::vector<void*>> free_;  // cached blocks by size
   std::unordered_map<void*, size_t> live_;     // blocks handed out -> size
-  size_t cached_ = 0, largest_ = 0;
+  size_t cached_ = 0, live_bytes_ = 0, peak_live_ = 0;
   uint64_t hits_ = 0, misses_ = 0;
 };
 
@@ -152,7 +170,7 @@ extern "C" {
 // Installs the allocator as torch's CPU allocator (once per process; later
 // calls return 1 and change nothing). Requests of min_bytes or more are
 // served by it, smaller ones by the allocator that was installed before.
-// cap_bytes: most bytes the cache keeps, 0 = automatic (see cap()).
+// cap_bytes: most bytes the cache keeps, 0 = no cap beyond the peak rule.
 // Returns 0 on the first installation, 1 when already installed, 2 when
 // the installed allocator has no raw deleter to hand small blocks back to.
 int dsrun_host_alloc_install(uint64_t min_bytes, uint64_t cap_bytes) {
@@ -164,18 +182,20 @@ int dsrun_host_alloc_install(uint64_t min_bytes, uint64_t cap_bytes) {
   return 0;
 }
 
-// Gives every cached block back to the kernel. Returns the bytes released.
+// Gives every cached block back to the kernel and restarts the peak of live
+// bytes from now. Returns the bytes released.
 uint64_t dsrun_host_alloc_release() {
   return CachingHostAllocator::instance ? CachingHostAllocator::instance->release() : 0;
 }
 
-// out[4] = {bytes cached now, requests served from the cache, requests that
-// mapped fresh memory, the cache's current cap in bytes}; zeros when not installed.
+// out[6] = {bytes cached now, requests served from the cache, requests that
+// mapped fresh memory, bytes of large blocks live now, their peak since the
+// last release, the cap in bytes (0: none)}; zeros when not installed.
 void dsrun_host_alloc_stats(uint64_t* out) {
   if (CachingHostAllocator::instance) {
     CachingHostAllocator::instance->stats(out);
   } else {
-    std::fill(out, out + 4, 0);
+    std::fill(out, out + 6, 0);
   }
 }
 

@@ -35,14 +35,20 @@ So, with the threshold, torch's CPU allocator is replaced by a caching one
 for tensors of 1 MiB or more (csrc/host_alloc, op "host_alloc"; smaller
 tensors still go to the allocator that was there): a freed block is kept,
 by its size rounded up to whole pages, and handed to the next request of
-exactly that size. The cache is bounded, so freed memory still leaves: it
-keeps at most twice the largest block freed so far (at least 64 MiB), or
-DSRUN_HOST_CACHE_MB when set (0 turns caching off; the threshold alone
-stays), unmapping whatever does not fit, and `trim()` empties it. What
-is cached counts in RSS: the bound is what a peak can grow by, about the
-"two units" of working set the stage-3 memory bound allows. Blocks are
-mmapped, so they are page-aligned. Without the op (DSRUN_OPS_DISABLE=
-host_alloc, no compiler) the threshold alone is in effect.
+exactly that size. The rule that keeps it from costing memory: the bytes
+cached plus the bytes live never exceed the peak of live bytes reached so
+far. A block freed when that would be exceeded goes back to the kernel, and
+a request the cache cannot serve first gives back cached blocks (largest
+first) until the new block fits under that peak. So the cache never raises
+the process's peak RSS; it only keeps what the step already needed at once
+and will need again (what a step frees in backward, the next forward
+allocates). Between steps RSS stays near the step's peak instead of
+dropping; `trim()` empties the cache and restarts the peak (the runtime
+calls it after `initialize`, whose transients must not set the peak for
+training). DSRUN_HOST_CACHE_MB caps the cached bytes further; 0 turns the
+cache off (the threshold alone stays). Blocks are mmapped, so page-aligned.
+Without the op (DSRUN_OPS_DISABLE=host_alloc, no compiler) the threshold
+alone is in effect.
 """
 from __future__ import annotations
 
@@ -98,7 +104,7 @@ def use_returning_allocator() -> bool:
 
 
 def _cache_cap_bytes() -> int | None:
-    """DSRUN_HOST_CACHE_MB in bytes; None when unset (automatic cap)."""
+    """DSRUN_HOST_CACHE_MB in bytes; None when unset (the peak rule alone)."""
     raw = os.environ.get("DSRUN_HOST_CACHE_MB", "").strip()
     if not raw:
         return None
@@ -121,17 +127,21 @@ def _install_cache() -> None:
                                            "allocator was replaced by one without a raw deleter")
 
 
+STATS = ("cached_bytes", "hits", "misses", "live_bytes", "peak_live_bytes", "cap_bytes")
+
+
 def cache_stats() -> dict[str, int]:
-    """The caching host allocator's counters: bytes cached now, requests served
-    from the cache (hits) and from fresh mappings (misses), the cap in bytes.
-    All zero when it is not installed."""
+    """The caching host allocator's counters: bytes cached now, requests
+    served from the cache (hits) and from fresh mappings (misses), bytes of
+    large blocks live now and their peak since the last `trim()`, the cap from
+    DSRUN_HOST_CACHE_MB in bytes (0: none). All zero when it is not installed."""
     from dsrun.ops.builder import get_op
 
     op = get_op("host_alloc")
-    out = (ctypes.c_uint64 * 4)()
+    out = (ctypes.c_uint64 * len(STATS))()
     if _configured and op.load() is not None:
         op.load().dsrun_host_alloc_stats(out)
-    return dict(zip(("cached_bytes", "hits", "misses", "cap_bytes"), (int(v) for v in out)))
+    return dict(zip(STATS, (int(v) for v in out)))
 
 
 def trim() -> None:
