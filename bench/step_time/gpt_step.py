@@ -57,10 +57,15 @@ mode's median ratio to the DDP and floor steps of the same cycle (wall
 and CPU), how often it beat DDP in the same cycle, the CPU seconds of all
 threads of both ranks per step (a figure the machine's load moves far
 less than wall time) and the load average before and after. All modes of
-one process share its allocator, and dsrun fixes glibc's mmap threshold
-for the whole process (dsrun/runtime/allocator.py), so the floor, DDP and
-FSDP2 steps here pay the page faults dsrun's policy costs; separate
-launches (--runs) show that cost, e.g. `--runs ddp,dsrun-0,dsrun-0:DSRUN_MALLOC=0`.
+one process share its allocator: dsrun's policy (glibc's mmap threshold
+fixed at 1 MiB and the caching host allocator, dsrun/runtime/allocator.py)
+is in effect for the floor, DDP and FSDP2 steps here too, so --paired
+compares the collectives and the step's code, not the allocators.
+Separate launches (--runs) give each configuration its own: the floor,
+DDP and FSDP2 run with glibc's defaults, as their users do. --runs also
+reports CPU seconds and minor page faults per step (both ranks), e.g.
+`--runs ddp,dsrun-3,dsrun-3:DSRUN_HOST_CACHE_MB=0,dsrun-3:DSRUN_MALLOC=0`
+(a configuration's variables are set before its ranks start).
 """
 from __future__ import annotations
 
@@ -201,16 +206,19 @@ def _rank(run: str, env: dict, s: Shape, torch_adam: bool, warmup: int, steps: i
             loss.backward()  # floor: the replicas' gradients stay their own
             opt.step()
             opt.zero_grad(set_to_none=True)
-    times = []
+    times, cpu, faults = [], [], []
     for i, batch in enumerate(data):
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, r0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
         step(batch)
+        r1 = resource.getrusage(resource.RUSAGE_SELF)
         dist.barrier()
         if i >= warmup:
             times.append(time.perf_counter() - t0)
+            cpu.append(r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime)
+            faults.append(r1.ru_minflt - r0.ru_minflt)
     rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    out.put((rank, times, rss_mib))
+    out.put((rank, times, rss_mib, cpu, faults))
     dist.destroy_process_group()
 
 
@@ -338,13 +346,26 @@ def _launch(name: str, target, *args) -> list:
     return results
 def compare_configurations(specs: list[str], s: Shape, args) -> None:
     times: dict[str, list[float]] = {spec: [] for spec in specs}
+    cpu: dict[str, list[float]] = {spec: [] for spec in specs}
+    faults: dict[str, list[int]] = {spec: [] for spec in specs}
     rss: dict[str, list[float]] = {}
     for rep in range(args.repeats):
         for spec in specs:  # interleaved: A B C ... A B C ...
             run, env = parse_run(spec)
-            results = _launch(spec, _rank, run, env, s, args.torch_adam, args.warmup, args.steps)
+            saved = {k: os.environ.get(k) for k in env}
+            os.environ.update(env)  # in the parent too, so the ranks start with it (glibc reads its variables then)
+            try:
+                results = _launch(spec, _rank, run, env, s, args.torch_adam, args.warmup, args.steps)
+            finally:
+                for k, v in saved.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
             t = [max(a, b) for a, b in zip(results[0][1], results[1][1])]  # the slower rank's step
             times[spec] += t
+            cpu[spec] += [a + b for a, b in zip(results[0][3], results[1][3])]
+            faults[spec] += [a + b for a, b in zip(results[0][4], results[1][4])]
             rss[spec] = [max(old, new[2]) for old, new in zip(rss.get(spec, [0.0, 0.0]), results)]
             print(f"[repeat {rep + 1}/{args.repeats}] {spec}: median {statistics.median(t):.3f} s/step "
                   f"(min {min(t):.3f})", file=sys.stderr, flush=True)
@@ -356,13 +377,16 @@ def compare_configurations(specs: list[str], s: Shape, args) -> None:
 
     print(f"\n{_title(s, args)}; {args.repeats} interleaved repeat(s) x {args.steps} timed steps after "
           f"{args.warmup} warm-up\n")
-    print("| run | min s/step | median s/step | spread | vs DDP | vs floor | peak RSS rank0/rank1 (MiB) |")
-    print("|---|---|---|---|---|---|---|")
+    print("| run | min s/step | median s/step | spread | vs DDP | vs floor | CPU s/step, both ranks | CPU vs DDP | "
+          "page faults/step, both ranks | peak RSS rank0/rank1 (MiB) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for spec in specs:
         ts = times[spec]
         med = statistics.median(ts)
+        cpu_ratio = (f"{statistics.median(cpu[spec]) / statistics.median(cpu['ddp']):.3f}" if "ddp" in cpu else "-")
         print(f"| {spec} | {min(ts):.3f} | {med:.3f} | {(max(ts) - min(ts)) / med:.1%} | "
-              f"{ratio(spec, 'ddp')} | {ratio(spec, 'floor')} | {rss[spec][0]:.0f} / {rss[spec][1]:.0f} |")
+              f"{ratio(spec, 'ddp')} | {ratio(spec, 'floor')} | {statistics.median(cpu[spec]):.3f} | {cpu_ratio} | "
+              f"{statistics.median(faults[spec]):.0f} | {rss[spec][0]:.0f} / {rss[spec][1]:.0f} |")
 
 
 def compare_paired(modes: list[str], s: Shape, args) -> None:
