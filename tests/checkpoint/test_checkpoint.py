@@ -329,6 +329,15 @@ def _load_corrupt(root):
     return engine.load_checkpoint(root)
 
 
+def _load_corrupt_error(root):
+    from dsrun.runtime.checkpoint import CheckpointError
+    try:
+        _load_corrupt(root)
+    except CheckpointError as e:
+        return str(e)
+    return "loaded"
+
+
 def test_corrupted_shard_names_the_file(saved, tmp_path):
     import shutil
 
@@ -342,6 +351,9 @@ def test_corrupted_shard_names_the_file(saved, tmp_path):
     shard.write_bytes(bytes(raw))
     with pytest.raises(RankFailed, match="rank00001-of-00002.safetensors is corrupted"):
         run_ranks(_load_corrupt, 1, str(copy), timeout=120)
+    # On 2 ranks rank 1 checks that file; rank 0 fails too, naming it.
+    errors = run_ranks(_load_corrupt_error, 2, str(copy), timeout=120)
+    assert all("rank00001-of-00002.safetensors is corrupted" in e for e in errors), errors
     shard.write_bytes(bytes(raw[:-100]))
     with pytest.raises(RankFailed, match="rank00001-of-00002.safetensors is truncated"):
         run_ranks(_load_corrupt, 1, str(copy), timeout=120)
