@@ -74,7 +74,8 @@ from dsrun.runtime.checkpoint import checksum
 from dsrun.runtime.checkpoint.store import FileEntry, byte_view, follows, joined, safetensors_header
 
 CHUNK_BYTES = 32 << 20
-_LIBC = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True) if os.name == "posix" else None
+_FALLOCATE = getattr(ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True), "fallocate", None) \
+    if os.name == "posix" else None  # Linux only
 ALIGNED_RUN_BYTES = 64 << 10  # runs from this size on get a filler before them: see [Note: aligned runs]
 FILLER_PREFIX = "__dsrun_filler__/"  # safetensors keys of fillers (uint8 zeros; no index entry)
 
@@ -113,8 +114,8 @@ def _preallocate(fd: int, nbytes: int) -> None:
     """Reserve the file's blocks up front (fallocate(2), as fio lays out its
     files) so that the direct writes do not allocate as they go; a file
     system without fallocate is left as it is (no zero-filling emulation)."""
-    if _LIBC is not None and nbytes:
-        _LIBC.fallocate(fd, 0, ctypes.c_int64(0), ctypes.c_int64(nbytes))
+    if _FALLOCATE is not None and nbytes:
+        _FALLOCATE(fd, 0, ctypes.c_int64(0), ctypes.c_int64(nbytes))
 
 
 class ShardWriter:
