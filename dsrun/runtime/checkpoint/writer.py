@@ -17,9 +17,11 @@ are stored in memory order, so that the slices of one flat buffer (a ZeRO
 partition's masters, each of its Adam states) form one run of the file
 written as one, and a window spans several runs: a ZeRO-3 shard holds a
 slice of every bias and norm weight, and the writer still submits a few
-writes and waits once per CHUNK_BYTES, not once per tensor. Without the native op the writes are plain pwrite calls. The file
-goes to a temporary name, is fsynced and renamed (see [Note: commit
-protocol] in store.py).
+writes and waits once per CHUNK_BYTES, not once per tensor; large runs
+are aligned so that O_DIRECT takes them from memory as they are (see
+[Note: aligned runs]). Without the native op the writes are plain pwrite
+calls. The file is preallocated, goes to a temporary name, is fsynced and
+renamed (see [Note: commit protocol] in store.py).
 
 [Note: aligned runs]
 O_DIRECT moves whole 4 KiB blocks between the device and memory: the
