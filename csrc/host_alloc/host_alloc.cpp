@@ -11,6 +11,7 @@
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
 
+#include <pthread.h>
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -120,6 +121,11 @@ class CachingHostAllocator final : public c10::Allocator {
 
   static CachingHostAllocator* instance;
 
+  // fork() while another thread (the communication thread) holds the lock
+  // would leave the child's copy locked forever: hold it across the fork.
+  static void before_fork() { instance->mu_.lock(); }
+  static void after_fork() { instance->mu_.unlock(); }
+
  private:
   // Frees `ptr`: a block of ours is cached when live + cached stays within
   // the peak of live bytes (and the cap, if any), else it goes back to the
@@ -178,6 +184,8 @@ int dsrun_host_alloc_install(uint64_t min_bytes, uint64_t cap_bytes) {
   if (c10::GetCPUAllocator()->raw_deleter() == nullptr) return 2;
   // Never deleted: blocks handed out keep pointing at its deleter until exit.
   CachingHostAllocator::instance = new CachingHostAllocator(c10::GetCPUAllocator(), min_bytes, cap_bytes);
+  pthread_atfork(&CachingHostAllocator::before_fork, &CachingHostAllocator::after_fork,
+                 &CachingHostAllocator::after_fork);
   c10::SetCPUAllocator(CachingHostAllocator::instance, /*priority=*/1);
   return 0;
 }
