@@ -62,6 +62,7 @@ THRESHOLD_BYTES = 1 << 20
 
 _libc = None
 _configured = False
+_cache_installed = False
 
 
 def _glibc():
@@ -120,9 +121,13 @@ def _install_cache() -> None:
         return
     from dsrun.ops.builder import get_op
 
+    global _cache_installed
     op = get_op("host_alloc").load()  # None: the reason was logged once; the threshold alone holds
-    if op is not None and op.dsrun_host_alloc_install(ctypes.c_uint64(THRESHOLD_BYTES),
-                                                      ctypes.c_uint64(cap or 0)) == 2:
+    if op is None:
+        return
+    code = op.dsrun_host_alloc_install(ctypes.c_uint64(THRESHOLD_BYTES), ctypes.c_uint64(cap or 0))
+    _cache_installed = code in (0, 1)
+    if code == 2:
         logging.getLogger("dsrun").warning("dsrun: the caching host allocator was not installed: torch's CPU "
                                            "allocator was replaced by one without a raw deleter")
 
@@ -137,24 +142,26 @@ def cache_stats() -> dict[str, int]:
     DSRUN_HOST_CACHE_MB in bytes (0: none). All zero when it is not installed."""
     from dsrun.ops.builder import get_op
 
-    op = get_op("host_alloc")
     out = (ctypes.c_uint64 * len(STATS))()
-    if _configured and op.load() is not None:
-        op.load().dsrun_host_alloc_stats(out)
+    if _cache_installed:
+        get_op("host_alloc").load().dsrun_host_alloc_stats(out)
     return dict(zip(STATS, (int(v) for v in out)))
+
+
+def cached_bytes() -> int | None:
+    """Bytes the caching host allocator holds for reuse now (counted in RSS,
+    not live in any tensor); None when it is not installed."""
+    return cache_stats()["cached_bytes"] if _cache_installed else None
 
 
 def trim() -> None:
     """Give freed host memory back to the kernel: the caching host
     allocator's blocks and the heap's free pages (glibc malloc_trim; no-op
     elsewhere)."""
-    if _configured:
+    if _cache_installed:
         from dsrun.ops.builder import get_op
 
-        op = get_op("host_alloc").load() if _cache_cap_bytes() != 0 else None
-        if op is not None:
-            op.dsrun_host_alloc_release.restype = ctypes.c_uint64
-            op.dsrun_host_alloc_release()
+        get_op("host_alloc").load().dsrun_host_alloc_release()
     lib = _glibc()
     if lib is not None:
         lib.malloc_trim(0)

@@ -76,6 +76,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from dsrun.runtime import allocator
+
 from dsrun.runtime.memory import DTYPE_NAMES
 
 __all__ = ["MemoryProfiler", "MemorySnapshot", "PhaseRecord", "format_memory_profile",
@@ -248,7 +250,7 @@ class _Measure:
             cuda_allocated_peak=max(self.cuda_peak, end.cuda.allocated_peak) if cuda else None,
             cuda_reserved_end=end.cuda.reserved if cuda else None,
             cuda_reserved_peak=max(self.reserved_peak, end.cuda.reserved_peak) if cuda else None,
-            tensors=tensors)
+            tensors=tensors, host_cached_end=allocator.cached_bytes())
 
 
 def _reset_peaks(device: torch.device | None) -> MemorySnapshot:
@@ -375,6 +377,10 @@ class PhaseRecord:
         new_tensors_end: detailed mode only: device type -> bytes of those
             tensors still alive at the end (activations saved for backward,
             new gradients, optimizer state created at the first step).
+        host_cached_end: bytes the caching host allocator kept for reuse at
+            the end (part of rss_end, in no tensor; see [Note: caching host
+            allocator] in dsrun/runtime/allocator.py); None when it is not
+            in use.
         largest: detailed mode only (else None): the largest tensors
             created in the phase, biggest first, each {"op": "aten::mul",
             "shape": [...], "dtype": "fp32", "device": "cuda", "bytes": n}.
@@ -395,6 +401,7 @@ class PhaseRecord:
     new_tensors_peak: dict[str, int] | None = None
     new_tensors_end: dict[str, int] | None = None
     largest: list[dict] | None = None
+    host_cached_end: int | None = None
 
     def merged_with(self, later: PhaseRecord, top_k: int) -> PhaseRecord:
         """One record for this run followed by `later` (same phase, same step)."""
@@ -588,7 +595,10 @@ def format_memory_profile(profile: Mapping[str, Any], largest: int = 3) -> str:
     for r in phases.values():
         categories += [c for c in r.get("tensors", {}) if c not in categories]
 
+    cached = any(r.get("host_cached_end") is not None for r in phases.values())
     header = ["phase", "runs", "rss", "rss_peak", "+peak"]
+    if cached:
+        header += ["host_cache"]
     if cuda:
         header += ["cuda_alloc", "cuda_peak", "cuda_reserved"]
     header += categories
@@ -598,6 +608,8 @@ def format_memory_profile(profile: Mapping[str, Any], largest: int = 3) -> str:
     for name, r in phases.items():
         row = [name, str(r["runs"]), _mib(r["rss_end"]), _mib(r["rss_peak"]),
                _mib(r["rss_peak"] - r["rss_start"])]
+        if cached:
+            row += [_mib(r.get("host_cached_end"))]
         if cuda:
             row += [_mib(r.get("cuda_allocated_end")), _mib(r.get("cuda_allocated_peak")),
                     _mib(r.get("cuda_reserved_end"))]

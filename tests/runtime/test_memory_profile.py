@@ -185,6 +185,11 @@ def test_engine_profile_single_process() -> None:
     # "memory_breakdown": true prints the table on rank 0 every steps_per_print steps.
     assert "memory profile of rank 0 at step 2" in proc.stdout
     assert "forward " in proc.stdout and "optimizer_states" in proc.stdout
+    # The caching host allocator is in use from `initialize` on (it installs it): its bytes are part of RSS.
+    assert "host_cached_end" not in phases["construction"]
+    for name in PHASE_ORDER[1:]:
+        assert 0 <= phases[name]["host_cached_end"] <= phases[name]["rss_end"], phases[name]
+    assert "host_cache" in proc.stdout
 
     detailed = out["detailed"]
     assert detailed["step"] == 3 and detailed["detailed"]
