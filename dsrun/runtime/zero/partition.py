@@ -24,6 +24,7 @@ piece says which elements of which parameter a rank holds and where.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from typing import Iterable, Sequence
 
 import torch
@@ -134,13 +135,13 @@ class FlatLayout:
             base += padded
         return cls(slots, buckets, world_size)
 
-    # ---- sizes ---------------------------------------------------------
-    @property
+    # ---- sizes (a layout never changes: computed once) -----------------
+    @cached_property
     def numel(self) -> int:
         """Real elements in the group (no padding)."""
         return sum(s.numel for s in self.slots)
 
-    @property
+    @cached_property
     def padded_numel(self) -> int:
         """Elements of the full flat buffer, padding included."""
         return sum(b.padded_numel for b in self.buckets)

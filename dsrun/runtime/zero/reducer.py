@@ -16,9 +16,10 @@ gradient contribute zeros) and finishes them all.
 Two kinds of regions (see flat_params.py for where gradients live):
 - in place (stage 1, 16-bit stage 0): staging is the set's persistent
   gradient buffer; the reduction leaves the sum in this rank's shard of it.
-- transient (stages 2-3): staging is allocated zeroed when the region's
-  first gradient arrives and freed once reduced; the rank's averaged shard
-  is added into `grad_partition`. At most the regions between the next one
+- transient (stages 2-3): staging is allocated when the region's first
+  gradient arrives (each parameter's first gradient is copied in, slots
+  that got none are zeroed at launch) and freed once reduced; the rank's
+  averaged shard is added into `grad_partition`. At most the regions between the next one
   to launch and the ones whose hooks already fired hold staging memory.
 With a communication dtype other than the accumulation dtype
 (communication_data_type, by default the compute dtype) a cast copy of the
@@ -65,12 +66,27 @@ class Region:
             self.staging = persistent[self.start:self.end]
 
     def buffer(self) -> torch.Tensor:
-        """The staging buffer, (end - start,), allocated zeroed on first use."""
+        """The staging buffer, (end - start,), allocated on first use. Only
+        the buckets' padding is zeroed then: each parameter's first gradient
+        is copied in (`accumulate`), and `fill_missing` zeroes the slots that
+        got none."""
         if self.staging is None:
-            self.staging = torch.zeros(self.end - self.start, dtype=self.fset.precision.grad_accum_dtype,
+            self.staging = torch.empty(self.end - self.start, dtype=self.fset.precision.grad_accum_dtype,
                                        device=self.fset.partition.device if self.fset.partition is not None
                                        else self.fset.full.device)
+            for b in self.buckets:
+                self.staging[b.offset + b.numel - self.start:b.offset + b.padded_numel - self.start].zero_()
         return self.staging
+
+    def fill_missing(self) -> None:
+        """Zero the slots of a transient staging buffer that no gradient
+        reached (parameters unused in this backward) before it is reduced."""
+        if self.in_place:
+            return
+        staging = self.buffer()
+        for s in self.slots:
+            if s.index not in self.ready:
+                staging[s.offset - self.start:s.offset - self.start + s.numel].zero_()
 
     def own_shard(self, buffer: torch.Tensor) -> torch.Tensor:
         """This rank's shard of a region-shaped `buffer` when the region is
@@ -131,7 +147,11 @@ class OrderedReducer:
         region, idx = self.where[id(param)]
         slot = region.fset.layout.slots[idx]
         lo = slot.offset - region.start
-        region.buffer()[lo:lo + slot.numel].add_(param.grad.reshape(-1))
+        target = region.buffer()[lo:lo + slot.numel]
+        if region.in_place or idx in region.ready:
+            target.add_(param.grad.reshape(-1))
+        else:
+            target.copy_(param.grad.reshape(-1))  # a transient buffer is not zeroed (see Region.buffer)
         param.grad = None  # the staging buffer holds it now
         region.ready.add(idx)
         if self.launch_enabled:
@@ -148,6 +168,7 @@ class OrderedReducer:
     def _launch(self, region: Region) -> None:
         # Issuing may block (synchronous transports such as shm): watched too.
         with self.watchdog.waiting(f"reduce-scatter of gradients of '{region.fset.name}'"):
+            region.fill_missing()
             staging = region.buffer()
             comm_dtype = staging.dtype if self.quantize is not None else region.fset.precision.comm_dtype
             # communication_data_type: send a 16-bit copy (region x 2 bytes, transient).
