@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "step_time"))
 
 import torch  # noqa: E402
 
+from counted import counted_steps  # noqa: E402
 from gpt_step import GPT, MODELS  # noqa: E402  (the same model as the step-time benchmark)
 from tests.dist_helpers import as_nodes, run_ranks  # noqa: E402
 
@@ -60,17 +61,7 @@ def _rank(model_name: str, precision: str, quantized: bool, steps: int) -> dict:
     if precision == "bf16":
         cfg["bf16"] = {"enabled": True}
     engine, *_ = dsrun.initialize(model=model, config=cfg)
-    g = torch.Generator().manual_seed(comm.get_rank())
-    data = [torch.randint(0, s.vocab, (s.micro, s.seq + 1), generator=g) for _ in range(steps + 1)]
-    losses = []
-    for i, batch in enumerate(data):
-        if i == 1:
-            comm.comms_logger.reset()  # the first step is untimed: set-up collectives excluded
-        loss = engine(batch[:, :-1], batch[:, 1:])
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    stats = comm.comms_logger.snapshot()
+    losses, stats = counted_steps(engine, s, comm.get_rank(), 1, steps)
     return {"losses": losses,
             "ops": {op: (st.bytes, st.bus_bytes, st.inter_node_bus_bytes) for op, st in stats.items()}}
 

@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "step_time"))
 
 import torch  # noqa: E402
 
+from counted import counted_steps  # noqa: E402
 from gpt_step import GPT, MODELS  # noqa: E402  (the same model as the other benchmarks)
 
 RUNS = {
@@ -59,22 +60,12 @@ def _rank(run: str, s, warmup: int, steps: int, rank: int, port: int, out) -> No
 
     model = GPT(s)
     numel = sum(p.numel() for p in model.parameters())
-    g = torch.Generator().manual_seed(rank)
-    data = [torch.randint(0, s.vocab, (s.micro, s.seq + 1), generator=g) for _ in range(warmup + steps)]
     config = {"train_micro_batch_size_per_gpu": s.micro, "gradient_clipping": 0.0, "steps_per_print": 10**9,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
                                     "stage3_max_reuse_distance": 0, **RUNS[run]}}
     engine, *_ = dsrun.initialize(model=model, config=config)
-    losses = []
-    for i, batch in enumerate(data):
-        if i == warmup:
-            dsrun.comm.comms_logger.reset()
-        loss = engine(batch[:, :-1], batch[:, 1:])
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    stats = dsrun.comm.comms_logger.snapshot()
+    losses, stats = counted_steps(engine, s, rank, warmup, steps)
     per_op = {op: (st.bus_bytes / steps, st.inter_node_bus_bytes / steps) for op, st in stats.items()
               if st.bus_bytes}
     secondary = sum(engine.memory_breakdown().get("hpz_secondary", {}).values())
