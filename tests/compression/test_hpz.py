@@ -27,7 +27,7 @@ import torch
 
 from dsrun.runtime.comm.quantized import message_numel
 from tests.dist_helpers import as_nodes, run_ranks
-from tests.zero.models import TinyGPT, base_config, batches, full_param, param_groups
+from tests.zero.models import TinyGPT, base_config, batches, full_param, mean_loss_step, param_groups
 
 QWZ_BLOCK = 256
 
@@ -53,12 +53,7 @@ def _train(cfg: dict, steps: int, modify_at: int | None = None):
                 with torch.no_grad():
                     weight.mul_(0.5)
             comm.comms_logger.reset()  # count whole steps only
-        loss = engine(idx, tgt)
-        engine.backward(loss)
-        engine.step()
-        t = loss.detach().float().clone()
-        comm.all_reduce(t)
-        losses.append(t.item() / comm.get_world_size())
+        losses.append(mean_loss_step(engine, idx, tgt))
     counted = max(1, steps - 1 if modify_at is None else steps - modify_at)
     stats = comm.comms_logger.snapshot()
     per_step = {op: (s.bytes // counted, s.bus_bytes / counted, s.inter_node_bus_bytes / counted)

@@ -16,15 +16,13 @@ the 0.5% relative tolerance asserted (measured: under 0.05%).
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from dsrun.runtime.comm.quantized import dequantize_blockwise, message_numel, quantize_blockwise
 from dsrun.runtime.memory import estimate_zero_memory
 from tests.dist_helpers import run_ranks
-from tests.zero.models import TinyGPT, base_config, batches, full_param, param_groups
+from tests.zero.models import TinyGPT, base_config, batches, full_param, mean_loss_step, param_groups
 
 BLOCK = 256
 FROZEN = ("wte.", "h.0.")
@@ -51,15 +49,7 @@ def _engine(qnw: bool, seed: int = 0, precision: str = "fp32", **zero):
 
 def _steps(engine, steps: int, first: int = 0) -> list[float]:
     from dsrun.runtime import comm
-    losses = []
-    for idx, tgt in batches(comm.get_rank(), first + steps, 2, 1)[first:]:
-        loss = engine(idx, tgt)
-        engine.backward(loss)
-        engine.step()
-        t = loss.detach().float().clone()
-        comm.all_reduce(t)
-        losses.append(t.item() / comm.get_world_size())
-    return losses
+    return [mean_loss_step(engine, idx, tgt) for idx, tgt in batches(comm.get_rank(), first + steps, 2, 1)[first:]]
 
 
 def _expected_frozen_shards(engine, originals: dict, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -174,7 +164,6 @@ def test_frozen_int8_shards_losses_memory_and_bytes(precision):
 
 
 def _rank_checkpoint(path: str):
-    import dsrun
     from dsrun.runtime import comm
     engine, model = _engine(True)
     _steps(engine, 2)

@@ -77,6 +77,19 @@ def base_config(stage: int, precision: str = "fp32", gas: int = 1, world_size: i
     return cfg
 
 
+def mean_loss_step(engine, idx: torch.Tensor, tgt: torch.Tensor) -> float:
+    """One forward, backward and step of `engine`; returns the micro-batch's
+    loss averaged over the ranks (fp32)."""
+    from dsrun.runtime import comm
+
+    loss = engine(idx, tgt)
+    engine.backward(loss)
+    engine.step()
+    t = loss.detach().float().clone()
+    comm.all_reduce(t)
+    return t.item() / comm.get_world_size()
+
+
 def train(config: dict, steps: int = 3, seed: int = 0, model_kwargs: dict | None = None,
           lr=1e-2, optimizer="adamw"):
     """Train TinyGPT on this rank's data; returns (losses, {name: full fp32 param}, engine).
@@ -99,15 +112,8 @@ def train(config: dict, steps: int = 3, seed: int = 0, model_kwargs: dict | None
     rank = comm.get_rank()
     gas = engine.gradient_accumulation_steps()
     losses = []
-    for i, (idx, tgt) in enumerate(batches(rank, steps, 2, gas)):
-        loss = engine(idx.to(engine.device), tgt.to(engine.device))
-        engine.backward(loss)
-        engine.step()
-        if engine.is_gradient_accumulation_boundary() or (i + 1) % gas == 0:
-            pass
-        t = loss.detach().float().clone()
-        comm.all_reduce(t)
-        losses.append(t.item() / comm.get_world_size())
+    for idx, tgt in batches(rank, steps, 2, gas):
+        losses.append(mean_loss_step(engine, idx.to(engine.device), tgt.to(engine.device)))
     full = {}
     for n, p in model.named_parameters():
         full[n] = full_param(engine, p)
