@@ -149,6 +149,23 @@ def _torch_adamw(params):
     return torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
 
 
+def _torch_parallel(run: str, model: nn.Module) -> nn.Module:
+    """`model` as configuration `run` trains it: "floor" as it is, "ddp" in
+    DistributedDataParallel, "fsdp2" with fully_shard per block and on the
+    root. Raises ValueError for another name."""
+    if run == "ddp":
+        return nn.parallel.DistributedDataParallel(model)
+    if run == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.h:
+            fully_shard(block)
+        return fully_shard(model)
+    if run != "floor":
+        raise ValueError(f"unknown configuration {run!r}; known: {', '.join(RUNS)}")
+    return model
+
+
 def _dsrun_engine(model: nn.Module, s: Shape, stage: int, torch_adam: bool):
     import dsrun
 
@@ -189,16 +206,7 @@ def _rank(run: str, env: dict, s: Shape, torch_adam: bool, warmup: int, steps: i
             engine.step()
     else:
         dist.init_process_group("gloo")
-        if run == "ddp":
-            model = nn.parallel.DistributedDataParallel(model)
-        elif run == "fsdp2":
-            from torch.distributed.fsdp import fully_shard
-
-            for block in model.h:
-                fully_shard(block)
-            fully_shard(model)
-        elif run != "floor":
-            raise ValueError(f"unknown configuration {run!r}; known: {', '.join(RUNS)}")
+        model = _torch_parallel(run, model)
         opt = _torch_adamw(model.parameters())
 
         def step(batch):
@@ -264,15 +272,7 @@ def _paired_rank(modes: list[str], s: Shape, torch_adam: bool, warmup: int, cycl
     for kind in ("floor", "ddp", "fsdp2"):
         if kind in modes:
             torch.manual_seed(0)
-            model = GPT(s)
-            if kind == "ddp":
-                model = nn.parallel.DistributedDataParallel(model)
-            elif kind == "fsdp2":
-                from torch.distributed.fsdp import fully_shard
-
-                for block in model.h:
-                    fully_shard(block)
-                fully_shard(model)
+            model = _torch_parallel(kind, GPT(s))
             replicas[kind] = (model, _torch_adamw(model.parameters()))
     g = torch.Generator().manual_seed(rank)
     batch = torch.randint(0, s.vocab, (s.micro, s.seq + 1), generator=g)

@@ -140,10 +140,10 @@ def cache_stats() -> dict[str, int]:
     served from the cache (hits) and from fresh mappings (misses), bytes of
     large blocks live now and their peak since the last `trim()`, the cap from
     DSRUN_HOST_CACHE_MB in bytes (0: none). All zero when it is not installed."""
-    from dsrun.ops.builder import get_op
-
     out = (ctypes.c_uint64 * len(STATS))()
     if _cache_installed:
+        from dsrun.ops.builder import get_op
+
         get_op("host_alloc").load().dsrun_host_alloc_stats(out)
     return dict(zip(STATS, (int(v) for v in out)))
 

@@ -19,8 +19,9 @@ Two kinds of regions (see flat_params.py for where gradients live):
 - transient (stages 2-3): staging is allocated when the region's first
   gradient arrives (each parameter's first gradient is copied in, slots
   that got none are zeroed at launch) and freed once reduced; the rank's
-  averaged shard is added into `grad_partition`. At most the regions between the next one
-  to launch and the ones whose hooks already fired hold staging memory.
+  averaged shard is added into `grad_partition`. At most the regions
+  between the next one to launch and the ones whose hooks already fired
+  hold staging memory.
 With a communication dtype other than the accumulation dtype
 (communication_data_type, by default the compute dtype) a cast copy of the
 region is what travels, and the result is cast back when it is averaged.
