@@ -6,6 +6,19 @@
 // 4 KiB page each time. See [Note: caching host allocator] in
 // dsrun/runtime/allocator.py for the policy and why.
 //
+// [Note: huge pages] Blocks of huge_bytes or more are mapped on a 2 MiB
+// boundary and marked MADV_HUGEPAGE, so that (where transparent huge pages
+// are "madvise" or "always") they are backed by 2 MiB pages: one fault and
+// one TLB entry per 2 MiB instead of 512, and physically contiguous memory.
+// The last matters for O_DIRECT: a device request holds a bounded number of
+// memory segments (254 on a virtio disk), so a write from scattered 4 KiB
+// pages is cut into requests of about 1 MiB, while from 2 MiB pages the
+// block layer builds requests of up to max_sectors_kb. Measured on the 48M
+// GPT's ZeRO-3 checkpoint (2 ranks, 575 MB, virtio disk): 700-800 device
+// requests and 0.32-0.38 s per save with 4 KiB pages, 270-280 and 0.22-0.25 s
+// with 2 MiB pages. Only whole 2 MiB ranges inside a block get huge pages,
+// and every large tensor is written in full, so RSS does not grow.
+//
 // Only c10's allocator interface is included (not torch/extension.h; see
 // [Note: build time] in dsrun/ops/builder.py). C interface for ctypes.
 #include <c10/core/Allocator.h>
@@ -25,14 +38,35 @@
 namespace {
 
 constexpr size_t kPage = 4096;
+constexpr size_t kHugePage = size_t(2) << 20;
+
+// A fresh anonymous mapping of `bytes` (a multiple of kPage); from
+// huge_bytes on (0: never) 2 MiB-aligned and marked MADV_HUGEPAGE (see
+// [Note: huge pages]). Returns MAP_FAILED when the kernel refuses.
+void* map_block(size_t bytes, size_t huge_bytes) {
+  if (huge_bytes == 0 || bytes < huge_bytes) {
+    return mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  }
+  // Over-map by 2 MiB and unmap the ends, leaving an aligned block.
+  const size_t reserve = bytes + kHugePage;
+  char* raw = static_cast<char*>(mmap(nullptr, reserve, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
+  if (raw == MAP_FAILED) return MAP_FAILED;
+  char* block = raw + (kHugePage - reinterpret_cast<uintptr_t>(raw) % kHugePage) % kHugePage;
+  if (block > raw) munmap(raw, block - raw);
+  if (raw + reserve > block + bytes) munmap(block + bytes, raw + reserve - (block + bytes));
+  madvise(block, bytes, MADV_HUGEPAGE);  // advice: refused (THP off) leaves 4 KiB pages
+  return block;
+}
 
 class CachingHostAllocator final : public c10::Allocator {
  public:
   // small: serves requests under min_bytes; its raw deleter must exist
   // (torch's default CPU allocator has one). cap_bytes: most bytes cached,
-  // on top of the peak rule (0 = the peak rule alone).
-  CachingHostAllocator(c10::Allocator* small, size_t min_bytes, size_t cap_bytes)
-      : small_(small), small_delete_(small->raw_deleter()), min_bytes_(min_bytes), cap_bytes_(cap_bytes) {}
+  // on top of the peak rule (0 = the peak rule alone). huge_bytes: blocks
+  // from this size on get huge pages (0 = none; see [Note: huge pages]).
+  CachingHostAllocator(c10::Allocator* small, size_t min_bytes, size_t cap_bytes, size_t huge_bytes)
+      : small_(small), small_delete_(small->raw_deleter()), min_bytes_(min_bytes), cap_bytes_(cap_bytes),
+        huge_bytes_(huge_bytes) {}
 
   c10::DataPtr allocate(size_t n) override {
     if (n < min_bytes_) return small_->allocate(n);
@@ -66,9 +100,9 @@ class CachingHostAllocator final : public c10::Allocator {
     }
     for (auto& [p, b] : evicted) munmap(p, b);
     if (ptr == nullptr) {
-      ptr = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      ptr = map_block(bytes, huge_bytes_);
       if (ptr == MAP_FAILED && release() > 0) {  // cached blocks of other sizes may be in the way
-        ptr = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        ptr = map_block(bytes, huge_bytes_);
       }
       if (ptr == MAP_FAILED) {
         std::lock_guard<std::mutex> g(mu_);
@@ -160,6 +194,7 @@ class CachingHostAllocator final : public c10::Allocator {
   const c10::DeleterFnPtr small_delete_;
   const size_t min_bytes_;
   const size_t cap_bytes_;
+  const size_t huge_bytes_;
   std::mutex mu_;
   std::map<size_t, std::vector<void*>> free_;  // cached blocks by size
   std::unordered_map<void*, size_t> live_;     // blocks handed out -> size
@@ -177,13 +212,14 @@ extern "C" {
 // calls return 1 and change nothing). Requests of min_bytes or more are
 // served by it, smaller ones by the allocator that was installed before.
 // cap_bytes: most bytes the cache keeps, 0 = no cap beyond the peak rule.
+// huge_bytes: blocks of this size or more get huge pages, 0 = none.
 // Returns 0 on the first installation, 1 when already installed, 2 when
 // the installed allocator has no raw deleter to hand small blocks back to.
-int dsrun_host_alloc_install(uint64_t min_bytes, uint64_t cap_bytes) {
+int dsrun_host_alloc_install(uint64_t min_bytes, uint64_t cap_bytes, uint64_t huge_bytes) {
   if (CachingHostAllocator::instance != nullptr) return 1;
   if (c10::GetCPUAllocator()->raw_deleter() == nullptr) return 2;
   // Never deleted: blocks handed out keep pointing at its deleter until exit.
-  CachingHostAllocator::instance = new CachingHostAllocator(c10::GetCPUAllocator(), min_bytes, cap_bytes);
+  CachingHostAllocator::instance = new CachingHostAllocator(c10::GetCPUAllocator(), min_bytes, cap_bytes, huge_bytes);
   pthread_atfork(&CachingHostAllocator::before_fork, &CachingHostAllocator::after_fork,
                  &CachingHostAllocator::after_fork);
   c10::SetCPUAllocator(CachingHostAllocator::instance, /*priority=*/1);

@@ -46,7 +46,11 @@ allocates). Between steps RSS stays near the step's peak instead of
 dropping; `trim()` empties the cache and restarts the peak (the runtime
 calls it after `initialize`, whose transients must not set the peak for
 training). DSRUN_HOST_CACHE_MB caps the cached bytes further; 0 turns the
-cache off (the threshold alone stays). Blocks are mmapped, so page-aligned.
+cache off (the threshold alone stays). Blocks are mmapped, so page-aligned;
+blocks of HUGE_BYTES or more are 2 MiB-aligned and advised to use
+transparent huge pages (see [Note: huge pages] in csrc/host_alloc: fewer
+faults, and O_DIRECT checkpoint writes of 2.5-3 GB/s instead of 1.6-1.9 on
+this machine's disk); DSRUN_HOST_HUGEPAGES=0 keeps them on 4 KiB pages.
 Without the op (DSRUN_OPS_DISABLE=host_alloc, no compiler) the threshold
 alone is in effect.
 """
@@ -59,6 +63,7 @@ import os
 
 M_MMAP_THRESHOLD = -3  # mallopt parameter number (malloc.h)
 THRESHOLD_BYTES = 1 << 20
+HUGE_BYTES = 2 << 20  # blocks from this size on are advised to use huge pages
 
 _libc = None
 _configured = False
@@ -90,7 +95,8 @@ def use_returning_allocator() -> bool:
     Idempotent. Returns True when the threshold policy is in effect (set now
     or before); the caching allocator is installed on top when its native op
     loads and DSRUN_HOST_CACHE_MB is not 0.
-    Raises ValueError when DSRUN_HOST_CACHE_MB is not a whole number >= 0.
+    Raises ValueError when DSRUN_HOST_CACHE_MB is not a whole number >= 0
+    or DSRUN_HOST_HUGEPAGES is neither 0 nor 1.
     """
     global _configured
     if _configured:
@@ -115,8 +121,17 @@ def _cache_cap_bytes() -> int | None:
     return int(raw) << 20
 
 
+def _huge_bytes() -> int:
+    """HUGE_BYTES, or 0 when DSRUN_HOST_HUGEPAGES is 0."""
+    raw = os.environ.get("DSRUN_HOST_HUGEPAGES", "1").strip()
+    if raw not in ("0", "1"):
+        raise ValueError(f"DSRUN_HOST_HUGEPAGES={raw!r}: expected 1 (large host blocks on transparent huge "
+                         "pages, the default) or 0 (4 KiB pages)")
+    return HUGE_BYTES if raw == "1" else 0
+
+
 def _install_cache() -> None:
-    cap = _cache_cap_bytes()
+    cap, huge = _cache_cap_bytes(), _huge_bytes()
     if cap == 0:
         return
     from dsrun.ops.builder import get_op
@@ -125,7 +140,8 @@ def _install_cache() -> None:
     op = get_op("host_alloc").load()  # None: the reason was logged once; the threshold alone holds
     if op is None:
         return
-    code = op.dsrun_host_alloc_install(ctypes.c_uint64(THRESHOLD_BYTES), ctypes.c_uint64(cap or 0))
+    code = op.dsrun_host_alloc_install(ctypes.c_uint64(THRESHOLD_BYTES), ctypes.c_uint64(cap or 0),
+                                       ctypes.c_uint64(huge))
     _cache_installed = code in (0, 1)
     if code == 2:
         logging.getLogger("dsrun").warning("dsrun: the caching host allocator was not installed: torch's CPU "
