@@ -14,9 +14,10 @@
 // memory segments (254 on a virtio disk), so a write from scattered 4 KiB
 // pages is cut into requests of about 1 MiB, while from 2 MiB pages the
 // block layer builds requests of up to max_sectors_kb. Measured on the 48M
-// GPT's ZeRO-3 checkpoint (2 ranks, 575 MB, virtio disk): 700-800 device
-// requests and 0.32-0.38 s per save with 4 KiB pages, 270-280 and 0.22-0.25 s
-// with 2 MiB pages. Only whole 2 MiB ranges inside a block get huge pages,
+// GPT's ZeRO-3 checkpoint (2 ranks, 575 MB, virtio disk, saves alternated):
+// 660-670 device requests and 0.32-0.40 s per save with 4 KiB pages, 265-290
+// requests and 0.27-0.32 s with 2 MiB pages (stage 1: 450-480 -> 180-190
+// requests, 0.31-0.34 -> 0.20-0.28 s). Only whole 2 MiB ranges inside a block get huge pages,
 // and every large tensor is written in full, so RSS does not grow.
 //
 // Only c10's allocator interface is included (not torch/extension.h; see
