@@ -43,9 +43,11 @@ then, with --deepspeed DIR (a directory holding DeepSpeed, e.g. made by
 py-cpuinfo msgpack tqdm einops nvidia-ml-py`), a pair of DeepSpeed ranks
 (DS_ACCELERATOR=cpu, gloo) on the same model and stage: save_checkpoint and
 load_checkpoint. Configurations alternate within every repeat (dsrun pair,
-1-process load, DeepSpeed pair, next stage, ...); the table gives the median
-over repeats and the min-max spread, and ratios are taken per repeat before
-the median. Goals of issue 9: save time <= 1.25x the time the disk needs for
+1-process load, DeepSpeed pair, next stage, ...). "+RSS MiB": how far rank
+0's resident memory rose above its level before the call, at its peak during
+the call (Linux's peak-RSS counter, reset before each). The table gives the
+median over repeats and the min-max spread; ratios are taken per repeat
+before the median. Goals of issue 9: save time <= 1.25x the time the disk needs for
 the same bytes (fio), async stall <= 0.1x the blocking save, reshard/same
 <= 1.2x.
 """
@@ -104,6 +106,31 @@ def _timed(fn) -> float:
     return time.perf_counter() - t
 
 
+def _rss_mark() -> int:
+    """Restart the process's peak RSS (Linux: clear_refs 5) and return its
+    RSS now, in bytes; `_rss_extra(mark)` is then the most it grew since."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status_bytes("VmRSS")
+
+
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith(field + ":"))
+
+
+def _rss_extra(mark: int) -> int:
+    return _status_bytes("VmHWM") - mark
+
+
+def _measured(row: dict, key: str, fn) -> None:
+    """row[key]: `_timed(fn)`; row[key + "_rss"]: this rank's peak RSS during
+    it above its RSS before, bytes."""
+    mark = _rss_mark()
+    row[key] = _timed(fn)
+    row[key + "_rss"] = _rss_extra(mark)
+
+
 def _fio(directory: str, nbytes: int, direct: bool) -> float:
     """fio's sequential write bandwidth (GB/s), 2 jobs writing nbytes in all."""
     size = max(nbytes // 2 // (1 << 20), 16)
@@ -143,7 +170,7 @@ def _dsrun_worker(rank: int, world: int, port: int, args, stage: int, queue) -> 
         row["fio_buffered"] = _fio(args.dir, nbytes, direct=False)
         row["fio_direct"] = _fio(args.dir, nbytes, direct=True)
         row["fio"] = max(row["fio_buffered"], row["fio_direct"])
-    row["save"] = _timed(lambda: engine.save_checkpoint(root, tag="sync"))
+    _measured(row, "save", lambda: engine.save_checkpoint(root, tag="sync"))
     row["bytes"] = _du(os.path.join(root, "sync"))
     engine.config.checkpoint.async_save = True
     t0 = time.perf_counter()
@@ -163,10 +190,10 @@ def _dsrun_worker(rank: int, world: int, port: int, args, stage: int, queue) -> 
             torch.save({"module": engine.module.state_dict(), "optimizer": engine.optimizer.state_dict()}, f)
             f.flush()
             os.fsync(f.fileno())
-    row["torch_save"] = _timed(torch_save)
+    _measured(row, "torch_save", torch_save)
     tensors = checkpointer._rank_payload(engine, checkpointer.held_pieces(engine), {}, False)[0]
     state = {f"rank{rank}/{k}": t.clone() for k, t in tensors.items()}  # as dsrun's: this rank's slices
-    row["dcp_save"] = _timed(lambda: dcp.save(state, checkpoint_id=os.path.join(root, "dcp")))
+    _measured(row, "dcp_save", lambda: dcp.save(state, checkpoint_id=os.path.join(root, "dcp")))
     row["dcp_bytes"] = _du(os.path.join(root, "dcp"))
     # Its own group: the background save's collectives would otherwise race
     # the barriers below on the default group (a deadlock, seen once).
@@ -181,8 +208,8 @@ def _dsrun_worker(rank: int, world: int, port: int, args, stage: int, queue) -> 
     future.result()
     dist.barrier()
     row["dcp_async_total"] = time.perf_counter() - t0
-    row["load"] = _timed(lambda: engine.load_checkpoint(root, tag="sync"))
-    row["dcp_load"] = _timed(lambda: dcp.load(state, checkpoint_id=os.path.join(root, "dcp")))
+    _measured(row, "load", lambda: engine.load_checkpoint(root, tag="sync"))
+    _measured(row, "dcp_load", lambda: dcp.load(state, checkpoint_id=os.path.join(root, "dcp")))
     if rank == 0:
         queue.put(row)
     dist.destroy_process_group()
@@ -226,9 +253,10 @@ def _deepspeed_worker(rank: int, world: int, port: int, args, stage: int, queue)
                                       config=_config(args, stage))
     _train_step(engine)
     root = os.path.join(args.dir, f"deepspeed{stage}")
-    row = {"ds_save": _timed(lambda: engine.save_checkpoint(root, tag="sync"))}
+    row = {}
+    _measured(row, "ds_save", lambda: engine.save_checkpoint(root, tag="sync"))
     row["ds_bytes"] = _du(os.path.join(root, "sync"))
-    row["ds_load"] = _timed(lambda: engine.load_checkpoint(root, tag="sync"))
+    _measured(row, "ds_load", lambda: engine.load_checkpoint(root, tag="sync"))
     if rank == 0:
         queue.put(row)
     dist.destroy_process_group()
@@ -278,7 +306,10 @@ COLUMNS = [  # (heading, function of one repeat's row, format)
     ("reshard/same", lambda r: r["load_1_again"] / r["load_1_same"] if r.get("load_1_again") else None, "{:.2f}x"),
     ("DCP load s", lambda r: r["dcp_load"], "{:.3f}"),
     ("DS load s", lambda r: r.get("ds_load"), "{:.3f}"),
-]
+] + [(f"{what} +RSS MiB", lambda r, k=key: r[k + "_rss"] / 2**20 if k + "_rss" in r else None, "{:.0f}")
+     for what, key in (("save", "save"), ("torch.save", "torch_save"),
+                       ("DCP save", "dcp_save"), ("DS save", "ds_save"), ("load", "load"),
+                       ("DCP load", "dcp_load"), ("DS load", "ds_load"))]
 
 
 def _summary(rows: list[dict]) -> list[tuple[str, str]]:
