@@ -17,8 +17,9 @@
 // GPT's ZeRO-3 checkpoint (2 ranks, 575 MB, virtio disk, saves alternated):
 // 660-670 device requests and 0.32-0.40 s per save with 4 KiB pages, 265-290
 // requests and 0.27-0.32 s with 2 MiB pages (stage 1: 450-480 -> 180-190
-// requests, 0.31-0.34 -> 0.20-0.28 s). Only whole 2 MiB ranges inside a block get huge pages,
-// and every large tensor is written in full, so RSS does not grow.
+// requests, 0.31-0.34 -> 0.20-0.28 s). Only whole 2 MiB ranges inside a
+// block get huge pages, and large tensors are written in full, so RSS does
+// not grow (the peak-memory tests measure the same peaks either way).
 //
 // Only c10's allocator interface is included (not torch/extension.h; see
 // [Note: build time] in dsrun/ops/builder.py). C interface for ctypes.
@@ -50,7 +51,8 @@ void* map_block(size_t bytes, size_t huge_bytes) {
   }
   // Over-map by 2 MiB and unmap the ends, leaving an aligned block.
   const size_t reserve = bytes + kHugePage;
-  char* raw = static_cast<char*>(mmap(nullptr, reserve, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
+  char* raw =
+      static_cast<char*>(mmap(nullptr, reserve, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
   if (raw == MAP_FAILED) return MAP_FAILED;
   char* block = raw + (kHugePage - reinterpret_cast<uintptr_t>(raw) % kHugePage) % kHugePage;
   if (block > raw) munmap(raw, block - raw);
@@ -220,7 +222,8 @@ int dsrun_host_alloc_install(uint64_t min_bytes, uint64_t cap_bytes, uint64_t hu
   if (CachingHostAllocator::instance != nullptr) return 1;
   if (c10::GetCPUAllocator()->raw_deleter() == nullptr) return 2;
   // Never deleted: blocks handed out keep pointing at its deleter until exit.
-  CachingHostAllocator::instance = new CachingHostAllocator(c10::GetCPUAllocator(), min_bytes, cap_bytes, huge_bytes);
+  CachingHostAllocator::instance =
+      new CachingHostAllocator(c10::GetCPUAllocator(), min_bytes, cap_bytes, huge_bytes);
   pthread_atfork(&CachingHostAllocator::before_fork, &CachingHostAllocator::after_fork,
                  &CachingHostAllocator::after_fork);
   c10::SetCPUAllocator(CachingHostAllocator::instance, /*priority=*/1);
