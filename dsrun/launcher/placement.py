@@ -103,13 +103,17 @@ def node_jobs(placement: Placement, *, job_id: str, master_addr: str, master_por
 
 
 def derived_port(key: str, index: int = 0) -> int:
-    """A rendezvous port in 20000-59999 derived from `key` (a job id); `index` gives further candidates.
+    """A rendezvous port in 20000-32767 derived from `key` (a job id); `index` gives further candidates.
 
     Every process that knows the job id computes the same port without
-    talking to the others, and two jobs rarely collide.
+    talking to the others, and two jobs rarely collide. The range ends
+    below Linux's default ephemeral range (32768-60999), from which the
+    kernel picks the local port of every outgoing connection: a derived
+    port there could be held by one of them (or by one in TIME_WAIT) and
+    rank 0's bind would fail with EADDRINUSE, as seen once under srun.
     """
     digest = hashlib.sha256(f"{key}/{index}".encode()).digest()
-    return 20000 + int.from_bytes(digest[:8], "big") % 40000
+    return 20000 + int.from_bytes(digest[:8], "big") % 12768
 
 
 def compact_ranges(values: Iterable[int]) -> str:
