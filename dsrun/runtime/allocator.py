@@ -50,7 +50,8 @@ cache off (the threshold alone stays). Blocks are mmapped, so page-aligned;
 blocks of HUGE_BYTES or more are 2 MiB-aligned and advised to use
 transparent huge pages (see [Note: huge pages] in csrc/host_alloc: 40x
 fewer page faults per step, checkpoint saves 7-31% and loads 30-48% faster
-on this machine's disk); DSRUN_HOST_HUGEPAGES=0 keeps them on 4 KiB pages.
+on this machine's disk), and `adopt_parameters` moves the parameters that
+stage 0 keeps in place onto them; DSRUN_HOST_HUGEPAGES=0 keeps 4 KiB pages.
 Without the op (DSRUN_OPS_DISABLE=host_alloc, no compiler) the threshold
 alone is in effect.
 """
@@ -146,6 +147,42 @@ def _install_cache() -> None:
     if code == 2:
         logging.getLogger("dsrun").warning("dsrun: the caching host allocator was not installed: torch's CPU "
                                            "allocator was replaced by one without a raw deleter")
+
+
+def adopt_parameters(params) -> int:
+    """Move large CPU parameters into memory from the caching host allocator.
+
+    A model built before dsrun started holds its parameters where torch's
+    default allocator put them, on 4 KiB pages. ZeRO stages 1-3 copy them
+    into flat buffers of their own; where they stay in place (stage 0 in
+    fp32) this gives each parameter of THRESHOLD_BYTES or more a fresh copy
+    from the allocator (2 MiB pages: see [Note: huge pages] in
+    csrc/host_alloc) and points `p.data` at it, one parameter at a time (peak:
+    one parameter more). Skipped: a parameter that is not contiguous, does
+    not own its whole storage, or whose storage another tensor shares (a
+    view kept elsewhere), so no alias breaks; and one already 2 MiB-aligned
+    (allocated by dsrun). Nothing happens unless the cache is installed with
+    huge pages on. Returns the bytes moved.
+    """
+    if not _cache_installed or _huge_bytes() == 0:
+        return 0
+    import torch
+
+    moved = 0
+    with torch.no_grad():
+        for p in params:
+            nbytes = p.numel() * p.element_size()
+            if p.device.type != "cpu" or nbytes < THRESHOLD_BYTES or not p.is_contiguous() \
+                    or p.data_ptr() % HUGE_BYTES == 0:
+                continue
+            storage = p.untyped_storage()
+            # Two references: the parameter's and `storage`'s own; more is an alias.
+            shared = storage.nbytes() != nbytes or torch._C._storage_Use_Count(storage._cdata) > 2
+            del storage
+            if not shared:
+                p.data = torch.empty_like(p).copy_(p)
+                moved += nbytes
+    return moved
 
 
 STATS = ("cached_bytes", "hits", "misses", "live_bytes", "peak_live_bytes", "cap_bytes")

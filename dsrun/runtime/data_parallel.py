@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from dsrun.runtime import comm
+from dsrun.runtime import allocator, comm
 from dsrun.runtime.comm.collectives import overlapped_all_reduce
 from dsrun.runtime.dist import Topology
 from dsrun.runtime.memory import tensor_breakdown
@@ -204,6 +204,7 @@ class AllReduceStrategy(GradientStrategy):
         self.topology = topology
         self._group = group
         self._params = [p for p in module.parameters() if p.requires_grad]
+        allocator.adopt_parameters(module.parameters())  # kept in place: onto dsrun's huge pages
         self._names = {id(p): n for n, p in module.named_parameters()}
         self._buckets = [
             _Bucket(ps, torch.zeros(sum(p.numel() for p in ps), dtype=ps[0].dtype, device=ps[0].device))

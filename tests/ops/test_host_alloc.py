@@ -152,6 +152,52 @@ def test_large_blocks_sit_on_huge_pages():
         assert off["huge_bytes"] == 0, off
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="transparent huge pages are Linux's")
+def test_a_block_just_under_2_mib_takes_a_whole_huge_page():
+    """block_bytes in csrc/host_alloc: a 704 x 704 fp32 weight (1.98 MB) is
+    served by one 2 MiB block (an eighth or less added), a 1.5 MiB tensor by
+    its own whole pages; with huge pages off, whole 4 KiB pages only."""
+    body = """
+        a = torch.ones(704, 704)
+        out["after_a"] = allocator.cache_stats()["live_bytes"]
+        out["a_aligned"] = a.data_ptr() % (2 << 20) == 0
+        b = torch.ones(3 << 18, dtype=torch.float16)  # 1.5 MiB
+        out["after_b"] = allocator.cache_stats()["live_bytes"]
+    """
+    r = _run(body)
+    assert r["after_a"] == 2 << 20 and r["a_aligned"], r
+    assert r["after_b"] - r["after_a"] == 3 << 19, r  # 1.5 MiB: rounding would add a third
+    off = _run(body, DSRUN_HOST_HUGEPAGES="0")
+    assert off["after_a"] == -(-704 * 704 * 4 // 4096) * 4096, off
+
+
+def test_adopt_parameters_moves_only_unaliased_large_ones():
+    """allocator.adopt_parameters (stage 0 keeps parameters in place): a large
+    parameter built before the allocator moves into a 2 MiB-aligned block with
+    its values; one whose storage a kept view shares, and a small one, stay."""
+    code = textwrap.dedent("""
+        import json, torch
+        torch.manual_seed(0)
+        big, shared, small = (torch.nn.Parameter(torch.randn(n)) for n in (600_000, 600_000, 1000))
+        view = shared[:10]  # another tensor on shared's storage
+        values = [p.detach().clone() for p in (big, shared, small)]
+        before = [p.data_ptr() for p in (big, shared, small)]
+        from dsrun.runtime import allocator
+        allocator.use_returning_allocator()
+        moved = allocator.adopt_parameters([big, shared, small])
+        print(json.dumps({"moved": moved, "big_aligned": big.data_ptr() % (2 << 20) == 0,
+                          "same": [p.data_ptr() == b for p, b in zip((big, shared, small), before)],
+                          "equal": all(torch.equal(p, v) for p, v in zip((big, shared, small), values)),
+                          "view_follows": view.data_ptr() == shared.data_ptr()}))
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "DSRUN_MALLOC": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["moved"] == 2_400_000 and r["big_aligned"] and r["same"] == [False, True, True], r
+    assert r["equal"] and r["view_follows"], r
+
+
 @pytest.mark.parametrize("variable,value,words", [("DSRUN_HOST_CACHE_MB", v, "whole number") for v in
                                                   ("abc", "-1", "1.5")] + [("DSRUN_HOST_HUGEPAGES", "yes", "1")])
 def test_bad_environment_is_a_clear_error(variable, value, words):
