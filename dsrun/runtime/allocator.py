@@ -69,6 +69,7 @@ HUGE_BYTES = 2 << 20  # blocks from this size on are advised to use huge pages
 _libc = None
 _configured = False
 _cache_installed = False
+_huge_pages = False  # the installed cache maps large blocks on huge pages
 
 
 def _glibc():
@@ -137,13 +138,14 @@ def _install_cache() -> None:
         return
     from dsrun.ops.builder import get_op
 
-    global _cache_installed
+    global _cache_installed, _huge_pages
     op = get_op("host_alloc").load()  # None: the reason was logged once; the threshold alone holds
     if op is None:
         return
     code = op.dsrun_host_alloc_install(ctypes.c_uint64(THRESHOLD_BYTES), ctypes.c_uint64(cap or 0),
                                        ctypes.c_uint64(huge))
     _cache_installed = code in (0, 1)
+    _huge_pages = _cache_installed and huge > 0
     if code == 2:
         logging.getLogger("dsrun").warning("dsrun: the caching host allocator was not installed: torch's CPU "
                                            "allocator was replaced by one without a raw deleter")
@@ -164,7 +166,7 @@ def adopt_parameters(params) -> int:
     (allocated by dsrun). Nothing happens unless the cache is installed with
     huge pages on. Returns the bytes moved.
     """
-    if not _cache_installed or _huge_bytes() == 0:
+    if not _huge_pages:
         return 0
     import torch
 
