@@ -45,7 +45,9 @@ py-cpuinfo msgpack tqdm einops nvidia-ml-py`), a pair of DeepSpeed ranks
 load_checkpoint. Configurations alternate within every repeat (dsrun pair,
 1-process load, DeepSpeed pair, next stage, ...). "+RSS MiB": how far rank
 0's resident memory rose above its level before the call, at its peak during
-the call (Linux's peak-RSS counter, reset before each). The table gives the
+the call (Linux's peak-RSS counter, reset before each). "save device write
+requests": requests the disk holding --dir completed during the save
+(/proc/diskstats), the count that memory on 2 MiB pages lowers. The table gives the
 median over repeats and the min-max spread; ratios are taken per repeat
 before the median. Goals of issue 9: save time <= 1.25x the time the disk needs for
 the same bytes (fio), async stall <= 0.1x the blocking save, reshard/same
@@ -123,12 +125,31 @@ def _rss_extra(mark: int) -> int:
     return _status_bytes("VmHWM") - mark
 
 
-def _measured(row: dict, key: str, fn) -> None:
+def _device_writes(directory: str) -> int | None:
+    """Write requests completed so far by the block device holding
+    `directory` (/proc/diskstats field 8); None where it cannot be found."""
+    dev = os.stat(directory).st_dev
+    try:
+        with open("/proc/diskstats") as f:
+            for line in f:
+                fields = line.split()
+                if os.makedev(int(fields[0]), int(fields[1])) == dev:
+                    return int(fields[7])
+    except OSError:
+        pass
+    return None
+
+
+def _measured(row: dict, key: str, fn, directory: str | None = None) -> None:
     """row[key]: `_timed(fn)`; row[key + "_rss"]: this rank's peak RSS during
-    it above its RSS before, bytes."""
+    it above its RSS before, bytes; with `directory`, row[key + "_requests"]:
+    write requests its device completed meanwhile (both ranks')."""
     mark = _rss_mark()
+    before = _device_writes(directory) if directory else None
     row[key] = _timed(fn)
     row[key + "_rss"] = _rss_extra(mark)
+    if before is not None:
+        row[key + "_requests"] = _device_writes(directory) - before
 
 
 def _fio(directory: str, nbytes: int, direct: bool) -> float:
@@ -170,7 +191,7 @@ def _dsrun_worker(rank: int, world: int, port: int, args, stage: int, queue) -> 
         row["fio_buffered"] = _fio(args.dir, nbytes, direct=False)
         row["fio_direct"] = _fio(args.dir, nbytes, direct=True)
         row["fio"] = max(row["fio_buffered"], row["fio_direct"])
-    _measured(row, "save", lambda: engine.save_checkpoint(root, tag="sync"))
+    _measured(row, "save", lambda: engine.save_checkpoint(root, tag="sync"), args.dir)
     row["bytes"] = _du(os.path.join(root, "sync"))
     engine.config.checkpoint.async_save = True
     t0 = time.perf_counter()
@@ -290,6 +311,7 @@ COLUMNS = [  # (heading, function of one repeat's row, format)
     ("fio O_DIRECT GB/s", lambda r: r.get("fio_direct"), "{:.2f}"),
     ("save s", lambda r: r["save"], "{:.3f}"),
     ("save GB/s", lambda r: r["bytes"] / r["save"] / 1e9, "{:.2f}"),
+    ("save device write requests", lambda r: r.get("save_requests"), "{:.0f}"),
     ("save/disk", lambda r: r["save"] / (r["bytes"] / 1e9 / r["fio"]) if r.get("fio") else None, "{:.2f}x"),
     ("async stall s", lambda r: r["async_stall"], "{:.4f}"),
     ("stall/save", lambda r: r["async_stall"] / r["save"], "{:.3f}x"),
