@@ -206,12 +206,25 @@ def _api_cases(root, data):
         res[f"sched_{kind}"] = (runs[0].get_lr() == runs[1].get_lr(),
                                 runs[0].lr_scheduler.state_dict() == runs[1].lr_scheduler.state_dict(),
                                 _run(runs[0], data[2:3]) == _run(runs[1], data[2:3]), runs[1].get_lr())
-    # checkpoint.keep_last: the oldest complete tags go.
+    # checkpoint.keep_last: the oldest complete tags go, their files deleted
+    # after the save returned (held back here until the listing is taken).
+    import threading
+
+    from dsrun.runtime.checkpoint import discard
+    from dsrun.runtime.checkpoint.store import tag_names
+    keep, go, delete = os.path.join(root, "keep"), threading.Event(), discard._delete
+    discard._delete = lambda dirs: (go.wait(), delete(dirs))
     engine.config.checkpoint.keep_last = 2
     for step in range(3):
-        engine.save_checkpoint(os.path.join(root, "keep"), tag=f"t{step}")
+        engine.save_checkpoint(keep, tag=f"t{step}")
+    engine.save_checkpoint(keep, tag="t2")  # overwriting: the old shards are discarded too
     engine.config.checkpoint.keep_last = None
-    res["kept"] = sorted(os.listdir(os.path.join(root, "keep")))
+    res["kept_at_return"] = (tag_names(keep), sorted(os.listdir(keep)))
+    go.set()
+    discard.wait()
+    discard._delete = delete
+    res["kept"] = sorted(os.listdir(keep))
+    res["kept_t2"] = sorted(os.listdir(os.path.join(keep, "t2")))
 
     class Opaque:  # an LR scheduler whose state JSON cannot hold
         def state_dict(self):
@@ -428,7 +441,10 @@ def test_load_options_and_errors(saved):
     assert all(torch.equal(v, ref[n]) for n, v in api["module_only_params"].items())
     assert api["frozen_kept"] and api["trained_loaded"]
     assert api["loader"] == (True, True, 2)
+    tags, listing = api["kept_at_return"]  # t0 left the tags before its files were deleted
+    assert tags == ["t1", "t2"] and any(n.startswith(".dsrun-deleting-") for n in listing), listing
     assert api["kept"] == ["latest", "t1", "t2"]
+    assert api["kept_t2"] == ["index.json", "rank00000-of-00002.safetensors", "rank00001-of-00002.safetensors"]
     for kind, lr in (("warmup", None), ("steplr", [0.00125, 0.00125])):
         same_lr, same_state, same_loss, lrs = api[f"sched_{kind}"]
         assert same_lr and same_state and same_loss, kind

@@ -26,7 +26,6 @@ import json
 import logging
 import os
 import random
-import shutil
 import threading
 import time
 from typing import Any, Callable
@@ -35,12 +34,14 @@ import torch
 
 import dsrun
 from dsrun.runtime import comm
+from dsrun.runtime.checkpoint import discard
 from dsrun.runtime.checkpoint.pieces import HeldPiece, plain_pieces
 from dsrun.runtime.checkpoint.reader import SliceReader
 from dsrun.runtime.checkpoint.store import (INDEX, LATEST, CheckpointError, FileEntry, Index,
                                             StoredSlice, TensorEntry, atomic_write, dtype_name, dtype_of,
-                                            fsync_dir, index_time, load_index, read_shard_metadata,
-                                            resolve_tag, shard_name, stream_safetensors, write_json_atomic)
+                                            fsync_dir, index_time, is_shard_file, load_index,
+                                            read_shard_metadata, resolve_tag, shard_name, stream_safetensors,
+                                            tag_is_complete, tag_names, write_json_atomic)
 from dsrun.runtime.checkpoint.writer import ShardWriter, StagingBuffer
 from dsrun.runtime.fp16.onebit.base import CompressedCommOptimizer
 from dsrun.runtime.zero.params import record_of
@@ -336,6 +337,9 @@ def save(engine, save_dir: str, tag: str | None = None, client_state: dict | Non
             if os.path.exists(os.path.join(tag_dir, INDEX)):
                 os.unlink(os.path.join(tag_dir, INDEX))  # overwriting: incomplete first, never mixed
                 fsync_dir(tag_dir)
+            old = [os.path.join(tag_dir, f) for f in os.listdir(tag_dir) if is_shard_file(f)]
+            if old:  # any world size's; deleted in the background (see discard.py)
+                discard.discard(save_dir, old)
         scheduler = None
         if engine.lr_scheduler is not None:
             scheduler = _json_checked(engine.lr_scheduler.state_dict(), "the LR scheduler's state_dict")
@@ -463,14 +467,15 @@ def _prune(save_dir: str, keep: int, just_saved: str) -> None:
     if os.path.isfile(os.path.join(save_dir, LATEST)):
         with open(os.path.join(save_dir, LATEST)) as f:
             named = f.read().strip()
-    complete = [t for t in os.listdir(save_dir) if os.path.isfile(os.path.join(save_dir, t, INDEX))]
+    complete = [t for t in tag_names(save_dir) if tag_is_complete(os.path.join(save_dir, t))]
     complete.sort(key=lambda t: index_time(os.path.join(save_dir, t)))
-    for tag in complete[:max(len(complete) - keep, 0)]:
-        if tag not in (just_saved, named):
-            # The index goes first: a crash half-way leaves an incomplete tag, never a broken one.
-            os.unlink(os.path.join(save_dir, tag, INDEX))
-            shutil.rmtree(os.path.join(save_dir, tag))
-            log.info("checkpoint.keep_last=%d: deleted %s", keep, os.path.join(save_dir, tag))
+    doomed = [t for t in complete[:max(len(complete) - keep, 0)] if t not in (just_saved, named)]
+    for tag in doomed:
+        # The index goes first: a crash half-way leaves an incomplete tag, never a broken one.
+        os.unlink(os.path.join(save_dir, tag, INDEX))
+    if doomed:  # the files go in the background: see [Note: deletion off the save's path]
+        discard.discard(save_dir, [os.path.join(save_dir, t) for t in doomed])
+        log.info("checkpoint.keep_last=%d: deleted %s", keep, ", ".join(os.path.join(save_dir, t) for t in doomed))
 
 
 def _index_fields(engine, scheduler, param_groups, exclude_frozen: bool) -> dict:

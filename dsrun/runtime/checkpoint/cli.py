@@ -24,7 +24,7 @@ from rich.table import Table
 from dsrun.runtime.checkpoint.reader import SliceReader
 from dsrun.runtime.checkpoint.store import (INDEX, LATEST, CheckpointError, atomic_write,
                                             dtype_of, fsync_dir, load_index, resolve_tag, stream_safetensors,
-                                            tag_is_complete, verify_file)
+                                            tag_is_complete, tag_names, verify_file)
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
@@ -83,10 +83,8 @@ def inspect(directory: str) -> None:
     table = Table(title=directory)
     for col in ("tag", "complete", "ranks", "stage", "precision", "step", "tensors", "size (MB)"):
         table.add_column(col)
-    for tag in sorted(os.listdir(directory)):
+    for tag in tag_names(directory):
         tag_dir = os.path.join(directory, tag)
-        if not os.path.isdir(tag_dir):
-            continue
         size = sum(os.path.getsize(os.path.join(tag_dir, f)) for f in os.listdir(tag_dir))
         name = f"{tag} (latest)" if tag == latest else tag
         if not tag_is_complete(tag_dir):

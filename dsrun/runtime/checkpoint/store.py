@@ -58,6 +58,8 @@ FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)  # 1: files carry a sha256 only
 INDEX = "index.json"
 LATEST = "latest"
+# Hidden directories of old files being deleted (see discard.py); never tags.
+TRASH_PREFIX = ".dsrun-deleting-"
 
 _ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
               torch.uint8: "U8", torch.int8: "I8", torch.int32: "I32", torch.int64: "I64",
@@ -137,6 +139,17 @@ class Index(BaseModel):
 
 def shard_name(rank: int, world_size: int) -> str:
     return f"rank{rank:05d}-of-{world_size:05d}.safetensors"
+
+
+def is_shard_file(name: str) -> bool:
+    """A rank's shard (any world size) or the temporary name it is written under."""
+    return name.startswith(("rank", ".rank")) and ".safetensors" in name
+
+
+def tag_names(save_dir: str) -> list[str]:
+    """Every directory in save_dir that may be a tag (complete or not), sorted."""
+    return sorted(d for d in os.listdir(save_dir)
+                  if not d.startswith(TRASH_PREFIX) and os.path.isdir(os.path.join(save_dir, d)))
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -289,11 +302,11 @@ def resolve_tag(load_dir: str, tag: str | None) -> tuple[str | None, list[str]]:
         return tag, []
     if not os.path.isdir(load_dir):
         return None, []
-    tags = sorted(d for d in os.listdir(load_dir) if os.path.isdir(os.path.join(load_dir, d)))
+    tags = tag_names(load_dir)
     # A directory without an index is an incomplete tag when a save started in
     # it (shards or their temporaries); anything else there is not ours.
     incomplete = [t for t in tags if not tag_is_complete(os.path.join(load_dir, t))
-                  and any(f.startswith(("rank", ".rank")) for f in os.listdir(os.path.join(load_dir, t)))]
+                  and any(is_shard_file(f) for f in os.listdir(os.path.join(load_dir, t)))]
     tags = [t for t in tags if t in incomplete or tag_is_complete(os.path.join(load_dir, t))]
     latest = os.path.join(load_dir, LATEST)
     if os.path.isfile(latest):
