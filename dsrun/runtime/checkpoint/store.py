@@ -24,8 +24,9 @@ rank 0 builds the index from the headers without moving any data.
    step below, through the rendezvous store with bounded waits (see [Note:
    arrival check] in checkpointer.py): a dead rank makes the others fail
    instead of hanging. Rank 0 removes `<tag>/index.json` if the tag exists
-   (overwriting a tag makes it incomplete first, never inconsistent) before
-   any rank writes.
+   (overwriting a tag makes it incomplete first, never inconsistent) and
+   moves its old shards aside (deleted in the background: [Note: deletion
+   off the save's path] in discard.py) before any rank writes.
 2. Every rank writes its shard to a temporary name in the tag directory,
    fsyncs and renames it, hashing it as it goes (writer.py).
 3. All ranks publish (success, the file's checksum); if any rank failed, every rank
@@ -33,7 +34,8 @@ rank 0 builds the index from the headers without moving any data.
    `latest` unchanged.
 4. Rank 0 reads the shard headers, writes index.json (temporary name,
    fsync, rename, directory fsync), then replaces `latest` the same way
-   (and prunes old tags for checkpoint.keep_last).
+   (and prunes old tags for checkpoint.keep_last: index first, then the
+   files, moved aside and deleted in the background).
 5. A final agreement: save returns (or, with async_save, the background
    job ends) on every rank only once the tag is committed.
 A tag directory without index.json is never loaded; loading without a tag
