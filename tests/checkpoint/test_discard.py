@@ -66,3 +66,20 @@ def test_a_path_that_cannot_move_raises_and_leaves_nothing_behind(tmp_path):
         discard.discard(root, [old, os.path.join(root, "missing")])
     discard.wait()
     assert os.listdir(root) == []  # "old" had moved: it is deleted with the hidden directory
+
+
+def test_a_path_on_another_file_system_is_deleted_in_place(tmp_path, monkeypatch):
+    import errno
+    root = str(tmp_path)
+    mounted, other = _tag(root, "mounted"), _tag(root, "other")
+    rename = os.rename
+
+    def cross_device(src, dst):
+        if src == mounted:
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+        rename(src, dst)
+    monkeypatch.setattr(discard.os, "rename", cross_device)
+    discard.discard(root, [mounted, other])
+    assert not os.path.exists(mounted) and not os.path.exists(other)
+    discard.wait()
+    assert os.listdir(root) == []

@@ -7,8 +7,9 @@ on this development machine's virtual disk) it also tells the device,
 synchronously. Removing one 288 MB shard takes 60-70 ms here (20 ms of it
 CPU). A save that overwrites a tag (os.replace onto the old shard unlinks
 it) or prunes the oldest tag for `checkpoint.keep_last` (rank 0 removes
-every rank's shard) used to pay that inside the call: +0.13 s on a 0.3 s
-save of the 48M GPT when pruning.
+every rank's shard) used to pay that inside the call: pruning one 575 MB
+checkpoint of the 48M GPT added 0.04-0.12 s (13-50%) to a 0.2-0.3 s save
+(bench/checkpoint/README.md).
 
 So old files are first moved aside, which is a rename within the same
 directory tree (atomic, microseconds): into a fresh hidden directory
@@ -20,9 +21,12 @@ sit under a hidden name that no load, `latest` lookup or `dsrun-ckpt
 inspect` treats as a tag; the next save that discards anything in the same
 save_dir deletes such leftovers too. The threads are not daemons: the
 interpreter waits for them at exit, so a finished job leaves no garbage.
+A path that cannot be renamed there (on another file system mounted inside
+save_dir) is deleted in place, in the call, as before.
 """
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
@@ -43,13 +47,18 @@ def discard(save_dir: str, paths: list[str]) -> None:
     new hidden directory under `save_dir` and delete it, and any such
     directory a crashed run left there, in a background thread.
 
-    Raises OSError when a path cannot be moved (nothing is deleted then; the
-    paths already moved stay in the hidden directory, deleted later).
+    Raises OSError when a path can be neither moved nor deleted (a missing
+    one, permissions); the paths moved before it are deleted all the same.
     """
     trash = tempfile.mkdtemp(prefix=TRASH_PREFIX, dir=save_dir)
     try:
         for i, path in enumerate(paths):
-            os.rename(path, os.path.join(trash, f"{i}-{os.path.basename(os.path.normpath(path))}"))
+            try:
+                os.rename(path, os.path.join(trash, f"{i}-{os.path.basename(os.path.normpath(path))}"))
+            except OSError as e:
+                if e.errno not in (errno.EXDEV, errno.EBUSY):  # not on save_dir's file system: delete it here
+                    raise
+                shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.unlink(path)
     finally:
         with _lock:
             dirs = [trash] + [os.path.join(save_dir, d) for d in os.listdir(save_dir)
