@@ -598,6 +598,14 @@ def _async_rank(root):
     engine.wait_checkpoint()  # nothing pending any more
     with open(os.path.join(root, "async", "latest")) as f:
         out["latest"] = f.read()
+    # keep_last from the background thread: the pruned tag's files go in a thread of their own.
+    from dsrun.runtime.checkpoint import discard
+    engine.config.checkpoint.keep_last = 1
+    for tag in ("k0", "k1"):
+        engine.save_checkpoint(os.path.join(root, "keep"), tag=tag)
+    engine.wait_checkpoint()
+    discard.wait()
+    out["kept"] = sorted(os.listdir(os.path.join(root, "keep")))
     return out
 
 
@@ -609,3 +617,5 @@ def test_async_save(tmp_path):
         if rank == 1:
             assert "No space left on device" in out["error"]
         assert out["latest"] == "global_step2"
+        if rank == 0:  # the rank that pruned (and waited for its deletion)
+            assert out["kept"] == ["k1", "latest"]
