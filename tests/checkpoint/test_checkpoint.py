@@ -85,6 +85,7 @@ def _full_state(engine):
 def _save_rank(root):
     """2 ranks: save every case after 2 steps; resume on the same size; failures."""
     from dsrun.runtime.checkpoint import CheckpointError, checkpointer
+    from dsrun.runtime.checkpoint.reader import SliceReader
 
     rank = int(os.environ["RANK"])  # before initialize
     data = batches(rank, 4, 2, 1)
@@ -99,11 +100,16 @@ def _save_rank(root):
         rest = _run(engine, data[2:])
         # Same world size, same stage: a fresh engine (other init) resumes bitwise.
         resumed = _engine(stage, prec, kw, seed=123)
-        path, client = resumed.load_checkpoint(os.path.join(root, name))
+        opened, read_file = [], SliceReader._read_file  # which files this rank reads
+        SliceReader._read_file = lambda self, file, wanted: (opened.append(file), read_file(self, file, wanted))
+        try:
+            path, client = resumed.load_checkpoint(os.path.join(root, name))
+        finally:
+            SliceReader._read_file = read_file
         assert path.endswith("global_step2") and client["epoch"] == 3
         assert torch.equal(client["t"], torch.arange(4.0))
         assert resumed.global_steps == 2 and resumed.global_samples == engine.global_samples // 2
-        out[name] = {"ref": ref, "first": first, "rest": rest, "resumed": _run(resumed, data[2:])}
+        out[name] = {"ref": ref, "first": first, "rest": rest, "resumed": _run(resumed, data[2:]), "read": opened}
     # A save that fails on rank 1 after its shard leaves `latest` and the old tag alone.
     engine = _engine(1, "fp32", {})
     _run(engine, data[:1])
@@ -271,6 +277,9 @@ def test_same_size_resume_is_bitwise(saved, name):
     _, out = saved
     r = out[name]
     assert r["resumed"] == r["rest"]  # bitwise (loss scale and step counts restored)
+    # Every rank holds its own file's slices, so rank 0 reads only its own file,
+    # at stage 0 too (the other rank's replicated part is broadcast, not re-read).
+    assert set(r["read"]) == {"rank00000-of-00002.safetensors"}, r["read"]
 
 
 def test_index_records_format(saved):

@@ -14,12 +14,15 @@ fp32, frozen parameters at stages 1-2) and buffers are *plain*: every rank
 holds all of them.
 
 A piece held by several ranks (replicas) is written once: replica q of R
-writes the q-th of R even sub-ranges [write_lo, write_hi). Loading fills the
-whole [lo, hi) on every replica.
+writes the q-th of R even sub-ranges [write_lo, write_hi). A load reads the
+same sub-range on each replica and broadcasts it to the others, so the whole
+[lo, hi) is filled on every replica (see [Note: replicated loads] in
+checkpointer.py).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -38,6 +41,12 @@ class HeldPiece:
     trainable: has an optimizer state (state_key is not None).
     state_key: the tensor keying `optimizer.state` for these elements.
     state_offset: flattened offset of element `lo` inside that state's tensors.
+    replicas: the ranks that hold these same elements, this one included
+        (an object with .group, a torch ProcessGroup or None for the default
+        group, .rank and .size: zero.groups.RankGroup); None when no other
+        rank does. [write_lo, write_hi) is then this rank's even part: a load
+        reads only that part and takes the rest from the replicas (see
+        [Note: replicated loads] in checkpointer.py).
     """
 
     name: str
@@ -51,6 +60,7 @@ class HeldPiece:
     trainable: bool = False
     state_key: torch.Tensor | None = None
     state_offset: int = 0
+    replicas: Any = None
 
 
 def even_part(lo: int, hi: int, index: int, parts: int) -> tuple[int, int]:
@@ -68,11 +78,13 @@ def flat_view(t: torch.Tensor, what: str) -> torch.Tensor:
 
 
 def plain_pieces(module: torch.nn.Module, optimizer: torch.optim.Optimizer, skip: set[int],
-                 rank: int, world_size: int) -> list[HeldPiece]:
+                 world: Any) -> list[HeldPiece]:
     """Pieces of every parameter not in `skip` (ids of ZeRO-managed ones) and of
-    every persistent buffer: each rank holds all elements and writes an even
-    1/world_size slice. Optimizer state key: the parameter itself when the
-    optimizer holds it."""
+    every persistent buffer: every rank of `world` (the job's RankGroup)
+    holds all elements and writes an even 1/world.size slice. Optimizer state
+    key: the parameter itself when the optimizer holds it."""
+    rank, world_size = world.rank, world.size
+    replicas = world if world_size > 1 else None
     in_optimizer = {id(p) for g in optimizer.param_groups for p in g["params"]}
     pieces = []
     for name, p in module.named_parameters():
@@ -82,7 +94,7 @@ def plain_pieces(module: torch.nn.Module, optimizer: torch.optim.Optimizer, skip
         wlo, whi = even_part(0, n, rank, world_size)
         trainable = id(p) in in_optimizer
         pieces.append(HeldPiece(name, tuple(p.shape), "param", 0, n, wlo, whi, flat_view(p.data, name),
-                                trainable, p if trainable else None, 0))
+                                trainable, p if trainable else None, 0, replicas))
     for mod_name, mod in module.named_modules():
         for bname, buf in mod._buffers.items():
             if buf is None or bname in mod._non_persistent_buffers_set:
@@ -90,5 +102,6 @@ def plain_pieces(module: torch.nn.Module, optimizer: torch.optim.Optimizer, skip
             name = f"{mod_name}.{bname}" if mod_name else bname
             n = buf.numel()
             wlo, whi = even_part(0, n, rank, world_size)
-            pieces.append(HeldPiece(name, tuple(buf.shape), "buffer", 0, n, wlo, whi, flat_view(buf, name)))
+            pieces.append(HeldPiece(name, tuple(buf.shape), "buffer", 0, n, wlo, whi, flat_view(buf, name),
+                                    replicas=replicas))
     return pieces

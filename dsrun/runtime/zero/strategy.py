@@ -369,7 +369,7 @@ class ZeroStrategy(GradientStrategy):
                     offset = so - span.lo
                 wlo, whi = even_part(piece.lo, piece.hi, rep.rank, rep.size)
                 pieces.append(HeldPiece(slot.name, slot.shape, "param", piece.lo, piece.hi, wlo, whi,
-                                        value, trainable, key, offset))
+                                        value, trainable, key, offset, rep if rep.size > 1 else None))
         return pieces
 
     def managed_params(self) -> list[torch.nn.Parameter]:
