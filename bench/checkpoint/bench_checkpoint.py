@@ -37,6 +37,11 @@ so the slower rank counts):
               states exist already; the first load allocates them);
               "reshard/same" = again / same-size, the issue's "load on
               another world size / same-size load"
+              "load MB read by rank 0": what rank 0 read from the disk during
+              the 2-rank load (/proc/self/io); "load broadcasts" / "load
+              broadcast s": the broadcasts that handed each rank the parts of
+              replicated state the other read, and their time
+              (engine.comm_stats())
   pruning     the same state saved into an empty directory ("save again":
               a later save of the same engine, unlike "save" above), then
               saved again there with checkpoint.keep_last=1, which deletes
@@ -123,6 +128,13 @@ def _rss_mark() -> int:
 def _status_bytes(field: str) -> int:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) << 10 for line in f if line.startswith(field + ":"))
+
+
+def _read_bytes() -> int:
+    """Bytes this process has had read from storage so far (/proc/self/io
+    read_bytes: O_DIRECT reads included, page-cache hits not)."""
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("read_bytes:"))
 
 
 def _rss_extra(mark: int) -> int:
@@ -233,7 +245,13 @@ def _dsrun_worker(rank: int, world: int, port: int, args, stage: int, queue) -> 
     future.result()
     dist.barrier()
     row["dcp_async_total"] = time.perf_counter() - t0
+    comm_before, read_before = engine.comm_stats().get("broadcast"), _read_bytes()
     _measured(row, "load", lambda: engine.load_checkpoint(root, tag="sync"))
+    row["load_read"] = _read_bytes() - read_before
+    after = engine.comm_stats().get("broadcast")
+    if after is not None:  # the replicated parts sent to the other rank (see [Note: replicated loads])
+        row["load_bcast_calls"] = after.calls - (comm_before.calls if comm_before else 0)
+        row["load_bcast_s"] = after.seconds - (comm_before.seconds if comm_before else 0.0)
     _measured(row, "dcp_load", lambda: dcp.load(state, checkpoint_id=os.path.join(root, "dcp")))
     # Saving with checkpoint.keep_last=1 next to one checkpoint of the same size (it is pruned).
     pruned = os.path.join(args.dir, f"dsrun{stage}-keep")
@@ -334,6 +352,9 @@ COLUMNS = [  # (heading, function of one repeat's row, format)
     ("DCP async total s", lambda r: r["dcp_async_total"], "{:.3f}"),
     ("DS save s", lambda r: r.get("ds_save"), "{:.3f}"),
     ("load s", lambda r: r["load"], "{:.3f}"),
+    ("load MB read by rank 0", lambda r: r["load_read"] / 1e6 if "load_read" in r else None, "{:.0f}"),
+    ("load broadcasts", lambda r: r.get("load_bcast_calls"), "{:.0f}"),
+    ("load broadcast s", lambda r: r.get("load_bcast_s"), "{:.3f}"),
     ("load 1 proc s", lambda r: r["load_1"], "{:.3f}"),
     ("load 1 proc same-size s", lambda r: r.get("load_1_same"), "{:.3f}"),
     ("load 1 proc again s", lambda r: r.get("load_1_again"), "{:.3f}"),

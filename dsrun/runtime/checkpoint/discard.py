@@ -58,7 +58,10 @@ def discard(save_dir: str, paths: list[str]) -> None:
             except OSError as e:
                 if e.errno not in (errno.EXDEV, errno.EBUSY):  # not on save_dir's file system: delete it here
                     raise
-                shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.unlink(path)
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path)
+                else:
+                    os.unlink(path)
     finally:
         with _lock:
             dirs = [trash] + [os.path.join(save_dir, d) for d in os.listdir(save_dir)
