@@ -1,4 +1,8 @@
-"""dsrun.accelerator.get_accelerator(): DeepSpeed's accelerator interface on the CPU."""
+"""dsrun.accelerator.get_accelerator(): DeepSpeed's accelerator interface.
+
+The CPU accelerator's tests ask for it (DS_ACCELERATOR=cpu), so they hold on
+a machine with a GPU too; the CUDA ones run where torch sees a GPU.
+"""
 from __future__ import annotations
 
 import pytest
@@ -15,7 +19,13 @@ def fresh(monkeypatch):
     real_accelerator._current = None
 
 
-def test_cpu_accelerator_answers_like_deepspeeds(fresh, monkeypatch):
+@pytest.fixture
+def cpu(fresh, monkeypatch):
+    """The CPU accelerator, whatever devices this machine has."""
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+
+
+def test_cpu_accelerator_answers_like_deepspeeds(cpu, monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     acc = get_accelerator()
@@ -42,7 +52,7 @@ def test_cpu_accelerator_answers_like_deepspeeds(fresh, monkeypatch):
     assert acc.visible_devices_envs() == [] and acc.export_envs() == []
 
 
-def test_memory_queries_report_this_process(fresh):
+def test_memory_queries_report_this_process(cpu):
     acc = get_accelerator()
     before = acc.memory_allocated()
     block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
@@ -52,7 +62,7 @@ def test_memory_queries_report_this_process(fresh):
     del block
 
 
-def test_seeding_reproduces(fresh):
+def test_seeding_reproduces(cpu):
     acc = get_accelerator()
     acc.manual_seed(7)
     a = torch.randn(4)
@@ -74,6 +84,22 @@ def test_ds_accelerator_env(fresh, monkeypatch):
             get_accelerator()
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     assert get_accelerator()._name == "cpu"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_accelerator_is_the_default_with_a_gpu(fresh, monkeypatch):
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    acc = get_accelerator()
+    assert acc.device_name() == "cuda" and acc.communication_backend_name() == "nccl"
+    before = acc.memory_allocated()
+    block = torch.ones(64 * 2**20 // 4, device=acc.current_device_name())  # 64 MiB on the GPU
+    assert acc.memory_allocated() >= before + 64 * 2**20 and acc.on_accelerator(block)
+    host = acc.pin_memory(torch.ones(4))
+    assert acc.is_pinned(host)
+    acc.manual_seed_all(7)
+    a = torch.randn(4, device=block.device)
+    acc.manual_seed_all(7)
+    assert torch.equal(a, torch.randn(4, device=block.device))
 
 
 def test_set_accelerator(fresh):
