@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # CPU build of torch unless an NVIDIA driver is present (then the default CUDA build).
 TORCH_SPEC := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch" || echo "torch==2.13.0")
 
-.PHONY: install demo test test-quick bench docs clean
+.PHONY: install demo test test-quick gpu-check bench docs clean
 
 # Two stamps: the demo needs only what `pip install dsrun` brings; the tests,
 # benchmarks and docs add the [test] extra (pytest, transformers, mkdocs, ...).
@@ -31,6 +31,14 @@ test: install
 
 test-quick: install
 	$(PY) -m pytest -q -m "not slow"
+
+# On one GPU: every stage, precision, offload and zero.Init configuration of the
+# GPT beside plain PyTorch, as one table (bench/gpu/README.md); non-zero exit on
+# any failure. GPU_PY=python3 uses an existing Python that has torch with CUDA.
+GPU_PY ?= $(PY)
+gpu-check:
+	@if [ "$(GPU_PY)" = "$(PY)" ]; then $(MAKE) --no-print-directory $(VENV)/.installed; fi
+	$(GPU_PY) bench/gpu/gpu_check.py $(GPU_CHECK_ARGS)
 
 # The documentation site (MkDocs + Material) into site/; strict: a warning is an error.
 docs: install
