@@ -157,6 +157,8 @@ def main() -> int:
     p.add_argument("--device", default=None, help="cuda (default when a GPU is visible) or cpu")
     p.add_argument("--timeout", type=float, default=240.0, help="seconds per configuration")
     p.add_argument("--out", default=None, help="also write the table (markdown) here")
+    p.add_argument("--only", default=None, help="comma-separated label fragments: run only rows whose label "
+                   "contains one (e.g. 'plain,offload')")
     p.add_argument("--no_extra", action="store_true", help="skip bench/gpu/*_check.py")
     args = p.parse_args()
     import torch
@@ -179,6 +181,8 @@ def main() -> int:
     for i, model in enumerate(models):
         cases = CASES["small" if i == 0 else "large"] + ds_cases
         for label, argv in cases:
+            if args.only and not any(f in label for f in args.only.split(",")):
+                continue
             r = run_case(label, model, argv, device, args.timeout)
             rows.append(r)
             print(f"{model:5} {label:40} rc={r['rc']} {r['wall_s']:.0f} s "
