@@ -193,6 +193,7 @@ def main() -> int:
     args = p.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda":
+        device = torch.device("cuda", device.index or 0)
         torch.cuda.set_device(device)
     result = {"model": args.model, "run": args.run}
     step = make_step(args, device)
