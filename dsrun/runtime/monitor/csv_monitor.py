@@ -11,7 +11,7 @@ import json
 import os
 from typing import Any, Iterable
 
-from dsrun.runtime.monitor.monitor import Event, Monitor, run_dir
+from dsrun.runtime.monitor.base import Event, Monitor, run_dir
 
 
 def csv_file_name(event_name: str) -> str:

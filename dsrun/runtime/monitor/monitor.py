@@ -1,37 +1,13 @@
-"""The monitor interface and `MonitorMaster`, which fans events out to every enabled backend."""
+"""`MonitorMaster`, which fans events out to every backend the config enables."""
 from __future__ import annotations
 
-import abc
-import os
 from typing import Any, Iterable
 
 from dsrun.runtime.config import DsConfig
-
-Event = tuple[str, float, int]  # (name, value, step): TensorBoard's add_scalar arguments
-
-
-class MonitorUnavailableError(RuntimeError):
-    """A monitor is enabled in the config but the package it writes through is not installed."""
-
-
-class Monitor(abc.ABC):
-    """One output of training metrics (DeepSpeed's `deepspeed.monitor.monitor.Monitor`)."""
-
-    @abc.abstractmethod
-    def write_events(self, event_list: Iterable[Event]) -> None:
-        """Record each (name, value, step); `step` is the x axis (DeepSpeed: samples seen)."""
-
-    def update_config(self, config_dict: dict[str, Any]) -> None:
-        """Store the run's config next to its metrics (default: nothing)."""
-
-    def close(self) -> None:
-        """Flush and release files (default: nothing)."""
-
-
-def run_dir(output_path: str, job_name: str) -> str:
-    """The directory one monitor writes a run to: output_path/job_name
-    (DeepSpeed's rule; an empty output_path means the current directory)."""
-    return os.path.join(output_path or ".", job_name)
+from dsrun.runtime.monitor.base import Event, Monitor, MonitorUnavailableError  # noqa: F401 - DeepSpeed's names here
+from dsrun.runtime.monitor.csv_monitor import CsvMonitor
+from dsrun.runtime.monitor.tensorboard import TensorBoardMonitor
+from dsrun.runtime.monitor.wandb_monitor import WandbMonitor
 
 
 class MonitorMaster(Monitor):
@@ -58,11 +34,7 @@ class MonitorMaster(Monitor):
         self.monitors: list[Monitor] = []
         if rank != 0:
             return
-        # Imported here: each backend imports its optional package at construction.
-        from dsrun.runtime.monitor.csv_monitor import CsvMonitor
-        from dsrun.runtime.monitor.tensorboard import TensorBoardMonitor
-        from dsrun.runtime.monitor.wandb_monitor import WandbMonitor
-
+        # Each backend imports its optional package (tensorboard, wandb) only when built.
         if config.tensorboard.enabled:
             self.monitors.append(TensorBoardMonitor(config.tensorboard.output_path, config.tensorboard.job_name))
         if config.csv_monitor.enabled:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any, Iterable
 
-from dsrun.runtime.monitor.monitor import Event, Monitor, MonitorUnavailableError, run_dir
+from dsrun.runtime.monitor.base import Event, Monitor, MonitorUnavailableError, run_dir
 
 
 class TensorBoardMonitor(Monitor):

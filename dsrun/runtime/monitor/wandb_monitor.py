@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from dsrun.runtime.monitor.monitor import Event, Monitor, MonitorUnavailableError
+from dsrun.runtime.monitor.base import Event, Monitor, MonitorUnavailableError
 
 
 class WandbMonitor(Monitor):
