@@ -223,7 +223,6 @@ def _raise_unless_all(results: list[tuple[bool, str]], error: BaseException | No
                                                                    " (their own error is raised there)"))
 
 
-
 # How a rank wants a difference between ranks' directories or tags handled,
 # mildest first; the strictest any rank asks for applies.
 _HANDLING = ("ignore", "warn", "error")
@@ -286,8 +285,8 @@ def agree_on_location(rdv: Rendezvous, checkpoint_cfg, dir_arg: str, directory: 
     record = json.dumps({"values": mine, "handling": _handling(checkpoint_cfg)})
     records = [json.loads(report) for _, report in rdv.agree("location", True, record)]
     first = records[0]["values"]
-    differing = {key: [(r, rec["values"][key]) for r, rec in enumerate(records) if rec["values"][key] != first[key]]
-                 for key in mine}
+    differing = {key: [(r, rec["values"][key]) for r, rec in enumerate(records)
+                       if rec["values"][key] != first[key]] for key in mine}
     if not any(differing.values()):
         return os.fspath(directory), tag
     how = {key: max((rec["handling"][key] for rec in records), key=_HANDLING.index) for key in mine}
@@ -307,6 +306,7 @@ def agree_on_location(rdv: Rendezvous, checkpoint_cfg, dir_arg: str, directory: 
     if warned and rdv.rank == 0:
         log.warning("%s: the ranks passed different arguments: %s", rdv.what, "; ".join(warned))
     return first["dir"], first["tag"]
+
 
 # ---- JSON helpers ----------------------------------------------------------------
 def _json_checked(value: Any, what: str) -> Any:
