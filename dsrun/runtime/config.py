@@ -572,8 +572,14 @@ class CheckpointConfig(_Section):
                              "not written yet). The next save, load or engine.wait_checkpoint() waits for "
                              "it and raises its error.")
     tag_validation: Literal["Warn", "Ignore", "Fail"] = Field(
-        "Warn", description="What to do when ranks save under different tags; dsrun always fails "
-                            "(a save waits for every rank under the same tag).")
+        "Warn", description="What to do when ranks pass different tags to save_checkpoint or "
+                            "load_checkpoint: Warn and Ignore use rank 0's tag on every rank (Warn "
+                            "logs which ranks differed), Fail raises on every rank before any file "
+                            "is touched.")
+    strict_paths: bool = Field(False, description="dsrun: when ranks pass different directories or tags "
+                               "to save_checkpoint / load_checkpoint, raise on every rank before any file "
+                               "is touched (as DSRUN_STRICT_CONFIG=1 does) instead of using rank 0's "
+                               "with a warning.")
     load_universal: bool = Field(False, description="Load a DeepSpeed universal checkpoint; every dsrun "
                                  "checkpoint loads on any world size and stage, so this has no effect.")
     use_node_local_storage: bool = Field(False, description="Each node writes to its own storage.")
@@ -852,7 +858,6 @@ NO_EFFECT_YET: dict[str, Any] = {
     "zero_allow_untested_optimizer": True,
     "activation_checkpointing.contiguous_memory_optimization": False,  # no copy into one buffer
     "activation_checkpointing.number_checkpoints": None,
-    "checkpoint.tag_validation": "Fail",
     "checkpoint.load_universal": True,
     "comms_logger.debug": False,  # callers of collectives are not recorded
     "zero_optimization.offload_optimizer.fast_init": False,  # swap files are preallocated in one call

@@ -388,10 +388,17 @@ class Engine(DeepSpeedEngineCompat, torch.nn.Module):
         first copies what it has not written yet); `wait_checkpoint()` (or
         the next save/load) waits for the write and raises its error.
 
+        save_dir and tag are collective arguments: when ranks pass
+        different ones, rank 0's are used on every rank and rank 0 logs one
+        warning naming the others' (an error on every rank, before anything
+        is written, under DSRUN_STRICT_CONFIG=1 or config
+        `checkpoint.strict_paths`).
+
         Args:
             tag: directory name; default "global_step<global_steps>".
             client_state: JSON-able dict (tensors inside are stored as
-                tensors) returned by load_checkpoint.
+                tensors) returned by load_checkpoint. Only rank 0's is
+                saved; what other ranks pass is ignored.
             save_latest: point save_dir/latest at this tag.
             exclude_frozen_parameters: leave parameters with
                 requires_grad=False out.
@@ -401,7 +408,8 @@ class Engine(DeepSpeedEngineCompat, torch.nn.Module):
 
         Raises:
             dsrun.runtime.checkpoint.CheckpointError: on every rank, when any
-                rank failed, a state is not JSON-able, or not every rank called.
+                rank failed, a state is not JSON-able, not every rank called,
+                or ranks passed different save_dir/tag under strict checking.
         """
         checkpointer.save(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
         return True
@@ -412,7 +420,8 @@ class Engine(DeepSpeedEngineCompat, torch.nn.Module):
         """Load a checkpoint saved by save_checkpoint (call on every rank).
 
         tag None: the tag in load_dir/latest, else the newest complete one
-        (incomplete tags are skipped and named in a warning).
+        (incomplete tags are skipped and named in a warning). load_dir and
+        tag are agreed as in save_checkpoint (rank 0's are used).
 
         Returns:
             (path of the tag directory, client_state), or (None, None) when
@@ -420,7 +429,9 @@ class Engine(DeepSpeedEngineCompat, torch.nn.Module):
 
         Raises:
             dsrun.runtime.checkpoint.CheckpointError: naming the file or key
-                (missing/incomplete tag, corrupted file, another model).
+                (missing/incomplete tag, corrupted file, another model), or
+                the ranks that passed another load_dir/tag under strict
+                checking.
         """
         return checkpointer.load(self, load_dir, tag, load_module_strict, load_optimizer_states,
                                  load_lr_scheduler_states, load_module_only)

@@ -63,6 +63,7 @@ from dsrun.runtime.checkpoint.store import (INDEX, LATEST, CheckpointError, File
                                             read_shard_metadata, resolve_tag, shard_name, stream_safetensors,
                                             tag_is_complete, tag_names, write_json_atomic)
 from dsrun.runtime.checkpoint.writer import ShardWriter, StagingBuffer
+from dsrun.runtime.config import STRICT_ENV
 from dsrun.runtime.fp16.onebit.base import CompressedCommOptimizer
 from dsrun.runtime.zero.groups import RankGroup
 from dsrun.runtime.zero.params import record_of
@@ -141,8 +142,9 @@ class Rendezvous:
     bounds the wait on rank 0 only; NCCL has nothing), and an asynchronous
     save must not issue collectives from its thread while training issues
     its own. So ranks agree through the key-value store torch.distributed was
-    initialised with (its TCPStore), under keys naming the call, its tag, the
-    step and a per-process generation (repeated calls stay apart):
+    initialised with (its TCPStore), under keys naming the call, the step and
+    a per-process generation (repeated calls stay apart); not the tag, which
+    the ranks only agree on afterwards (`agree_on_location`):
 
     - arrival: every rank adds 1 to a counter and polls it until it reaches
       the world size. After ARRIVAL_TIMEOUT_S a rank takes its 1 back (so a
@@ -158,7 +160,7 @@ class Rendezvous:
     agrees with itself. Raises CheckpointError.
     """
 
-    def __init__(self, engine, what: str, tag: str):
+    def __init__(self, engine, what: str, tag: str | None):
         self.what = what
         self.rank, self.world = engine.topology.rank, engine.topology.world_size
         self.store = None
@@ -167,13 +169,13 @@ class Rendezvous:
         from torch.distributed import distributed_c10d
 
         self.store = distributed_c10d._get_default_store()
-        base = f"dsrun/ckpt/{what}/{tag}/{engine.global_steps}"
+        base = f"dsrun/ckpt/{what}/{engine.global_steps}"
         generation = _generations.get(base, 0)
         _generations[base] = generation + 1
         self.base = f"{base}/{generation}"
         self._arrive(tag, engine.global_steps)
 
-    def _arrive(self, tag: str, step: int) -> None:
+    def _arrive(self, tag: str | None, step: int) -> None:
         key = f"{self.base}/arrived"
         count = self.store.add(key, 1)
         deadline = time.monotonic() + ARRIVAL_TIMEOUT_S
@@ -219,6 +221,91 @@ def _raise_unless_all(results: list[tuple[bool, str]], error: BaseException | No
         reports = "; ".join(f"rank {r}: {results[r][1]}" for r in bad if results[r][1])
         raise CheckpointError(f"{what} failed on rank(s) {bad}" + (f": {reports}" if reports else
                                                                    " (their own error is raised there)"))
+
+
+# How a rank wants a difference between ranks' directories or tags handled,
+# mildest first; the strictest any rank asks for applies.
+_HANDLING = ("ignore", "warn", "error")
+
+
+def _handling(checkpoint_cfg) -> dict[str, str]:
+    """This rank's handling of a differing directory ("dir") and tag: "error"
+    under DSRUN_STRICT_CONFIG=1 or `checkpoint.strict_paths`; a tag also
+    follows DeepSpeed's `checkpoint.tag_validation` ("Fail": error,
+    "Ignore": no warning); otherwise "warn"."""
+    strict = checkpoint_cfg.strict_paths or os.environ.get(STRICT_ENV, "") == "1"
+    tag = {"Fail": "error", "Ignore": "ignore"}.get(checkpoint_cfg.tag_validation, "warn")
+    return {"dir": "error" if strict else "warn", "tag": "error" if strict else tag}
+
+
+def agree_on_location(rdv: Rendezvous, checkpoint_cfg, dir_arg: str, directory: str | os.PathLike,
+                      tag: str | None) -> tuple[str, str | None]:
+    """The directory and tag every rank of one save or load uses: rank 0's
+    when the ranks' differ (see [Note: agreed location]). Call it on every
+    rank, right after `rdv` is made and before touching any file.
+
+    Args:
+        rdv: the call's rendezvous (its "location" agreement is used).
+        checkpoint_cfg: the engine's `checkpoint` config section.
+        dir_arg: the directory's argument name for messages ("save_dir",
+            "load_dir").
+        directory: this rank's directory, as passed.
+        tag: this rank's tag (None on load: the latest).
+
+    Returns:
+        (directory, tag): this rank's own when every rank's resolve to the
+        same absolute directory and tag, else rank 0's absolute directory
+        and tag (the same on every rank).
+
+    Raises:
+        CheckpointError: on every rank, naming each differing rank and its
+            value, when they differ and some rank asked for strictness
+            (DSRUN_STRICT_CONFIG=1, `checkpoint.strict_paths`, or
+            `checkpoint.tag_validation` "Fail" for the tag).
+
+    [Note: agreed location]
+    save_dir / load_dir and the tag are collective arguments, like a
+    collective's shape: if ranks name different tag directories, each writes
+    its shard into its own and the commit fails looking for the others'
+    (DeepSpeed leaves a checkpoint that cannot be loaded). Scripts that name
+    the directory after the clock (DeepSpeedExamples' bing_bert builds it
+    with time.strftime on each rank) hit this whenever the ranks straddle a
+    second. So each rank publishes through the store (`rdv.agree`, before
+    any file is touched) its absolute directory (ranks in different working
+    directories differ too), its tag, and how it wants a difference handled
+    (`_handling`). Every rank reads the same records and takes the same
+    branch: no difference -> each keeps its own arguments; a difference
+    that the strictest handling any rank asked for makes an error -> the
+    same CheckpointError on every rank; otherwise every rank uses rank 0's
+    directory and tag, and rank 0 logs one warning naming each differing
+    rank and its value. client_state is not compared: only rank 0's is
+    saved, whatever the other ranks pass.
+    """
+    mine = {"dir": os.path.abspath(os.fspath(directory)), "tag": tag}
+    record = json.dumps({"values": mine, "handling": _handling(checkpoint_cfg)})
+    records = [json.loads(report) for _, report in rdv.agree("location", True, record)]
+    first = records[0]["values"]
+    differing = {key: [(r, rec["values"][key]) for r, rec in enumerate(records)
+                       if rec["values"][key] != first[key]] for key in mine}
+    if not any(differing.values()):
+        return os.fspath(directory), tag
+    how = {key: max((rec["handling"][key] for rec in records), key=_HANDLING.index) for key in mine}
+
+    def describe(key: str, used: str) -> str:
+        name = dir_arg if key == "dir" else "tag"
+        ranks = ", ".join(f"rank {r} passed {name} {value!r}" for r, value in differing[key])
+        return f"{ranks}, rank 0's {first[key]!r}{used}"
+    errors = [key for key in mine if differing[key] and how[key] == "error"]
+    if errors:
+        raise CheckpointError(
+            f"{rdv.what}: the ranks passed different arguments: "
+            + "; ".join(describe(key, "") for key in errors)
+            + f". Nothing was read or written; every rank must pass the same {dir_arg} and tag (without "
+            f"{STRICT_ENV}=1, checkpoint.strict_paths or checkpoint.tag_validation \"Fail\", rank 0's are used)")
+    warned = [describe(key, " is used") for key in mine if differing[key] and how[key] == "warn"]
+    if warned and rdv.rank == 0:
+        log.warning("%s: the ranks passed different arguments: %s", rdv.what, "; ".join(warned))
+    return first["dir"], first["tag"]
 
 
 # ---- JSON helpers ----------------------------------------------------------------
@@ -338,20 +425,24 @@ def save(engine, save_dir: str, tag: str | None = None, client_state: dict | Non
     directory. With `checkpoint.async_save` a background thread writes and
     commits (see [Note: copy-on-write snapshot] in writer.py); the call
     returns at once and the next save, load or `wait_pending` waits for it
-    (and raises its error).
+    (and raises its error). save_dir and tag are rank 0's when ranks pass
+    different ones (one warning; see `agree_on_location`); client_state is
+    rank 0's, whatever the other ranks pass.
     Raises CheckpointError (on every rank) when a rank cannot write, state is
-    not JSON-able (LR scheduler, client_state), or not every rank called
-    save; `latest` and any earlier tag are then untouched. See [Note: commit
-    protocol] in store.py.
+    not JSON-able (LR scheduler, client_state), not every rank called save,
+    or ranks passed different save_dir/tag under strict checking (then
+    before anything is written); `latest` and any earlier tag are then
+    untouched. See [Note: commit protocol] in store.py.
     """
     wait_pending(engine)
     topo = engine.topology
     rank = topo.rank
     tag = f"global_step{engine.global_steps}" if tag is None else str(tag)
+    rdv = Rendezvous(engine, "save_checkpoint", tag)
+    save_dir, tag = agree_on_location(rdv, engine.config.checkpoint, "save_dir", save_dir, tag)
     if not tag or "/" in tag or tag in (".", "..", LATEST):
         raise CheckpointError(f"invalid checkpoint tag {tag!r}")
     tag_dir = os.path.join(save_dir, tag)
-    rdv = Rendezvous(engine, "save_checkpoint", tag)
     error = None
     try:
         if rank == 0:
@@ -708,15 +799,22 @@ def load(engine, load_dir: str, tag: str | None = None, load_module_strict: bool
          load_module_only: bool = False) -> tuple[str | None, Any]:
     """Load a checkpoint into the engine, on any world size, stage and precision
     (collective: every rank). Returns (tag directory, client_state), or
-    (None, None) when load_dir holds no complete checkpoint.
+    (None, None) when load_dir holds no complete checkpoint. load_dir and
+    tag are rank 0's when ranks pass different ones (one warning; see
+    `agree_on_location`).
 
     Raises CheckpointError (on every rank) naming the file or key: missing
     tag, incomplete tag, corrupted/truncated file, a checkpoint of another
     model (missing/unexpected keys under load_module_strict, shape mismatch
-    always). A failure while reading may leave some tensors loaded.
+    always); or naming the ranks, when they passed different load_dir/tag
+    under strict checking (then before any file is read). A failure while
+    reading may leave some tensors loaded.
     """
     wait_pending(engine)
     topo = engine.topology
+    rdv = Rendezvous(engine, "load_checkpoint", tag)
+    load_dir, tag = agree_on_location(rdv, engine.config.checkpoint, "load_dir", load_dir,
+                                      None if tag is None else str(tag))
     tag, skipped = resolve_tag(load_dir, tag)
     if skipped and topo.rank == 0:
         log.warning("skipped incomplete checkpoint tag(s) in %s (no %s): %s", load_dir, INDEX, ", ".join(skipped))
@@ -725,7 +823,6 @@ def load(engine, load_dir: str, tag: str | None = None, load_module_strict: bool
             log.warning("no complete checkpoint in %s; nothing loaded", load_dir)
         return None, None
     tag_dir = os.path.join(load_dir, tag)
-    rdv = Rendezvous(engine, "load_checkpoint", tag)
     error, index, reader, rng, client_state, shared = None, None, None, None, None, []
     try:
         index = load_index(tag_dir)
