@@ -12,7 +12,6 @@ only add to it).
 from __future__ import annotations
 
 import math
-import os
 import sys
 from pathlib import Path
 
@@ -43,39 +42,6 @@ def _finite_seconds(_ctx: click.Context, param: click.Parameter, value: float) -
     if not math.isfinite(value):
         raise click.BadParameter(f"{value} is not a number of seconds; give a finite number, e.g. 10", param=param)
     return value
-
-
-def visible_gpu_count() -> int:
-    """GPUs a rank here could use, without importing torch: CUDA_VISIBLE_DEVICES if set, else the
-    NVIDIA driver's list (/proc/driver/nvidia/gpus); 0 without a driver."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        return len([d for d in visible.split(",") if d.strip() and not d.strip().startswith("-")])
-    gpus = Path("/proc/driver/nvidia/gpus")
-    return len(list(gpus.iterdir())) if gpus.is_dir() else 0
-
-
-def warn_if_oversubscribed(num_procs: int, console: Console) -> None:
-    """Warn when a machine gets more ranks than it has GPUs, or (without GPUs) CPU cores."""
-    cores, gpus = len(os.sched_getaffinity(0)), visible_gpu_count()
-    if gpus and num_procs > gpus:
-        console.print(f"dsrun: warning: {num_procs} ranks but {gpus} visible GPU(s) on this machine: "
-                      f"ranks with LOCAL_RANK >= {gpus} have no GPU of their own")
-    elif not gpus and num_procs > cores:
-        console.print(f"dsrun: warning: {num_procs} ranks on a machine with {cores} CPU core(s) and no GPU: "
-                      "each rank is a Python process with its own copy of the model, so they will time-share "
-                      f"the cores and may run out of memory; --num_procs {cores} or fewer is faster")
-
-
-def default_num_procs() -> int:
-    """One process per visible CUDA GPU, else 1 with a notice (imports torch: about a second)."""
-    import torch  # deferred: importing torch costs ~1 s, and only this default needs it
-
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if count == 0:
-        console.print("dsrun: no CUDA GPU visible; starting 1 process (pass --num_procs N to start N)")
-        return 1
-    return count
 
 
 def rank_command(script: str, script_args: tuple[str, ...], module: bool) -> list[str]:

@@ -16,8 +16,7 @@ every connection, host key, login, working directory, Python and the
 master address from every node.
 
 Each launcher's module is imported only when that launcher is used, so a
-local launch does not pay for paramiko; `cli` is imported late because it
-imports this module.
+local launch does not pay for paramiko.
 """
 from __future__ import annotations
 
@@ -36,6 +35,7 @@ from dsrun.launcher.failure import exit_status
 from dsrun.launcher.head import Head
 from dsrun.launcher.hostfile import Host, HostfileError, parse_hostfile, select_slots
 from dsrun.launcher.job import NodeJob, new_job_id
+from dsrun.launcher.local_devices import default_num_procs, warn_if_oversubscribed
 from dsrun.launcher.ports import DEFAULT_MASTER_PORT
 from dsrun.launcher.placement import build_placement, derived_port, node_jobs, print_placement
 from dsrun.launcher.propagate import EnvFileError, masked, propagated_env
@@ -146,9 +146,8 @@ def _hosts(opts: MultinodeOptions, launcher: str, num_procs: int | None,
         return parse_hostfile(opts.hostfile), num_procs
     if opts.include or opts.exclude or opts.num_nodes is not None or launcher == "ssh":
         raise ValueError("--include/--exclude/--num_nodes and --launcher ssh need --hostfile")
-    from dsrun.launcher.cli import default_num_procs, warn_if_oversubscribed
     if num_procs is None:
-        num_procs = default_num_procs()
+        num_procs = default_num_procs(console)
     warn_if_oversubscribed(num_procs, console)
     return [Host("localhost", num_procs)], None
 
