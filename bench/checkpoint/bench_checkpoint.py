@@ -193,7 +193,7 @@ def _dsrun_worker(rank: int, world: int, port: int, args, stage: int, queue) -> 
     import torch.distributed.checkpoint as dcp
 
     import dsrun
-    from dsrun.runtime.checkpoint import checkpointer
+    from dsrun.runtime.checkpoint.save import rank_payload
 
     model = _model(args)
     engine, *_ = dsrun.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4),
@@ -212,7 +212,7 @@ def _dsrun_worker(rank: int, world: int, port: int, args, stage: int, queue) -> 
     engine.config.checkpoint.async_save = True
     t0 = time.perf_counter()
     row["async_call"] = _timed(lambda: engine.save_checkpoint(root, tag="async"))
-    job = engine._pending_checkpoint
+    job = engine.checkpointer.pending
     _train_step(engine)  # the step makes the save stop reading the state (copy-on-write)
     row["async_stall"] = row["async_call"] + job.release_s
     engine.wait_checkpoint()
@@ -228,7 +228,8 @@ def _dsrun_worker(rank: int, world: int, port: int, args, stage: int, queue) -> 
             f.flush()
             os.fsync(f.fileno())
     _measured(row, "torch_save", torch_save)
-    tensors = checkpointer._rank_payload(engine, checkpointer.held_pieces(engine), {}, False)[0]
+    parts = engine.checkpointer.parts
+    tensors = rank_payload(parts, parts.held_pieces(), {}, False)[0]
     state = {f"rank{rank}/{k}": t.clone() for k, t in tensors.items()}  # as dsrun's: this rank's slices
     _measured(row, "dcp_save", lambda: dcp.save(state, checkpoint_id=os.path.join(root, "dcp")))
     row["dcp_bytes"] = _du(os.path.join(root, "dcp"))

@@ -21,6 +21,7 @@ import math
 import torch
 
 from dsrun.runtime import allocator, comm
+from dsrun.runtime.checkpoint.pieces import HeldPiece
 from dsrun.runtime.comm.collectives import overlapped_all_reduce
 from dsrun.runtime.dist import Topology
 from dsrun.runtime.memory import tensor_breakdown
@@ -113,6 +114,46 @@ class GradientStrategy(abc.ABC):
                   if isinstance(t, torch.Tensor) and t.dim() > 0]
         return tensor_breakdown({"params": params, "grads": [p.grad for p in params],
                                  "master": [], "optimizer_states": states})
+
+    # ---- what a checkpoint asks (dsrun/runtime/checkpoint/parts.py) -------------
+    # Defaults for a strategy that keeps every parameter whole on every rank:
+    # the checkpointer then saves them all as plain tensors.
+    def checkpoint_pieces(self) -> list[HeldPiece]:
+        """This rank's pieces of the parameters the strategy manages (its
+        partitions, with their optimizer state); default: none."""
+        return []
+
+    def managed_params(self) -> list[torch.nn.Parameter]:
+        """The parameters `checkpoint_pieces` covers (the checkpointer saves
+        every other one whole); default: none."""
+        return []
+
+    def manages(self, param: torch.Tensor) -> bool:
+        """Whether `param` is one of `managed_params` (its full value then
+        comes from `full_fp32_param`, a collective); default: False."""
+        return False
+
+    @property
+    def compute_dtype(self) -> torch.dtype | None:
+        """The dtype managed parameters compute in (what a 16-bit export
+        writes them as); None when no parameter is managed."""
+        return None
+
+    def after_checkpoint_load(self) -> None:
+        """Called on every rank after a load wrote into the pieces (may be a
+        collective); default: nothing to rebuild."""
+
+    def precision_name(self) -> str:
+        """The precision recorded in a checkpoint's index ("fp32", "bf16", "fp16")."""
+        return "fp32"
+
+    def scaler_state(self) -> dict | None:
+        """The loss scaler's state to checkpoint (None: no scaler)."""
+        return None
+
+    def load_scaler_state(self, state: dict) -> None:
+        """Restore a scaler state a checkpoint holds, when the strategy has a
+        scaler of the same kind; default: ignored."""
 
     def state_dict(self) -> dict:
         """Strategy state to checkpoint (default: the optimizer's state_dict)."""

@@ -13,7 +13,8 @@ from typing import Any, Iterator
 
 import torch
 
-from dsrun.runtime.checkpoint import checkpointer
+from dsrun.runtime.checkpoint.checkpointer import Checkpointer
+from dsrun.runtime.checkpoint.parts import CheckpointedParts
 from dsrun.runtime.comm import OpStats, comms_logger
 from dsrun.runtime.compression import build_compression_strategy, takes_over
 from dsrun.runtime.config import DsConfig
@@ -24,6 +25,7 @@ from dsrun.runtime.logging import ProgressLog, log_rank0, logger
 from dsrun.runtime.memory_profile import MemoryProfiler, format_memory_profile, no_phase, recorded_phases
 from dsrun.runtime.monitor import MonitorMaster
 from dsrun.runtime.telemetry import StepTelemetry
+from dsrun.runtime.train_state import TrainState
 from dsrun.runtime.zero import build_zero_strategy
 
 
@@ -80,9 +82,11 @@ class Engine(DeepSpeedEngineCompat, torch.nn.Module):
         topology: this rank's Topology.
 
     Attributes:
-        module, optimizer, lr_scheduler, global_steps (optimizer steps
+        module, optimizer, lr_scheduler, train_state (the counters, also
+        readable as DeepSpeed's attributes: global_steps (optimizer steps
         attempted), global_samples (samples consumed by those steps),
-        skipped_steps (steps skipped on overflow), micro_steps,
+        skipped_steps (steps skipped on overflow), micro_steps),
+        checkpointer (saves and loads; see dsrun/runtime/checkpoint),
         training_dataloader (the loader initialize built, or None),
         monitor (dsrun.runtime.monitor.MonitorMaster: the config's
         tensorboard/csv_monitor/wandb outputs; `write_events([(name,
@@ -102,12 +106,9 @@ class Engine(DeepSpeedEngineCompat, torch.nn.Module):
         self.lr_scheduler = lr_scheduler
         self.config = config
         self.topology = topology
-        self.global_steps = 0
-        self.global_samples = 0
-        self.skipped_steps = 0
-        self.micro_steps = 0
+        self.train_state = TrainState()  # global_steps, global_samples, skipped_steps, micro_steps
         self.training_dataloader = None  # set by initialize(training_data=...); checkpointed
-        self._pending_checkpoint = None  # a running asynchronous save (checkpoint.async_save)
+        self.checkpointer = Checkpointer(CheckpointedParts(module, strategy, topology, config, self.train_state))
         self._boundary_override: bool | None = None
         self._in_no_sync = False
         self._grad_norm: float | None = None
@@ -143,6 +144,39 @@ class Engine(DeepSpeedEngineCompat, torch.nn.Module):
     @property
     def world_size(self) -> int:
         return self.topology.world_size
+
+    # -- DeepSpeed's counter attributes, kept in self.train_state ---------------------------
+    @property
+    def global_steps(self) -> int:
+        return self.train_state.global_steps
+
+    @global_steps.setter
+    def global_steps(self, value: int) -> None:
+        self.train_state.global_steps = value
+
+    @property
+    def global_samples(self) -> int:
+        return self.train_state.global_samples
+
+    @global_samples.setter
+    def global_samples(self, value: int) -> None:
+        self.train_state.global_samples = value
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.train_state.skipped_steps
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self.train_state.skipped_steps = value
+
+    @property
+    def micro_steps(self) -> int:
+        return self.train_state.micro_steps
+
+    @micro_steps.setter
+    def micro_steps(self, value: int) -> None:
+        self.train_state.micro_steps = value
 
     # -- batch arithmetic ------------------------------------------------------------------
     def train_batch_size(self) -> int:
@@ -234,7 +268,7 @@ class Engine(DeepSpeedEngineCompat, torch.nn.Module):
                 raise RuntimeError(
                     "engine.step() at a gradient accumulation boundary inside engine.no_sync(): "
                     "gradients were not reduced; leave no_sync() for the last micro-step")
-            checkpointer.release_pending(self)  # an async save stops reading what the step changes
+            self.checkpointer.release_pending()  # an async save stops reading what the step changes
             with self._phase("step"), self._telemetry.phase("step"):
                 outcome = self.strategy.step(self.config.gradient_clipping)
                 self._grad_norm = outcome.grad_norm
@@ -411,7 +445,8 @@ class Engine(DeepSpeedEngineCompat, torch.nn.Module):
                 rank failed, a state is not JSON-able, not every rank called,
                 or ranks passed different save_dir/tag under strict checking.
         """
-        checkpointer.save(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+        self.checkpointer.save(save_dir, tag, client_state, save_latest, exclude_frozen_parameters,
+                               lr_scheduler=self.lr_scheduler, dataloader=self.training_dataloader)
         return True
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
@@ -433,14 +468,15 @@ class Engine(DeepSpeedEngineCompat, torch.nn.Module):
                 the ranks that passed another load_dir/tag under strict
                 checking.
         """
-        return checkpointer.load(self, load_dir, tag, load_module_strict, load_optimizer_states,
-                                 load_lr_scheduler_states, load_module_only)
+        return self.checkpointer.load(load_dir, tag, load_module_strict, load_optimizer_states,
+                                      load_lr_scheduler_states, load_module_only,
+                                      lr_scheduler=self.lr_scheduler, dataloader=self.training_dataloader)
 
     def wait_checkpoint(self) -> None:
         """Block until a running asynchronous save (config checkpoint.async_save)
         is committed. Raises CheckpointError if it failed (save, load and
         save_16bit_model call this first)."""
-        checkpointer.wait_pending(self)
+        self.checkpointer.wait_pending()
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "model.safetensors",
                          exclude_frozen_parameters: bool = False) -> bool:
@@ -449,7 +485,7 @@ class Engine(DeepSpeedEngineCompat, torch.nn.Module):
         `safetensors.torch.load_file` / `model.load_state_dict`. A "*.bin"
         name becomes "*.safetensors" (with a warning): dsrun writes no
         pickles. Returns True. Raises CheckpointError when rank 0 cannot write."""
-        checkpointer.save_16bit(self, save_dir, save_filename, exclude_frozen_parameters)
+        self.checkpointer.save_16bit(save_dir, save_filename, exclude_frozen_parameters)
         return True
 
 

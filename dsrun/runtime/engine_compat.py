@@ -14,7 +14,6 @@ from collections import OrderedDict
 import torch
 
 from dsrun.compat.missing import MissingMethod
-from dsrun.runtime.checkpoint import checkpointer
 
 _PIPELINE = "pipeline parallelism (PipelineEngine)"
 _PIPELINE_INSTEAD = ("run forward, engine.backward(loss) and engine.step() per micro-batch "
@@ -88,11 +87,9 @@ class DeepSpeedEngineCompat:
         (collective: every rank calls it; parameters are gathered one at a
         time). Returns an OrderedDict on rank 0 and None on the others, as
         DeepSpeed does. Tied parameters appear once."""
-        checkpointer.wait_pending(self)
-        entries = checkpointer.full_16bit_entries(self, exclude_frozen_parameters)
         keep = self.topology.rank == 0
         state = OrderedDict() if keep else None
-        for (name, *_), value in zip(entries, checkpointer.full_16bit_values(self, entries)):
+        for name, value in self.checkpointer.full_16bit_state(exclude_frozen_parameters):
             if keep:
                 state[name] = value.detach().to("cpu", copy=True)
         return state

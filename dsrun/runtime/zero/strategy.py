@@ -376,6 +376,26 @@ class ZeroStrategy(GradientStrategy):
         """Every parameter this strategy manages (its FlatParamSets')."""
         return [p for fset in self.sets for p in fset.params]
 
+    def manages(self, param: torch.Tensor) -> bool:
+        rec = record_of(param)
+        return rec is not None and rec.strategy is self
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.precision.compute_dtype
+
+    def precision_name(self) -> str:
+        return self.precision.name
+
+    def scaler_state(self) -> dict:
+        return self.precision.scaler.state_dict()
+
+    def load_scaler_state(self, state: dict) -> None:
+        """Restore the scaler when the checkpoint's is of the same kind
+        (fp16 -> fp16); a bf16 or fp32 checkpoint's leaves it as it is."""
+        if set(state) == set(self.precision.scaler.state_dict()):
+            self.precision.scaler.load_state_dict(state)
+
     def after_checkpoint_load(self) -> None:
         """The masters (and stage-3 frozen partitions) were overwritten by a
         load: cast them into the compute copy and bring every rank's full

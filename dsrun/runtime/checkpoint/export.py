@@ -1,0 +1,84 @@
+"""The 16-bit export: the full model in the compute dtype, one safetensors file from rank 0."""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Callable
+
+from dsrun.runtime.checkpoint.parts import CheckpointedParts
+from dsrun.runtime.checkpoint.rendezvous import Rendezvous, raise_unless_all
+from dsrun.runtime.checkpoint.store import atomic_write, fsync_dir, stream_safetensors
+from dsrun.runtime.zero.params import record_of
+
+log = logging.getLogger("dsrun.checkpoint")
+
+_warned_bin = False
+
+
+def full_16bit_entries(parts: CheckpointedParts, exclude_frozen_parameters: bool = False) -> list[tuple]:
+    """What a 16-bit export holds, in state-dict order: (name, tensor, full
+    shape, dtype to write, managed by the strategy) for every parameter (tied
+    ones once) and persistent buffer of the module. Local; gathers nothing."""
+    strategy = parts.strategy
+    entries = []
+    for name, p in parts.module.named_parameters():
+        if exclude_frozen_parameters and not p.requires_grad:
+            continue
+        if strategy.manages(p):
+            entries.append((name, p, tuple(record_of(p).shape), strategy.compute_dtype, True))
+        else:
+            entries.append((name, p, tuple(p.shape), p.dtype, False))
+    for mod_name, mod in parts.module.named_modules():
+        for bname, buf in mod._buffers.items():
+            if buf is not None and bname not in mod._non_persistent_buffers_set:
+                name = f"{mod_name}.{bname}" if mod_name else bname
+                entries.append((name, buf, tuple(buf.shape), buf.dtype, False))
+    return entries
+
+
+def full_16bit_values(parts: CheckpointedParts, entries: list[tuple]):
+    """Yield each entry's full value in its export dtype and shape; a
+    collective per strategy-managed entry, so every rank must exhaust it."""
+    for _, t, shape, dtype, managed in entries:
+        full = parts.strategy.full_fp32_param(t) if managed else t.detach()  # collective when managed
+        yield full.to(dtype).reshape(shape)
+
+
+def save_16bit(parts: CheckpointedParts, rdv_factory: Callable[[str], Rendezvous], save_dir: str,
+               save_filename: str = "model.safetensors", exclude_frozen_parameters: bool = False) -> str:
+    """Write the module's full state dict in the compute dtype (parameters;
+    persistent buffers in their own dtype) as ONE safetensors file from
+    rank 0 (collective: every rank).
+
+    Parameters are gathered one at a time (an all-reduce of the fp32 master
+    pieces at stages 1-3) and streamed into the file, so rank 0 holds one
+    full parameter at a time, not the model. Tied parameters appear once,
+    under their first name. A DeepSpeed-style "*.bin" name is replaced by
+    its safetensors equivalent ("pytorch_model.bin" -> "model.safetensors"),
+    with a warning. Returns the file's path. Raises CheckpointError on every
+    rank when rank 0 cannot write.
+    """
+    global _warned_bin
+    if save_filename.endswith(".bin"):
+        new = ("model.safetensors" if save_filename == "pytorch_model.bin"
+               else save_filename[:-len(".bin")] + ".safetensors")
+        if not _warned_bin and parts.topology.rank == 0:
+            log.warning("save_16bit_model writes safetensors, never pickles: %s becomes %s", save_filename, new)
+        _warned_bin = True
+        save_filename = new
+    rdv = rdv_factory(save_filename)
+    entries = full_16bit_entries(parts, exclude_frozen_parameters)
+    path = os.path.join(save_dir, save_filename)
+    gen, error = full_16bit_values(parts, entries), None
+    if parts.topology.rank == 0:
+        try:
+            os.makedirs(save_dir, exist_ok=True)
+            specs = [(name, shape, dtype) for name, _, shape, dtype, _ in entries]
+            atomic_write(path, stream_safetensors(specs, gen, {"format": "pt"}))
+            fsync_dir(save_dir)
+        except Exception as e:
+            error = e
+    for _ in gen:  # the other ranks (and rank 0 after a failure) still join every gather
+        pass
+    raise_unless_all(rdv.agree("written", error is None), error, f"saving the 16-bit model to {path}")
+    return path

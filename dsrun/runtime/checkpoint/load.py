@@ -1,0 +1,249 @@
+"""Reading a checkpoint into the training parts, on any world size, stage and precision.
+
+See [Note: resharding on load] and [Note: replicated loads] in checkpointer.py.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import random
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dsrun.runtime import comm
+from dsrun.runtime.checkpoint.parts import CheckpointedParts
+from dsrun.runtime.checkpoint.pieces import HeldPiece, even_part
+from dsrun.runtime.checkpoint.reader import SliceReader
+from dsrun.runtime.checkpoint.rendezvous import Rendezvous, raise_unless_all
+from dsrun.runtime.checkpoint.store import INDEX, CheckpointError, Index, dtype_of, load_index, resolve_tag
+from dsrun.runtime.dist import Topology
+from dsrun.runtime.fp16.onebit.base import CompressedCommOptimizer
+
+log = logging.getLogger("dsrun.checkpoint")
+
+
+def _decode_client(value: Any, reader: SliceReader) -> Any:
+    if isinstance(value, dict):
+        if "__tensor__" in value:
+            return reader.read_full(value["__tensor__"]).view(value["shape"])
+        return {k: _decode_client(v, reader) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_decode_client(v, reader) for v in value]
+    return value
+
+
+def _check_names(parts: CheckpointedParts, index: Index, strict: bool, tag_dir: str) -> set[str]:
+    """Missing / unexpected / mismatched-shape module tensors (strict: errors;
+    shapes always). Returns the names to load."""
+    current = parts.global_names()
+    stored = {n[len("module/"):]: e for n, e in index.tensors.items() if n.startswith("module/")}
+    problems = []
+    for name, (shape, _) in current.items():
+        if name in stored and list(shape) != stored[name].shape:
+            problems.append(f"size mismatch for {name}: checkpoint has shape {tuple(stored[name].shape)}, "
+                            f"the model {shape}")
+    if strict:
+        missing = [n for n in current if n not in stored and n not in index.excluded_frozen]
+        unexpected = [n for n in stored if n not in current]
+        if missing:
+            problems.append(f"missing key(s) in checkpoint: {', '.join('module/' + n for n in missing[:10])}"
+                            + (f" and {len(missing) - 10} more" if len(missing) > 10 else ""))
+        if unexpected:
+            problems.append("unexpected key(s) in checkpoint: "
+                            f"{', '.join('module/' + n for n in unexpected[:10])}"
+                            + (f" and {len(unexpected) - 10} more" if len(unexpected) > 10 else ""))
+    if problems:
+        raise CheckpointError(f"checkpoint {tag_dir} does not match the model (load_module_strict="
+                              f"{strict}): " + "; ".join(problems))
+    return {n for n in current if n in stored}
+
+
+def _load_tensors(parts: CheckpointedParts, index: Index, reader: SliceReader, names: set[str],
+                  optimizer_states: bool) -> list[tuple[HeldPiece, torch.Tensor]]:
+    """See [Note: resharding on load]. Returns the replicated pieces' tensors
+    (the value or an optimizer state, 1-D, hi - lo elements) of which this
+    rank read only its part: `_fill_replicated` completes them."""
+    optim_keys: dict[str, list[str]] = {}
+    for gname in index.tensors:
+        if gname.startswith("optim/"):
+            name, key = gname[len("optim/"):].rsplit("/", 1)
+            optim_keys.setdefault(name, []).append(key)
+    requests = []  # read together: each file once, in file order (see [Note: verified reads] in reader.py)
+    shared: list[tuple[HeldPiece, torch.Tensor]] = []
+    with torch.no_grad():
+        for p in parts.held_pieces():
+            if p.name not in names:
+                continue
+            tensors = [(f"module/{p.name}", p.value)]
+            if optimizer_states and p.state_key is not None:
+                state = parts.optimizer.state[p.state_key]
+                for key in optim_keys.get(p.name, ()):
+                    if key not in state:  # as the optimizer's first step would create it
+                        state[key] = torch.zeros_like(p.state_key, memory_format=torch.contiguous_format)
+                    flat = state[key].view(-1)
+                    tensors.append((f"optim/{p.name}/{key}", flat[p.state_offset:p.state_offset + p.hi - p.lo]))
+                for key, rec in index.optimizer_scalars.get(p.name, {}).items():
+                    value = rec["value"]
+                    state[key] = value if rec["dtype"] is None else torch.tensor(value, dtype=dtype_of(rec["dtype"]))
+            # See [Note: replicated loads]: this rank's part only, the rest comes from the others.
+            share = p.replicas is not None
+            a, b = (p.write_lo, p.write_hi) if share else (p.lo, p.hi)
+            for gname, t in tensors:
+                if b > a:
+                    requests.append((gname, a, b, t[a - p.lo:b - p.lo]))
+                if share:
+                    shared.append((p, t))
+        reader.read_many(requests)
+    return shared
+
+
+def _fill_replicated(shared: list[tuple[HeldPiece, torch.Tensor]]) -> None:
+    """Give every rank the parts of replicated tensors its replicas read (a
+    broadcast per part, in the piece's replica group, from the rank that read
+    it; collective: every replica lists the same pieces in the same order).
+    See [Note: replicated loads]."""
+    with torch.no_grad():
+        for p, t in shared:
+            g = p.replicas
+            for q in range(g.size):
+                lo, hi = even_part(p.lo, p.hi, q, g.size)
+                if hi > lo:
+                    src = q if g.group is None else dist.get_global_rank(g.group, q)
+                    comm.broadcast(t[lo - p.lo:hi - p.lo], src=src, group=g.group)
+
+
+def _load_optimizer_extras(parts: CheckpointedParts, index: Index, reader: SliceReader) -> None:
+    """Give a 1-bit optimizer its extras back: the shared ones always, this
+    rank's own when the world size is the one that saved; rank 0 logs what
+    happened to the error-feedback buffers."""
+    optimizer, rank = parts.optimizer, parts.topology.rank
+    if not isinstance(optimizer, CompressedCommOptimizer):
+        return
+
+    def read(prefix: str) -> dict[str, torch.Tensor]:
+        return {n[len(prefix):]: reader.read_full(n) for n in index.tensors if n.startswith(prefix)}
+    optimizer.load_replicated_extras(read("optim_shared/"))
+    own = read(f"optim_rank/rank{rank}/") if index.world_size == parts.topology.world_size else None
+    what = optimizer.load_checkpoint_extras(own)
+    if rank == 0:
+        log.info("%s: %s", type(optimizer).__name__, what)
+
+
+def _restore_param_groups(optimizer: torch.optim.Optimizer, saved: list[dict], tag_dir: str) -> None:
+    if len(saved) != len(optimizer.param_groups):
+        raise CheckpointError(f"checkpoint {tag_dir} has {len(saved)} optimizer param groups, the optimizer "
+                              f"{len(optimizer.param_groups)}")
+    for group, values in zip(optimizer.param_groups, saved):
+        for k, v in values.items():
+            group[k] = tuple(v) if isinstance(group.get(k), tuple) and isinstance(v, list) else v
+
+
+def _read_rng(topology: Topology, index: Index, reader: SliceReader) -> dict[str, torch.Tensor] | None:
+    """This rank's saved torch RNG states ({"cpu", "cuda"?}), or None when
+    the world size changed (the states are per rank)."""
+    rank = topology.rank
+    if index.world_size != topology.world_size or not index.rng:  # not index.rng: an import
+        return None
+    out = {"cpu": reader.read_full(f"rng/rank{rank}/torch_cpu")}
+    if f"rng/rank{rank}/cuda" in index.tensors and topology.device.type == "cuda":
+        out["cuda"] = reader.read_full(f"rng/rank{rank}/cuda")
+    return out
+
+
+def _restore_rng(topology: Topology, index: Index, states: dict[str, torch.Tensor] | None) -> None:
+    """Every RNG state of this rank (torch CPU and CUDA, Python, NumPy), when
+    the world size is the one that saved; else a warning."""
+    rank, world = topology.rank, topology.world_size
+    if states is None:
+        if rank == 0 and not index.rng:
+            log.warning("the checkpoint holds no RNG states (imported): RNG states are not restored")
+        elif rank == 0:
+            log.warning("checkpoint written by %d ranks, loaded on %d: RNG states are not restored",
+                        index.world_size, world)
+        return
+    torch.set_rng_state(states["cpu"])
+    if "cuda" in states:
+        torch.cuda.set_rng_state(states["cuda"], topology.device)
+    saved = index.rng[rank]
+    version, state, gauss = saved["python"]
+    random.setstate((version, tuple(state), gauss))
+    if "numpy" in saved:
+        try:
+            import numpy as np
+            name, keys, pos, has_gauss, cached = saved["numpy"]
+            np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+        except ImportError:
+            pass
+
+
+def load(parts: CheckpointedParts, rdv: Rendezvous, load_dir: str, tag: str | None, load_module_strict: bool,
+         load_optimizer_states: bool, load_lr_scheduler_states: bool, load_module_only: bool,
+         lr_scheduler: Any, dataloader: Any) -> tuple[str | None, Any]:
+    """Load a checkpoint into the engine, on any world size, stage and precision
+    (collective: every rank). Returns (tag directory, client_state), or
+    (None, None) when load_dir holds no complete checkpoint. load_dir and
+    tag are rank 0's when ranks pass different ones (one warning; see
+    `agree_on_location`).
+
+    Raises CheckpointError (on every rank) naming the file or key: missing
+    tag, incomplete tag, corrupted/truncated file, a checkpoint of another
+    model (missing/unexpected keys under load_module_strict, shape mismatch
+    always); or naming the ranks, when they passed different load_dir/tag
+    under strict checking (then before any file is read). A failure while
+    reading may leave some tensors loaded.
+    """
+    topo = parts.topology
+    tag, skipped = resolve_tag(load_dir, tag)
+    if skipped and topo.rank == 0:
+        log.warning("skipped incomplete checkpoint tag(s) in %s (no %s): %s", load_dir, INDEX, ", ".join(skipped))
+    if tag is None:
+        if topo.rank == 0:
+            log.warning("no complete checkpoint in %s; nothing loaded", load_dir)
+        return None, None
+    tag_dir = os.path.join(load_dir, tag)
+    error, index, reader, rng, client_state, shared = None, None, None, None, None, []
+    try:
+        index = load_index(tag_dir)
+        names = _check_names(parts, index, load_module_strict, tag_dir)
+        # Each file's checksum is checked by one rank (file i by rank i mod
+        # world size) as it reads; the "read" agreement fails every rank.
+        reader = SliceReader(tag_dir, index, verify_files=set(sorted(index.files)[topo.rank::topo.world_size]),
+                             aio=parts.config.aio)
+        optim = load_optimizer_states and not load_module_only
+        shared = _load_tensors(parts, index, reader, names, optim)
+        if optim:
+            _restore_param_groups(parts.optimizer, index.param_groups, tag_dir)
+        if not load_module_only:  # read now, so that a bad file fails every rank together
+            rng = _read_rng(topo, index, reader)
+            client_state = _decode_client(index.client_state, reader) if index.client_state is not None else {}
+        if optim:
+            _load_optimizer_extras(parts, index, reader)
+        reader.verify_rest()
+    except Exception as e:
+        error = e
+    raise_unless_all(rdv.agree("read", error is None, "" if error is None else str(error)), error,
+                      f"loading checkpoint {tag_dir}")
+    _fill_replicated(shared)  # collective; every rank read without error
+    parts.strategy.after_checkpoint_load()  # collective (ZeRO: masters -> compute copies -> full parameters)
+    if not load_module_only:
+        if index.scaler is not None and optim:
+            parts.strategy.load_scaler_state(index.scaler)
+        parts.state.load_state_dict(index.counters)
+        if load_lr_scheduler_states and lr_scheduler is not None and index.lr_scheduler is not None:
+            lr_scheduler.load_state_dict(index.lr_scheduler)
+        _restore_rng(topo, index, rng)
+        if dataloader is not None and index.dataloader is not None:
+            if index.world_size == topo.world_size:
+                dataloader.load_state_dict(index.dataloader)
+            else:
+                if topo.rank == 0:
+                    log.warning("checkpoint written by %d ranks, loaded on %d: the data loader starts its "
+                                "epoch %d from the beginning (per-rank shards differ)", index.world_size,
+                                topo.world_size, index.dataloader["epoch"])
+                dataloader.load_state_dict({"epoch": index.dataloader["epoch"], "batches": 0})
+    if topo.rank == 0:
+        log.info("loaded checkpoint %s (written by %d ranks at stage %d, %s)", tag_dir, index.world_size,
+                 index.stage, index.precision)
+    return tag_dir, {} if load_module_only else client_state

@@ -1,0 +1,304 @@
+"""Writing a checkpoint: each rank's shard, then rank 0's commit (see [Note: commit protocol] in store.py)."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import threading
+import time
+from typing import Any, Callable
+
+import torch
+
+import dsrun
+from dsrun.runtime.checkpoint import discard
+from dsrun.runtime.checkpoint.parts import CheckpointedParts
+from dsrun.runtime.checkpoint.pieces import HeldPiece
+from dsrun.runtime.checkpoint.rendezvous import Rendezvous, raise_unless_all
+from dsrun.runtime.checkpoint.store import (INDEX, LATEST, CheckpointError, FileEntry, Index, StoredSlice,
+                                            TensorEntry, atomic_write, dtype_name, fsync_dir, index_time,
+                                            is_shard_file, read_shard_metadata, shard_name, tag_is_complete,
+                                            tag_names, write_json_atomic)
+from dsrun.runtime.checkpoint.writer import ShardWriter, StagingBuffer
+
+log = logging.getLogger("dsrun.checkpoint")
+
+
+def _json_checked(value: Any, what: str) -> Any:
+    """`value` round-tripped through JSON; CheckpointError naming the path of
+    the first value JSON cannot hold (tuples become lists)."""
+    def bad(obj):
+        raise TypeError(type(obj).__name__)
+    try:
+        return json.loads(json.dumps(value, default=bad, allow_nan=True))
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{what} is not JSON-serialisable ({e}); dsrun checkpoints hold no "
+                              "pickles: use numbers, strings, lists and dicts with string keys") from None
+
+
+def _encode_client(value: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
+    """client_state with every tensor replaced by {"__tensor__": key,
+    "shape": [...]} and stored (1-D) in `tensors`."""
+    if isinstance(value, torch.Tensor):
+        key = f"client/{path}"
+        tensors[key] = value.detach().reshape(-1)
+        return {"__tensor__": key, "shape": list(value.shape), "dtype": dtype_name(value.dtype)}
+    if isinstance(value, dict):
+        for k in value:
+            if not isinstance(k, str):
+                raise CheckpointError(f"client_state key {k!r} at {path or '<root>'} is not a string "
+                                      "(JSON holds string keys only)")
+        return {k: _encode_client(v, f"{path}.{k}" if path else k, tensors) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_encode_client(v, f"{path}[{i}]", tensors) for i, v in enumerate(value)]
+    return _json_checked(value, f"client_state at {path or '<root>'}")
+
+
+def _python_rng() -> dict[str, Any]:
+    version, state, gauss = random.getstate()
+    out: dict[str, Any] = {"python": [version, list(state), gauss]}
+    try:
+        import numpy as np
+        name, keys, pos, has_gauss, cached = np.random.get_state()
+        out["numpy"] = [name, keys.tolist(), int(pos), int(has_gauss), float(cached)]
+    except ImportError:
+        pass
+    return out
+
+
+def prepare_save(parts: CheckpointedParts, rdv: Rendezvous, save_dir: str, tag: str, client_state: dict,
+                 save_latest: bool, exclude_frozen_parameters: bool, lr_scheduler: Any, dataloader: Any,
+                 fault: Callable[[str], None]) -> "SaveJob":
+    """Everything of one save that must happen on the calling thread: the old
+    index of an overwritten tag removed (rank 0), this rank's tensors and
+    description gathered, and the ranks' agreement that each succeeded.
+    Returns the job that writes and commits (run it, or start it in the
+    background; see [Note: copy-on-write snapshot] in writer.py).
+
+    Raises CheckpointError (on every rank) when the tag is invalid, a rank
+    failed to prepare, or state is not JSON-able (LR scheduler, client_state).
+    """
+    if not tag or "/" in tag or tag in (".", "..", LATEST):
+        raise CheckpointError(f"invalid checkpoint tag {tag!r}")
+    rank = parts.topology.rank
+    tag_dir = os.path.join(save_dir, tag)
+    error, tensors, meta, stepped, fields = None, {}, {}, set(), None
+    try:
+        if rank == 0:
+            os.makedirs(tag_dir, exist_ok=True)
+            if os.path.exists(os.path.join(tag_dir, INDEX)):
+                os.unlink(os.path.join(tag_dir, INDEX))  # overwriting: incomplete first, never mixed
+                fsync_dir(tag_dir)
+            old = [os.path.join(tag_dir, f) for f in os.listdir(tag_dir) if is_shard_file(f)]
+            if old:  # any world size's; deleted in the background (see discard.py)
+                discard.discard(save_dir, old)
+        scheduler = None
+        if lr_scheduler is not None:
+            scheduler = _json_checked(lr_scheduler.state_dict(), "the LR scheduler's state_dict")
+        param_groups = _json_checked([{k: v for k, v in g.items() if k != "params"}
+                                      for g in parts.optimizer.param_groups], "optimizer param_groups")
+        tensors, meta, stepped = rank_payload(parts, parts.held_pieces(), client_state, exclude_frozen_parameters)
+        if rank == 0:
+            fields = _index_fields(parts, scheduler, param_groups, dataloader, exclude_frozen_parameters)
+    except Exception as e:  # reported to every rank, then raised here
+        error = e
+    raise_unless_all(rdv.agree("prepared", error is None), error, f"preparing checkpoint {tag_dir}")
+    background = parts.config.checkpoint.async_save
+    writer = ShardWriter(os.path.join(tag_dir, shard_name(rank, parts.topology.world_size)), tensors,
+                         {"dsrun": json.dumps(meta)}, stepped if background else set(tensors), parts.config.aio)
+    return SaveJob(rdv, save_dir, tag, writer, fields, save_latest, parts.config.checkpoint.keep_last, fault)
+
+
+def rank_payload(parts: CheckpointedParts, pieces: list[HeldPiece], client_state, exclude_frozen: bool):
+    """This rank's tensors (key -> 1-D tensor), its description (JSON) and
+    the keys of the tensors only an optimizer step changes (trainable values
+    and their optimizer states: see [Note: copy-on-write snapshot] in writer.py)."""
+    rank, device = parts.topology.rank, parts.topology.device
+    tensors: dict[str, torch.Tensor] = {}
+    entries: dict[str, dict] = {}
+    scalars: dict[str, dict] = {}
+    stepped: set[str] = set()
+
+    def put(gname: str, shape, t: torch.Tensor, lo: int, hi: int, by_step: bool = False) -> None:
+        if hi > lo:
+            tensors[gname] = t
+            entries[gname] = {"shape": list(shape), "dtype": dtype_name(t.dtype), "lo": lo, "hi": hi}
+            if by_step:
+                stepped.add(gname)
+
+    for p in pieces:
+        if exclude_frozen and p.kind == "param" and not p.trainable:
+            continue
+        a, b = p.write_lo - p.lo, p.write_hi - p.lo
+        put(f"module/{p.name}", p.shape, p.value[a:b], p.write_lo, p.write_hi, p.trainable)
+        if p.state_key is None:
+            continue
+        for k, v in parts.optimizer.state.get(p.state_key, {}).items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.numel() == p.state_key.numel():
+                flat = v.reshape(-1)
+                put(f"optim/{p.name}/{k}", p.shape, flat[p.state_offset + a:p.state_offset + b],
+                    p.write_lo, p.write_hi, True)
+            elif isinstance(v, torch.Tensor) and v.dim() == 0:
+                scalars.setdefault(p.name, {})[k] = {"value": v.item(), "dtype": dtype_name(v.dtype)}
+            elif isinstance(v, (int, float, bool)):
+                scalars.setdefault(p.name, {})[k] = {"value": v, "dtype": None}
+            else:
+                raise CheckpointError(f"optimizer state {k!r} of parameter {p.name} "
+                                      f"({type(v).__name__}"
+                                      f"{list(v.shape) if isinstance(v, torch.Tensor) else ''}) "
+                                      "is neither element-wise nor a scalar; dsrun cannot checkpoint it yet")
+    for gname, t in parts.optimizer_extras().items():
+        put(gname, [t.numel()], t.reshape(-1), 0, t.numel(), True)
+    rng_key = f"rng/rank{rank}/torch_cpu"
+    put(rng_key, [torch.get_rng_state().numel()], torch.get_rng_state(), 0, torch.get_rng_state().numel())
+    if device.type == "cuda":
+        state = torch.cuda.get_rng_state(device)
+        put(f"rng/rank{rank}/cuda", [state.numel()], state, 0, state.numel())
+    client = None
+    if rank == 0:
+        client_tensors: dict[str, torch.Tensor] = {}
+        client = _encode_client(client_state, "", client_tensors)
+        for key, t in client_tensors.items():
+            put(key, [t.numel()], t, 0, t.numel())
+    meta = {"rank": rank, "tensors": entries, "scalars": scalars, "rng": _python_rng(), "client_state": client}
+    return tensors, meta, stepped
+
+
+class SaveJob:
+    """Write one rank's shard and commit the tag (see [Note: commit protocol]);
+    holds no reference to the engine, so it can run in a background thread."""
+
+    def __init__(self, rdv: Rendezvous, save_dir: str, tag: str, writer: ShardWriter, fields: dict | None,
+                 save_latest: bool, keep_last: int | None, fault: Callable[[str], None]):
+        self.rdv, self.save_dir, self.tag = rdv, save_dir, tag
+        self.tag_dir = os.path.join(save_dir, tag)
+        self.writer, self.fields, self.fault = writer, fields, fault
+        self.staging: StagingBuffer | None = None
+        self.save_latest, self.keep_last = save_latest, keep_last
+        self.error: BaseException | None = None
+        self.thread: threading.Thread | None = None
+        self.release_s = 0.0  # time the training thread spent in release()
+
+    def snapshot(self, staging: StagingBuffer) -> None:
+        """Copy what may change before the write reads it into `staging`
+        (kept for `release`); see [Note: copy-on-write snapshot]."""
+        self.staging = staging
+        self.writer.snapshot(staging)
+
+    def release(self) -> None:
+        """Called before an optimizer step: see [Note: copy-on-write snapshot]."""
+        t = time.perf_counter()
+        self.writer.release(self.staging)
+        self.release_s += time.perf_counter() - t
+
+    def start(self) -> "SaveJob":
+        def body():
+            try:
+                self.run()
+            except BaseException as e:  # kept for the next call (wait_pending) to raise
+                self.error = e
+        self.thread = threading.Thread(target=body, name=f"dsrun-ckpt-{self.tag}", daemon=False)
+        self.thread.start()
+        return self
+
+    def wait(self) -> None:
+        """Block until the background save ended; raise its error if it failed."""
+        if self.thread is not None:
+            self.thread.join()
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise CheckpointError(f"the asynchronous save of {self.tag_dir} failed: {error}") from error
+
+    def run(self) -> None:
+        rank, world = self.rdv.rank, self.rdv.world
+        error, written = None, ""
+        try:
+            os.makedirs(self.tag_dir, exist_ok=True)
+            self.fault("before_shard")
+            written = self.writer.write().model_dump_json()
+            self.fault("after_shard")
+        except Exception as e:
+            error = e
+        results = self.rdv.agree("written", error is None, written)
+        raise_unless_all(results, error, f"saving checkpoint {self.tag_dir}")
+        error = None
+        if rank == 0:
+            try:
+                fsync_dir(self.tag_dir)
+                index = _build_index(self.fields, self.tag, self.tag_dir, world,
+                                     [FileEntry.model_validate_json(r) for _, r in results])
+                self.fault("before_index")
+                write_json_atomic(os.path.join(self.tag_dir, INDEX), index.model_dump(mode="json"))
+                if self.save_latest:
+                    self.fault("before_latest")
+                    atomic_write(os.path.join(self.save_dir, LATEST), [self.tag.encode()])
+                    fsync_dir(self.save_dir)
+                if self.keep_last is not None:
+                    _prune(self.save_dir, self.keep_last, self.tag)
+            except Exception as e:
+                error = e
+        raise_unless_all(self.rdv.agree("committed", error is None), error,
+                          f"committing checkpoint {self.tag_dir}")
+        if rank == 0:
+            log.info("saved checkpoint %s (%d rank files)", self.tag_dir, world)
+
+
+def _prune(save_dir: str, keep: int, just_saved: str) -> None:
+    """Delete the oldest complete tags (by index time) beyond `keep`, never
+    the one just saved nor the one `latest` names; incomplete tags stay (a
+    save may be running in them, and they are never loaded anyway)."""
+    named = None
+    if os.path.isfile(os.path.join(save_dir, LATEST)):
+        with open(os.path.join(save_dir, LATEST)) as f:
+            named = f.read().strip()
+    complete = [t for t in tag_names(save_dir) if tag_is_complete(os.path.join(save_dir, t))]
+    complete.sort(key=lambda t: index_time(os.path.join(save_dir, t)))
+    doomed = [t for t in complete[:max(len(complete) - keep, 0)] if t not in (just_saved, named)]
+    for tag in doomed:
+        # The index goes first: a crash half-way leaves an incomplete tag, never a broken one.
+        os.unlink(os.path.join(save_dir, tag, INDEX))
+    if doomed:  # the files go in the background: see [Note: deletion off the save's path]
+        discard.discard(save_dir, [os.path.join(save_dir, t) for t in doomed])
+        log.info("checkpoint.keep_last=%d: deleted %s", keep, ", ".join(os.path.join(save_dir, t) for t in doomed))
+
+
+def _index_fields(parts: CheckpointedParts, scheduler, param_groups, dataloader, exclude_frozen: bool) -> dict:
+    """Rank 0: everything of the index that comes from the training parts,
+    taken at save time (JSON-ready)."""
+    loader = dataloader.state_dict() if dataloader is not None else None
+    strategy = parts.strategy
+    frozen = [n for n, (_, is_frozen) in parts.global_names().items() if is_frozen]
+    return dict(dsrun_version=dsrun.__version__, torch_version=torch.__version__,
+                world_size=parts.topology.world_size, stage=parts.config.zero_optimization.stage,
+                precision=strategy.precision_name(), config=parts.config.model_dump(mode="json"),
+                param_groups=param_groups, scaler=strategy.scaler_state(), counters=parts.state.state_dict(),
+                lr_scheduler=scheduler, dataloader=loader, frozen=frozen,
+                excluded_frozen=frozen if exclude_frozen else [])
+
+
+def _build_index(fields: dict, tag: str, tag_dir: str, world: int, written: list[FileEntry]) -> Index:
+    """Rank 0: `fields` plus every shard's header description merged into the
+    index; `written`: each rank's file (size and checksum), in rank order."""
+    tensors: dict[str, TensorEntry] = {}
+    scalars: dict[str, dict] = {}
+    rng, client = [], None
+    files = {}
+    for r in range(world):
+        file = shard_name(r, world)
+        path = os.path.join(tag_dir, file)
+        files[file] = written[r]
+        meta = read_shard_metadata(path)
+        for gname, e in meta["tensors"].items():
+            entry = tensors.setdefault(gname, TensorEntry(shape=e["shape"], dtype=e["dtype"]))
+            entry.slices.append(StoredSlice(file=file, key=gname, lo=e["lo"], hi=e["hi"]))
+        for name, st in meta["scalars"].items():
+            scalars.setdefault(name, {}).update(st)
+        rng.append(meta["rng"])
+        if r == 0:
+            client = meta["client_state"]
+    for entry in tensors.values():
+        entry.slices.sort(key=lambda s: s.lo)
+    return Index(tag=tag, saved_at_ns=time.time_ns(), tensors=tensors, optimizer_scalars=scalars,
+                 client_state=client, rng=rng,
+                 files=files, **fields)
