@@ -193,6 +193,7 @@ def _dsrun_worker(rank: int, world: int, port: int, args, stage: int, queue) -> 
     import torch.distributed.checkpoint as dcp
 
     import dsrun
+    from dsrun.runtime.checkpoint.parts import held_pieces
     from dsrun.runtime.checkpoint.save import rank_payload
 
     model = _model(args)
@@ -229,7 +230,7 @@ def _dsrun_worker(rank: int, world: int, port: int, args, stage: int, queue) -> 
             os.fsync(f.fileno())
     _measured(row, "torch_save", torch_save)
     parts = engine.checkpointer.parts
-    tensors = rank_payload(parts, parts.held_pieces(), {}, False)[0]
+    tensors = rank_payload(parts, held_pieces(parts), {}, False)[0]
     state = {f"rank{rank}/{k}": t.clone() for k, t in tensors.items()}  # as dsrun's: this rank's slices
     _measured(row, "dcp_save", lambda: dcp.save(state, checkpoint_id=os.path.join(root, "dcp")))
     row["dcp_bytes"] = _du(os.path.join(root, "dcp"))

@@ -14,7 +14,6 @@ from typing import Any, Iterator
 import torch
 
 from dsrun.runtime.checkpoint.checkpointer import Checkpointer
-from dsrun.runtime.checkpoint.parts import CheckpointedParts
 from dsrun.runtime.comm import OpStats, comms_logger
 from dsrun.runtime.compression import build_compression_strategy, takes_over
 from dsrun.runtime.config import DsConfig
@@ -25,7 +24,7 @@ from dsrun.runtime.logging import ProgressLog, log_rank0, logger
 from dsrun.runtime.memory_profile import MemoryProfiler, format_memory_profile, no_phase, recorded_phases
 from dsrun.runtime.monitor import MonitorMaster
 from dsrun.runtime.telemetry import StepTelemetry
-from dsrun.runtime.train_state import TrainState
+from dsrun.runtime.train_state import TrainingParts, TrainState
 from dsrun.runtime.zero import build_zero_strategy
 
 
@@ -108,7 +107,8 @@ class Engine(DeepSpeedEngineCompat, torch.nn.Module):
         self.topology = topology
         self.train_state = TrainState()  # global_steps, global_samples, skipped_steps, micro_steps
         self.training_dataloader = None  # set by initialize(training_data=...); checkpointed
-        self.checkpointer = Checkpointer(CheckpointedParts(module, strategy, topology, config, self.train_state))
+        parts = TrainingParts(module, strategy, topology, config, self.train_state)
+        self.checkpointer = Checkpointer(parts)
         self._boundary_override: bool | None = None
         self._in_no_sync = False
         self._grad_norm: float | None = None
@@ -118,7 +118,7 @@ class Engine(DeepSpeedEngineCompat, torch.nn.Module):
         self._progress = ProgressLog(topology, config.steps_per_print)
         # monitors, timers, progress records and the flops profile (dsrun/runtime/telemetry.py)
         self.monitor = MonitorMaster(config, topology.rank)
-        self._telemetry = StepTelemetry(self)
+        self._telemetry = StepTelemetry(parts, self.monitor, self.memory_profile)
         # forward/backward/step run their body in self._phase(name): a shared
         # no-op context unless memory profiling is on.
         self._phase = no_phase
@@ -288,7 +288,7 @@ class Engine(DeepSpeedEngineCompat, torch.nn.Module):
                                       self.global_samples, self.get_lr(), self.get_mom())
             if self._memory_profiler is not None:
                 self._end_memory_step()
-            self._telemetry.end_step()
+            self._telemetry.end_step(self._grad_norm)
         self.micro_steps += 1
 
     def _on_nonfinite_step(self, first: str | None) -> None:

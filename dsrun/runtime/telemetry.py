@@ -5,7 +5,7 @@ The engine calls four things and knows nothing else about reporting:
 `observe_loss` for each micro-batch, and `end_step()` after each optimizer
 step. From these `StepTelemetry` produces, as the config asks:
 
-- monitor events (events.py) on `engine.monitor`, rank 0 writing;
+- monitor events (events.py) on the engine's monitor, rank 0 writing;
 - the `wall_clock_breakdown` line every `steps_per_print` steps (timers.py);
 - progress records for dsrun's launcher (dsrun/launcher/progress.py);
 - the `flops_profiler` report at `profile_step` (dsrun/profiling).
@@ -27,7 +27,7 @@ import contextlib
 import math
 import sys
 import time
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
@@ -35,35 +35,39 @@ from dsrun.launcher.progress import encode_record, progress_enabled
 from dsrun.runtime import comm
 from dsrun.runtime.logging import log_rank0
 from dsrun.runtime.memory_profile import MemorySnapshot
-from dsrun.runtime.monitor import events
+from dsrun.runtime.monitor import MonitorMaster, events
 from dsrun.runtime.timers import StepTimes, StepTimers, format_breakdown
+from dsrun.runtime.train_state import TrainingParts
 
 if TYPE_CHECKING:
     from dsrun.profiling.flops_profiler import FlopsProfiler
-    from dsrun.runtime.engine import Engine
 
 _RECORD_INTERVAL_S = 0.5  # most progress records per second: 2
 
 
 class StepTelemetry:
-    """Measures each step of `engine` and reports it (see the module docstring).
+    """Measures each training step and reports it (see the module docstring).
 
     Args:
-        engine: the engine it reports on (reads its config, counters, lr,
-            grad norm, loss scale and memory profile).
+        parts: the engine's training parts (reads the config, the counters,
+            the optimizer's lr and the strategy's loss scale).
+        monitor: where events go (the engine's MonitorMaster).
+        memory_profile: returns the engine's memory profile of the last
+            step ({} when profiling is off; see Engine.memory_profile).
     """
 
-    def __init__(self, engine: Engine) -> None:
-        self._engine = engine
-        cfg = engine.config
-        self._rank0 = engine.topology.is_rank_zero
-        self._timers = StepTimers(engine.device, synchronize=cfg.wall_clock_breakdown)
+    def __init__(self, parts: TrainingParts, monitor: MonitorMaster,
+                 memory_profile: Callable[[], dict]) -> None:
+        self._parts, self._monitor, self._memory_profile = parts, monitor, memory_profile
+        cfg = parts.config
+        self._rank0 = parts.topology.is_rank_zero
+        self._timers = StepTimers(parts.topology.device, synchronize=cfg.wall_clock_breakdown)
         self._breakdown = cfg.wall_clock_breakdown
         self._period = StepTimes()
         self._records = progress_enabled() and self._rank0
         self._total = _scheduler_total(cfg)
         self._last_record = -math.inf
-        self._needs_loss = engine.monitor.enabled or self._records
+        self._needs_loss = monitor.enabled or self._records
         self._loss_sum: torch.Tensor | None = None
         self._loss_count = 0
         self._tokens = 0
@@ -76,7 +80,7 @@ class StepTelemetry:
     def phase(self, name: str) -> contextlib.AbstractContextManager:
         """Time the `with` body as phase `name` ("forward", "backward", "step")."""
         if name == "forward" and not self._flops_done and self._flops is None \
-                and self._engine.global_steps == self._flops_cfg.profile_step:
+                and self._parts.state.global_steps == self._flops_cfg.profile_step:
             return self._profiled_forward()
         return self._timers.phase(name)
 
@@ -84,7 +88,7 @@ class StepTelemetry:
     def _profiled_forward(self) -> Iterator[None]:
         from dsrun.profiling.flops_profiler import FlopsProfiler
 
-        self._flops = FlopsProfiler(self._engine.module, recompute_fwd_factor=self._flops_cfg.recompute_fwd_factor)
+        self._flops = FlopsProfiler(self._parts.module, recompute_fwd_factor=self._flops_cfg.recompute_fwd_factor)
         with self._timers.phase("forward"):
             self._flops.start_profile()
             try:
@@ -98,7 +102,7 @@ class StepTelemetry:
         Forwards in eval mode or under no_grad (validation) are not counted."""
         if self._step_start is None:
             self._step_start = time.perf_counter()
-        if not (torch.is_grad_enabled() and self._engine.module.training):
+        if not (torch.is_grad_enabled() and self._parts.module.training):
             return
         for value in (*args, *kwargs.values()):
             if isinstance(value, torch.Tensor) and value.dim() >= 2 and not value.is_floating_point() \
@@ -114,56 +118,60 @@ class StepTelemetry:
             self._loss_count += 1
 
     # -- per optimizer step ------------------------------------------------------------------
-    def end_step(self) -> None:
-        """Report the optimizer step that just ended (call on every rank)."""
-        engine = self._engine
+    def end_step(self, grad_norm: float | None) -> None:
+        """Report the optimizer step that just ended (call on every rank);
+        grad_norm: its global gradient norm before clipping (None: unknown)."""
+        parts, state = self._parts, self._parts.state
         now = time.perf_counter()
         interval = now - (self._step_start if self._step_start is not None else now)
         self._step_start = now
         times = self._timers.end_step()
-        tokens, self._tokens = self._tokens * engine.world_size, 0
+        tokens, self._tokens = self._tokens * parts.topology.world_size, 0
         loss = None
         if self._loss_sum is not None:
             loss = self._loss_sum.item() / self._loss_count  # a device sync, only when a monitor or record needs it
         self._loss_sum, self._loss_count = None, 0
-        if engine.monitor.enabled:
+        if self._monitor.enabled:
             peak = self._peak_memory()  # collective: every rank
             if self._rank0:
-                engine.monitor.write_events(self._events(times, interval, loss, tokens, peak))
+                self._monitor.write_events(self._events(times, interval, loss, tokens, peak, grad_norm))
         if self._breakdown:
             self._period.add(times)
-            every = engine.config.steps_per_print
-            if every > 0 and engine.global_steps % every == 0:
-                log_rank0(engine.topology, format_breakdown(self._period, engine.global_steps))
+            every = parts.config.steps_per_print
+            if every > 0 and state.global_steps % every == 0:
+                log_rank0(parts.topology, format_breakdown(self._period, state.global_steps))
                 self._period = StepTimes()
         if self._flops is not None and not self._flops_done:
             self._print_flops_profile(times)
-        if self._records and (now - self._last_record >= _RECORD_INTERVAL_S or engine.global_steps == self._total):
+        if self._records and (now - self._last_record >= _RECORD_INTERVAL_S or state.global_steps == self._total):
             self._last_record = now
             self._emit_record(interval, loss, tokens)
 
+    def _lr(self) -> float:
+        return float(self._parts.optimizer.param_groups[0]["lr"])
+
     def _events(self, times: StepTimes, interval: float, loss: float | None, tokens: int,
-                peak: int) -> list[tuple[str, float, int]]:
-        engine = self._engine
-        x = engine.global_samples
+                peak: int, grad_norm: float | None) -> list[tuple[str, float, int]]:
+        parts = self._parts
+        x = parts.state.global_samples
         out = []
         if loss is not None:
             out.append((events.TRAIN_LOSS, loss, x))
-        out.append((events.LR, engine.get_lr()[0], x))
-        if engine.config.fp16.enabled:
-            out.append((events.LOSS_SCALE, engine.strategy.loss_scale(), x))
-        if engine.get_global_grad_norm() is not None:
-            out.append((events.GRAD_NORM, engine.get_global_grad_norm(), x))
-        out.append((events.SKIPPED_STEPS, engine.skipped_steps, x))
+        out.append((events.LR, self._lr(), x))
+        if parts.config.fp16.enabled:
+            out.append((events.LOSS_SCALE, parts.strategy.loss_scale(), x))
+        if grad_norm is not None:
+            out.append((events.GRAD_NORM, grad_norm, x))
+        out.append((events.SKIPPED_STEPS, parts.state.skipped_steps, x))
         if interval > 0:
-            out.append((events.SAMPLES_PER_SEC, engine.train_batch_size() / interval, x))
+            out.append((events.SAMPLES_PER_SEC, parts.config.train_batch_size / interval, x))
             if tokens:
                 out.append((events.TOKENS_PER_SEC, tokens / interval, x))
             out.append((events.STEP_TIME_MS, interval * 1e3, x))
         out.append((events.PEAK_MEMORY_BYTES, peak, x))
         out.append((events.COMM_BYTES, times.comm_bytes, x))
         out.append((events.COMM_TIME_MS, times.comm_seconds * 1e3, x))
-        if engine.topology.nodes is not None and engine.topology.nodes.num_nodes > 1:
+        if parts.topology.nodes is not None and parts.topology.nodes.num_nodes > 1:
             out.append((events.COMM_INTER_NODE_BYTES, times.comm_inter_node_bytes, x))
         if self._breakdown:
             fwd, bwd, step = (times.phases[p] for p in ("forward", "backward", "step"))
@@ -176,40 +184,39 @@ class StepTelemetry:
 
     def _peak_memory(self) -> int:
         """The highest peak memory of any rank, bytes (see [Note: peak memory in the monitors])."""
-        engine = self._engine
-        cuda = engine.device.type == "cuda"
-        profile = engine.memory_profile()
-        if profile.get("step") == engine.global_steps and profile.get("phases"):
+        device = self._parts.topology.device
+        cuda = device.type == "cuda"
+        profile = self._memory_profile()
+        if profile.get("step") == self._parts.state.global_steps and profile.get("phases"):
             key = "cuda_allocated_peak" if cuda else "rss_peak"
             mine = max(r.get(key) or 0 for r in profile["phases"].values())
         else:
-            snap = MemorySnapshot.take(engine.device)
+            snap = MemorySnapshot.take(device)
             mine = snap.cuda.allocated_peak if cuda else snap.rss_peak
-        peak = torch.tensor([float(mine)], dtype=torch.float32, device=engine.device)
+        peak = torch.tensor([float(mine)], dtype=torch.float32, device=device)
         comm.all_reduce(peak, op=comm.ReduceOp.MAX)
         return int(peak.item())
 
     def _emit_record(self, interval: float, loss: float | None, tokens: int) -> None:
-        engine = self._engine
-        record: dict[str, Any] = {"step": engine.global_steps, "lr": engine.get_lr()[0]}
+        record: dict[str, Any] = {"step": self._parts.state.global_steps, "lr": self._lr()}
         if self._total:
             record["total"] = self._total
         if loss is not None:
             record["loss"] = loss
         if interval > 0:
-            record["samples_per_s"] = engine.train_batch_size() / interval
+            record["samples_per_s"] = self._parts.config.train_batch_size / interval
             if tokens:
                 record["tokens_per_s"] = tokens / interval
         sys.stdout.write(encode_record(record) + "\n")
         sys.stdout.flush()
 
     def _print_flops_profile(self, times: StepTimes) -> None:
-        engine, cfg = self._engine, self._flops_cfg
-        gas = engine.gradient_accumulation_steps()
+        config, cfg = self._parts.config, self._flops_cfg
+        gas = config.gradient_accumulation_steps
         timing = {"forward": self._flops.get_total_duration(),
                   "backward": times.phases["backward"].seconds / gas,
                   "step": times.phases["step"].seconds / gas,
-                  "batch_size": engine.train_micro_batch_size_per_gpu()}
+                  "batch_size": config.train_micro_batch_size_per_gpu}
         self._flops.print_model_profile(profile_step=cfg.profile_step, module_depth=cfg.module_depth,
                                         top_modules=cfg.top_modules, detailed=cfg.detailed,
                                         output_file=cfg.output_file, step_timing=timing)

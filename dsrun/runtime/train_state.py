@@ -1,8 +1,18 @@
-"""The loop's counters, kept apart from the engine so that the checkpointer and
-the telemetry read (and a load restores) them without holding the engine."""
+"""What the engine hands its checkpointer and its telemetry instead of itself.
+
+`TrainState` is the loop's counters (a load restores them); `TrainingParts`
+bundles them with the model, the strategy, the topology and the config, so
+that neither the checkpointer nor the telemetry holds (or imports) the engine.
+"""
 from __future__ import annotations
 
 import dataclasses
+
+import torch
+
+from dsrun.runtime.config import DsConfig
+from dsrun.runtime.data_parallel import GradientStrategy
+from dsrun.runtime.dist import Topology
 
 
 @dataclasses.dataclass
@@ -37,3 +47,27 @@ class TrainState:
             raise KeyError(f"unknown training counter(s) {unknown}; known: {sorted(names)}")
         for name, value in state.items():
             setattr(self, name, int(value))
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingParts:
+    """The engine's training state, by reference (nothing is copied).
+
+    Attributes:
+        module: the wrapped model.
+        strategy: how it is trained (gradient reduction, optimizer step); it
+            also says what it holds for a checkpoint (`checkpoint_pieces`, ...).
+        topology: this rank's place in the job.
+        config: the resolved DsConfig.
+        state: the loop's counters.
+    """
+
+    module: torch.nn.Module
+    strategy: GradientStrategy
+    topology: Topology
+    config: DsConfig
+    state: TrainState
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.strategy.optimizer

@@ -1,7 +1,7 @@
 """The engine's `Checkpointer`: save and load the complete training state
 (engine.save_checkpoint / load_checkpoint / save_16bit_model).
 
-The checkpointer is given the training parts (`CheckpointedParts`: module,
+The checkpointer is given the training parts (`TrainingParts`: module,
 strategy, topology, config, counters) and owns what lives between calls: the
 pending asynchronous save and its staging buffer. The work is split by
 concern: rendezvous.py (how ranks agree), save.py, load.py, export.py (the
@@ -53,9 +53,9 @@ from typing import Any, Callable
 from dsrun.runtime.checkpoint import export
 from dsrun.runtime.checkpoint import load as loading
 from dsrun.runtime.checkpoint import save as saving
-from dsrun.runtime.checkpoint.parts import CheckpointedParts
 from dsrun.runtime.checkpoint.rendezvous import ARRIVAL_TIMEOUT_S, COMMIT_TIMEOUT_S, Rendezvous, agree_on_location
 from dsrun.runtime.checkpoint.writer import StagingBuffer
+from dsrun.runtime.train_state import TrainingParts
 
 # Tests set this to a function called with a point name ("before_shard",
 # "after_shard", "before_index", "before_latest") to inject failures; tests
@@ -75,7 +75,7 @@ class Checkpointer:
         parts: what a checkpoint holds (see parts.py); kept by reference.
     """
 
-    def __init__(self, parts: CheckpointedParts) -> None:
+    def __init__(self, parts: TrainingParts) -> None:
         self.parts = parts
         self._pending: saving.SaveJob | None = None  # a running asynchronous save (checkpoint.async_save)
         self._staging: StagingBuffer | None = None  # reused by every save of this engine

@@ -5,17 +5,17 @@ import logging
 import os
 from typing import Callable
 
-from dsrun.runtime.checkpoint.parts import CheckpointedParts
 from dsrun.runtime.checkpoint.rendezvous import Rendezvous, raise_unless_all
 from dsrun.runtime.checkpoint.store import atomic_write, fsync_dir, stream_safetensors
 from dsrun.runtime.zero.params import record_of
+from dsrun.runtime.train_state import TrainingParts
 
 log = logging.getLogger("dsrun.checkpoint")
 
 _warned_bin = False
 
 
-def full_16bit_entries(parts: CheckpointedParts, exclude_frozen_parameters: bool = False) -> list[tuple]:
+def full_16bit_entries(parts: TrainingParts, exclude_frozen_parameters: bool = False) -> list[tuple]:
     """What a 16-bit export holds, in state-dict order: (name, tensor, full
     shape, dtype to write, managed by the strategy) for every parameter (tied
     ones once) and persistent buffer of the module. Local; gathers nothing."""
@@ -36,7 +36,7 @@ def full_16bit_entries(parts: CheckpointedParts, exclude_frozen_parameters: bool
     return entries
 
 
-def full_16bit_values(parts: CheckpointedParts, entries: list[tuple]):
+def full_16bit_values(parts: TrainingParts, entries: list[tuple]):
     """Yield each entry's full value in its export dtype and shape; a
     collective per strategy-managed entry, so every rank must exhaust it."""
     for _, t, shape, dtype, managed in entries:
@@ -44,7 +44,7 @@ def full_16bit_values(parts: CheckpointedParts, entries: list[tuple]):
         yield full.to(dtype).reshape(shape)
 
 
-def save_16bit(parts: CheckpointedParts, rdv_factory: Callable[[str], Rendezvous], save_dir: str,
+def save_16bit(parts: TrainingParts, rdv_factory: Callable[[str], Rendezvous], save_dir: str,
                save_filename: str = "model.safetensors", exclude_frozen_parameters: bool = False) -> str:
     """Write the module's full state dict in the compute dtype (parameters;
     persistent buffers in their own dtype) as ONE safetensors file from

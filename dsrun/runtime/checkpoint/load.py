@@ -13,13 +13,14 @@ import torch
 import torch.distributed as dist
 
 from dsrun.runtime import comm
-from dsrun.runtime.checkpoint.parts import CheckpointedParts
+from dsrun.runtime.checkpoint.parts import global_names, held_pieces
 from dsrun.runtime.checkpoint.pieces import HeldPiece, even_part
 from dsrun.runtime.checkpoint.reader import SliceReader
 from dsrun.runtime.checkpoint.rendezvous import Rendezvous, raise_unless_all
 from dsrun.runtime.checkpoint.store import INDEX, CheckpointError, Index, dtype_of, load_index, resolve_tag
 from dsrun.runtime.dist import Topology
 from dsrun.runtime.fp16.onebit.base import CompressedCommOptimizer
+from dsrun.runtime.train_state import TrainingParts
 
 log = logging.getLogger("dsrun.checkpoint")
 
@@ -34,10 +35,10 @@ def _decode_client(value: Any, reader: SliceReader) -> Any:
     return value
 
 
-def _check_names(parts: CheckpointedParts, index: Index, strict: bool, tag_dir: str) -> set[str]:
+def _check_names(parts: TrainingParts, index: Index, strict: bool, tag_dir: str) -> set[str]:
     """Missing / unexpected / mismatched-shape module tensors (strict: errors;
     shapes always). Returns the names to load."""
-    current = parts.global_names()
+    current = global_names(parts)
     stored = {n[len("module/"):]: e for n, e in index.tensors.items() if n.startswith("module/")}
     problems = []
     for name, (shape, _) in current.items():
@@ -60,7 +61,7 @@ def _check_names(parts: CheckpointedParts, index: Index, strict: bool, tag_dir: 
     return {n for n in current if n in stored}
 
 
-def _load_tensors(parts: CheckpointedParts, index: Index, reader: SliceReader, names: set[str],
+def _load_tensors(parts: TrainingParts, index: Index, reader: SliceReader, names: set[str],
                   optimizer_states: bool) -> list[tuple[HeldPiece, torch.Tensor]]:
     """See [Note: resharding on load]. Returns the replicated pieces' tensors
     (the value or an optimizer state, 1-D, hi - lo elements) of which this
@@ -73,7 +74,7 @@ def _load_tensors(parts: CheckpointedParts, index: Index, reader: SliceReader, n
     requests = []  # read together: each file once, in file order (see [Note: verified reads] in reader.py)
     shared: list[tuple[HeldPiece, torch.Tensor]] = []
     with torch.no_grad():
-        for p in parts.held_pieces():
+        for p in held_pieces(parts):
             if p.name not in names:
                 continue
             tensors = [(f"module/{p.name}", p.value)]
@@ -114,7 +115,7 @@ def _fill_replicated(shared: list[tuple[HeldPiece, torch.Tensor]]) -> None:
                     comm.broadcast(t[lo - p.lo:hi - p.lo], src=src, group=g.group)
 
 
-def _load_optimizer_extras(parts: CheckpointedParts, index: Index, reader: SliceReader) -> None:
+def _load_optimizer_extras(parts: TrainingParts, index: Index, reader: SliceReader) -> None:
     """Give a 1-bit optimizer its extras back: the shared ones always, this
     rank's own when the world size is the one that saved; rank 0 logs what
     happened to the error-feedback buffers."""
@@ -178,7 +179,7 @@ def _restore_rng(topology: Topology, index: Index, states: dict[str, torch.Tenso
             pass
 
 
-def load(parts: CheckpointedParts, rdv: Rendezvous, load_dir: str, tag: str | None, load_module_strict: bool,
+def load(parts: TrainingParts, rdv: Rendezvous, load_dir: str, tag: str | None, load_module_strict: bool,
          load_optimizer_states: bool, load_lr_scheduler_states: bool, load_module_only: bool,
          lr_scheduler: Any, dataloader: Any) -> tuple[str | None, Any]:
     """Load a checkpoint into the engine, on any world size, stage and precision

@@ -13,7 +13,7 @@ import torch
 
 import dsrun
 from dsrun.runtime.checkpoint import discard
-from dsrun.runtime.checkpoint.parts import CheckpointedParts
+from dsrun.runtime.checkpoint.parts import global_names, held_pieces, optimizer_extras
 from dsrun.runtime.checkpoint.pieces import HeldPiece
 from dsrun.runtime.checkpoint.rendezvous import Rendezvous, raise_unless_all
 from dsrun.runtime.checkpoint.store import (INDEX, LATEST, CheckpointError, FileEntry, Index, StoredSlice,
@@ -21,6 +21,7 @@ from dsrun.runtime.checkpoint.store import (INDEX, LATEST, CheckpointError, File
                                             is_shard_file, read_shard_metadata, shard_name, tag_is_complete,
                                             tag_names, write_json_atomic)
 from dsrun.runtime.checkpoint.writer import ShardWriter, StagingBuffer
+from dsrun.runtime.train_state import TrainingParts
 
 log = logging.getLogger("dsrun.checkpoint")
 
@@ -67,7 +68,7 @@ def _python_rng() -> dict[str, Any]:
     return out
 
 
-def prepare_save(parts: CheckpointedParts, rdv: Rendezvous, save_dir: str, tag: str, client_state: dict,
+def prepare_save(parts: TrainingParts, rdv: Rendezvous, save_dir: str, tag: str, client_state: dict,
                  save_latest: bool, exclude_frozen_parameters: bool, lr_scheduler: Any, dataloader: Any,
                  fault: Callable[[str], None]) -> "SaveJob":
     """Everything of one save that must happen on the calling thread: the old
@@ -98,7 +99,7 @@ def prepare_save(parts: CheckpointedParts, rdv: Rendezvous, save_dir: str, tag: 
             scheduler = _json_checked(lr_scheduler.state_dict(), "the LR scheduler's state_dict")
         param_groups = _json_checked([{k: v for k, v in g.items() if k != "params"}
                                       for g in parts.optimizer.param_groups], "optimizer param_groups")
-        tensors, meta, stepped = rank_payload(parts, parts.held_pieces(), client_state, exclude_frozen_parameters)
+        tensors, meta, stepped = rank_payload(parts, held_pieces(parts), client_state, exclude_frozen_parameters)
         if rank == 0:
             fields = _index_fields(parts, scheduler, param_groups, dataloader, exclude_frozen_parameters)
     except Exception as e:  # reported to every rank, then raised here
@@ -110,7 +111,7 @@ def prepare_save(parts: CheckpointedParts, rdv: Rendezvous, save_dir: str, tag: 
     return SaveJob(rdv, save_dir, tag, writer, fields, save_latest, parts.config.checkpoint.keep_last, fault)
 
 
-def rank_payload(parts: CheckpointedParts, pieces: list[HeldPiece], client_state, exclude_frozen: bool):
+def rank_payload(parts: TrainingParts, pieces: list[HeldPiece], client_state, exclude_frozen: bool):
     """This rank's tensors (key -> 1-D tensor), its description (JSON) and
     the keys of the tensors only an optimizer step changes (trainable values
     and their optimizer states: see [Note: copy-on-write snapshot] in writer.py)."""
@@ -148,7 +149,7 @@ def rank_payload(parts: CheckpointedParts, pieces: list[HeldPiece], client_state
                                       f"({type(v).__name__}"
                                       f"{list(v.shape) if isinstance(v, torch.Tensor) else ''}) "
                                       "is neither element-wise nor a scalar; dsrun cannot checkpoint it yet")
-    for gname, t in parts.optimizer_extras().items():
+    for gname, t in optimizer_extras(parts).items():
         put(gname, [t.numel()], t.reshape(-1), 0, t.numel(), True)
     rng_key = f"rng/rank{rank}/torch_cpu"
     put(rng_key, [torch.get_rng_state().numel()], torch.get_rng_state(), 0, torch.get_rng_state().numel())
@@ -263,12 +264,12 @@ def _prune(save_dir: str, keep: int, just_saved: str) -> None:
         log.info("checkpoint.keep_last=%d: deleted %s", keep, ", ".join(os.path.join(save_dir, t) for t in doomed))
 
 
-def _index_fields(parts: CheckpointedParts, scheduler, param_groups, dataloader, exclude_frozen: bool) -> dict:
+def _index_fields(parts: TrainingParts, scheduler, param_groups, dataloader, exclude_frozen: bool) -> dict:
     """Rank 0: everything of the index that comes from the training parts,
     taken at save time (JSON-ready)."""
     loader = dataloader.state_dict() if dataloader is not None else None
     strategy = parts.strategy
-    frozen = [n for n, (_, is_frozen) in parts.global_names().items() if is_frozen]
+    frozen = [n for n, (_, is_frozen) in global_names(parts).items() if is_frozen]
     return dict(dsrun_version=dsrun.__version__, torch_version=torch.__version__,
                 world_size=parts.topology.world_size, stage=parts.config.zero_optimization.stage,
                 precision=strategy.precision_name(), config=parts.config.model_dump(mode="json"),
