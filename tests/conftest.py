@@ -2,10 +2,35 @@
 
 The repository root is put first on sys.path so tests import the working
 tree's dsrun even when the package is not installed.
+
+The suite runs on the CPU, on gloo, whatever the machine has: DS_ACCELERATOR
+defaults to "cpu" here (the ranks run_ranks starts inherit it), so a test
+does not change meaning on a machine with a GPU. A test of the CUDA paths
+asks for them with the `cuda` fixture (skipped without a GPU).
 """
+import os
 import sys
 from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+
+@pytest.fixture
+def cuda(monkeypatch):
+    """The CUDA accelerator for this test (and the ranks it starts); skips without a GPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from dsrun.accelerator import real_accelerator
+
+    monkeypatch.setenv("DS_ACCELERATOR", "cuda")
+    monkeypatch.setattr(real_accelerator, "_current", None)
+    yield torch.device("cuda", 0)
+    real_accelerator._current = None

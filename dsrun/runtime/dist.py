@@ -24,6 +24,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from dsrun.accelerator import get_accelerator
 from dsrun.launcher.mpi import rank_env_from_scheduler
 from dsrun.runtime import allocator, rendezvous
 from dsrun.runtime import nodes as nodes_mod
@@ -107,9 +108,11 @@ def _read_rank_env() -> tuple[int, int, int, int]:
 
 
 def _pick_backend(requested: str | None) -> str:
+    """The requested backend, else the accelerator's: nccl when it is CUDA
+    (a GPU is visible and DS_ACCELERATOR does not say "cpu"), else gloo."""
     if requested is not None:
         return requested
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    return get_accelerator().communication_backend_name()
 
 
 def _device_for(backend: str, local_rank: int) -> torch.device:

@@ -113,3 +113,16 @@ def test_set_accelerator(fresh):
 def test_op_builder_names_dsrun_ops(fresh):
     with pytest.raises(NotImplementedError, match="dsrun.ops"):
         get_accelerator().create_op_builder("CPUAdamBuilder")
+
+
+def test_runtime_backend_follows_the_accelerator(fresh, monkeypatch):
+    from dsrun.runtime import dist as runtime_dist
+
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # gloo even where a GPU is visible
+    assert runtime_dist._pick_backend(None) == "gloo"
+    assert runtime_dist._pick_backend("nccl") == "nccl"  # init_distributed(dist_backend=...) wins
+
+    class OnCuda(DeepSpeedAccelerator):
+        _name, _communication_backend_name = "cuda", "nccl"
+    set_accelerator(OnCuda())
+    assert runtime_dist._pick_backend(None) == "nccl"

@@ -58,7 +58,7 @@ def main():
     args = TrainingArguments(output_dir=a.out, per_device_train_batch_size=4, gradient_accumulation_steps=1,
                              learning_rate=3e-3, warmup_steps=2, max_steps=a.steps, bf16=True,
                              logging_steps=1, save_steps=a.steps // 2, save_strategy="steps", report_to=[],
-                             deepspeed=DS_CONFIG, use_cpu=not torch.cuda.is_available(), seed=0,
+                             deepspeed=DS_CONFIG, use_cpu=deepspeed.get_accelerator().device_name() == "cpu", seed=0,
                              dataloader_num_workers=0, disable_tqdm=True)
     config = GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
                         embd_pdrop=0.0, attn_pdrop=0.0)
