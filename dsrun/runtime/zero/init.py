@@ -120,13 +120,14 @@ def _global_rank0(group) -> int:
 def partition_param(param: torch.nn.Parameter, placement: Placement, group=None) -> None:
     """Replace `param`'s full value by this rank's shard of rank 0's value
     (collective: a broadcast on placement.build). A parameter already
-    partitioned and not holding its full value is left alone.
+    partitioned and not holding its full value, or one ZeRO manages
+    otherwise (a strategy adopted it), is left alone.
 
     Raises ValueError when a partitioned parameter's full value changed
     shape (its shard layout is fixed).
     """
     rec = record_of(param)
-    if rec is not None and rec.init_shard is not None and not rec.init_full:
+    if rec is not None and (rec.init_shard is None or not rec.init_full):
         return
     if rec is None:
         rec = ZeroParam(param, param.shape)
@@ -252,8 +253,8 @@ class Init:
         pin_memory: page-lock host shards (remote_device cpu/nvme, on an
             accelerator that can pin).
         config_dict_or_path, config: a ds_config; only
-            zero_optimization.offload_param.device is read (to check
-            remote_device="nvme"). Unlike DeepSpeed, a bf16/fp16 config
+            zero_optimization.offload_param.device is read, and only for
+            remote_device="nvme" (to check it). Unlike DeepSpeed, a bf16/fp16 config
             does not cast the parameters: shards keep the constructor's
             dtype, so the fp32 master weights the strategy builds from them
             are the exact initial values (the strategy casts its compute
@@ -274,8 +275,9 @@ class Init:
         self.group = data_parallel_group
         self.enabled = enabled
         self.dtype = dtype
-        self._remote = (remote_device, pin_memory, _offload_param_device(config_dict_or_path, config)
-                        if enabled else None)
+        nvme = enabled and str(remote_device).lower() == "nvme"  # the only use of the config
+        self._remote = (remote_device, pin_memory,
+                        _offload_param_device(config_dict_or_path, config) if nvme else None)
         self._patched: list[tuple[type, object]] = []
         self._undo: list = []
         self._materializing = False

@@ -34,9 +34,13 @@ Rank 0's values are kept, so ranks seeded alike hold exactly rank 0's eager
 model.
 
 Memory: at most the parameters of one call are resident (usually one;
-two for `p.copy_(q)`), plus the parameter being created, so the
-construction peak is the shards plus about two of the largest parameters,
-never the model. Shape queries (`p.shape`, `p.size()`, `p.dim()`,
+two for `p.copy_(q)`), plus the parameter being created and the
+collectives' buffers, so the construction peak is the shards plus a few of
+the largest parameters, never the model (measured, 16 x Linear(2048, 2048)
+on 2 gloo ranks: peak RSS 172 MiB, of which 128 MiB shards; eager 256 MiB;
+tests/zero/test_zero_init.py). The price is collectives while building:
+a parameter written after others were touched is gathered and broadcast
+again, one parameter at a time. Shape queries (`p.shape`, `p.size()`, `p.dim()`,
 `p.numel()`) are answered from the record without a gather, and calls that
 need no values (`p.dtype`, `p.device`, `p.requires_grad_()`) pass through.
 

@@ -14,6 +14,10 @@ bytes alive between forward and backward -- and gathering before backward
 refills the very storage they point at. Writes into `full` bump `full`'s
 version counter, not the parameters' (`.data` assignment keeps a
 parameter's own counter), so autograd's saved-tensor checks still pass.
+A gather that user code saw (GatheredParameters) is released by hand-off
+instead: the unit takes a new, empty `full` and leaves the old storage to
+whatever still references it (a tensor the user kept), so nothing a user
+holds is resized under them.
 
 [Note: unit life cycle]
     SHARDED --gather()--> GATHERING --wait()--> GATHERED --release()--> SHARDED
