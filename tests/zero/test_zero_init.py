@@ -130,10 +130,21 @@ def _bit_equality() -> dict:
     out["outer64_shard_devices"] = {str(p.ds_tensor.device) for p in model.parameters()}
     with dsrun.zero.GatheredParameters(list(model.parameters())):
         out["outer64_full_devices"] = {str(p.device) for p in model.parameters()}
+    # remote_device="nvme": shards in host memory until the NVMe tier adopts them.
+    nvme = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**6,
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                  "offload_param": {"device": "nvme", "nvme_path": os.environ["ZI_TMP"]}}}
+    eager, model = _build(Outer, seed=6, remote_device="nvme", config_dict_or_path=nvme)
+    out["nvme_shard_devices"] = {str(p.ds_tensor.device) for p in model.parameters()}
+    engine, *_ = dsrun.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=nvme)
+    idx, tgt = _batch(17, 8)
+    out["nvme_losses"] = (engine(idx, tgt).item(), eager(idx, tgt).item())
+    out["nvme_bytes"] = engine.strategy.param_tier.nvme_bytes()
     return out
 
 
-def test_init_keeps_the_models_own_initialisation_bit_for_bit():
+def test_init_keeps_the_models_own_initialisation_bit_for_bit(tmp_path, monkeypatch):
+    monkeypatch.setenv("ZI_TMP", str(tmp_path))
     for rank, r in enumerate(run_ranks(_bit_equality, 2, timeout=240)):
         for key in ("gpt_equal", "outer_equal"):
             bad = [n for n, ok in r[key].items() if not ok]
@@ -144,6 +155,8 @@ def test_init_keeps_the_models_own_initialisation_bit_for_bit():
         assert init_loss == eager_loss, r["gpt_losses"]
         assert r["outer64_dtypes"] == {"torch.float64"}
         assert r["outer64_shard_devices"] == {"cpu"} and r["outer64_full_devices"] == {"cpu"}
+        assert r["nvme_shard_devices"] == {"cpu"} and r["nvme_bytes"] > 0
+        assert r["nvme_losses"][0] == r["nvme_losses"][1], r["nvme_losses"]
 
 
 def _save_pattern() -> dict:
