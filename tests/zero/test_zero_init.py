@@ -267,6 +267,17 @@ def test_placement_follows_remote_device_and_the_backends_device():
         choose_placement("gpu", False, cuda)
 
 
+def test_the_configs_offload_param_decides_where_shards_live():
+    from dsrun.runtime.zero.init import resolve_remote
+
+    hf = {"train_batch_size": "auto", "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto",
+                                                            "offload_param": {"device": "cpu", "pin_memory": True}}}
+    assert resolve_remote(None, False, hf) == ("cpu", True, "cpu")  # "auto" elsewhere is not read
+    assert resolve_remote("cpu", True, None) == ("cpu", True, None)
+    assert resolve_remote("nvme", False, {"zero_optimization": {"stage": 3}}) == ("nvme", False, "none")
+    assert resolve_remote(None, False, {"zero_optimization": {"cpu_offload_param": True}}) == ("cpu", False, "cpu")
+
+
 def test_writes_are_routed_through_the_full_value_on_a_forced_device():
     """The write-through mode on its own, one process, no collectives: the
     'shard' is a copy and the build device is meta for shape-only calls."""

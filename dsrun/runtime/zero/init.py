@@ -232,12 +232,20 @@ def _all_subclasses(cls):
     return out
 
 
-def _offload_param_device(config_dict_or_path, config) -> str | None:
-    source = config if config is not None else config_dict_or_path
-    if source is None:
-        return None
-    from dsrun.runtime.config import load_config
-    return load_config(source).zero_optimization.offload_param.device
+def resolve_remote(remote_device: str | None, pin_memory: bool, config) -> tuple[str | None, bool, str | None]:
+    """(remote_device, pin_memory, the config's offload_param.device) that
+    zero.Init uses: as in DeepSpeed, a config whose
+    zero_optimization.offload_param.device is cpu or nvme decides both
+    (the shards are built where the engine will keep them); otherwise the
+    arguments do. config: None, a dict, a path or a DsConfig (only that
+    section is read, see `offload_param_of`)."""
+    if config is None:
+        return remote_device, pin_memory, None
+    from dsrun.runtime.config import offload_param_of
+    section = offload_param_of(config)
+    if section.device != "none":
+        return section.device, section.pin_memory, section.device
+    return remote_device, pin_memory, section.device
 
 
 class Init:
@@ -253,8 +261,9 @@ class Init:
         pin_memory: page-lock host shards (remote_device cpu/nvme, on an
             accelerator that can pin).
         config_dict_or_path, config: a ds_config; only
-            zero_optimization.offload_param.device is read, and only for
-            remote_device="nvme" (to check it). Unlike DeepSpeed, a bf16/fp16 config
+            zero_optimization.offload_param is read: its device (cpu or
+            nvme) and pin_memory replace remote_device and pin_memory, as
+            in DeepSpeed (see `resolve_remote`). Unlike DeepSpeed, a bf16/fp16 config
             does not cast the parameters: shards keep the constructor's
             dtype, so the fp32 master weights the strategy builds from them
             are the exact initial values (the strategy casts its compute
@@ -263,6 +272,14 @@ class Init:
         dtype: cast every floating-point parameter to it when registered,
             before its initialisation runs.
         mpu: accepted (model parallelism is not partitioned by zero.Init).
+        zero_param_parallel_group, sequence_data_parallel_group: accepted;
+            shards follow data_parallel_group (the engine's hpZ and
+            sequence-parallel groups are set up by its config).
+        zero_quantized_weights, zero_quantized_nontrainable_weights:
+            accepted; the config's zero_optimization keys decide them when
+            the engine adopts the shards.
+        param_swapper: accepted; NVMe partitions are the engine's parameter
+            tier's (see remote_device).
 
     Initialises torch.distributed when needed. An Init entered while another
     is open does nothing (the outer one partitions). Raises ValueError for
@@ -271,13 +288,14 @@ class Init:
 
     def __init__(self, module=None, data_parallel_group=None, mem_efficient_linear=True,
                  remote_device=None, pin_memory=False, config_dict_or_path=None, config=None,
-                 enabled=True, dtype=None, mpu=None, **_compat):
+                 enabled=True, dtype=None, mpu=None, zero_param_parallel_group=None,
+                 zero_quantized_weights=False, zero_quantized_nontrainable_weights=False,
+                 sequence_data_parallel_group=None, param_swapper=None):
         self.group = data_parallel_group
         self.enabled = enabled
         self.dtype = dtype
-        nvme = enabled and str(remote_device).lower() == "nvme"  # the only use of the config
-        self._remote = (remote_device, pin_memory,
-                        _offload_param_device(config_dict_or_path, config) if nvme else None)
+        source = config if config is not None else config_dict_or_path
+        self._remote = resolve_remote(remote_device, pin_memory, source if enabled else None)
         self._patched: list[tuple[type, object]] = []
         self._undo: list = []
         self._materializing = False
