@@ -43,6 +43,7 @@ import torch
 
 from dsrun.accelerator import get_accelerator
 from dsrun.runtime import comm
+from dsrun.runtime.config import offload_param_of
 from dsrun.runtime.dist import init_distributed
 from dsrun.runtime.zero.init_writes import Residency, WriteThroughMode
 from dsrun.runtime.zero.params import ZeroParam, ZeroParamStatus, record_of
@@ -241,7 +242,6 @@ def resolve_remote(remote_device: str | None, pin_memory: bool, config) -> tuple
     section is read, see `offload_param_of`)."""
     if config is None:
         return remote_device, pin_memory, None
-    from dsrun.runtime.config import offload_param_of
     section = offload_param_of(config)
     if section.device != "none":
         return section.device, section.pin_memory, section.device
