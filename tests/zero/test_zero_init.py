@@ -276,6 +276,8 @@ def test_the_configs_offload_param_decides_where_shards_live():
     assert resolve_remote("cpu", True, None) == ("cpu", True, None)
     assert resolve_remote("nvme", False, {"zero_optimization": {"stage": 3}}) == ("nvme", False, "none")
     assert resolve_remote(None, False, {"zero_optimization": {"cpu_offload_param": True}}) == ("cpu", False, "cpu")
+    with pytest.raises(ValueError, match="offload_param.device: Input should be"):
+        resolve_remote(None, False, {"zero_optimization": {"offload_param": {"device": "gpu"}}})
 
 
 def test_writes_are_routed_through_the_full_value_on_a_forced_device():
