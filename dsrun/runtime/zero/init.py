@@ -263,11 +263,11 @@ class Init:
         config_dict_or_path, config: a ds_config; only
             zero_optimization.offload_param is read: its device (cpu or
             nvme) and pin_memory replace remote_device and pin_memory, as
-            in DeepSpeed (see `resolve_remote`). Unlike DeepSpeed, a bf16/fp16 config
-            does not cast the parameters: shards keep the constructor's
-            dtype, so the fp32 master weights the strategy builds from them
-            are the exact initial values (the strategy casts its compute
-            copy itself).
+            in DeepSpeed (see `resolve_remote`). Unlike DeepSpeed, a
+            bf16/fp16 config does not cast the parameters: shards keep the
+            constructor's dtype, so the fp32 master weights the strategy
+            builds from them are the exact initial values (the strategy
+            casts its compute copy itself).
         enabled: False makes the context a no-op.
         dtype: cast every floating-point parameter to it when registered,
             before its initialisation runs.
@@ -283,7 +283,8 @@ class Init:
 
     Initialises torch.distributed when needed. An Init entered while another
     is open does nothing (the outer one partitions). Raises ValueError for
-    a bad remote_device (see `choose_placement`).
+    a bad remote_device (see `choose_placement`), ConfigError (a
+    ValueError) for an invalid offload_param section.
     """
 
     def __init__(self, module=None, data_parallel_group=None, mem_efficient_linear=True,
