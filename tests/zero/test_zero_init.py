@@ -44,7 +44,8 @@ class Inner(nn.Module):
 
 class Outer(nn.Module):
     """apply(_init_weights) at the end of the constructor, then a rescaling
-    loop over named_parameters(), like GPT-2 / nanoGPT / HF post_init."""
+    loop over named_parameters(), like GPT-2 / nanoGPT / HF post_init, and
+    writes inside GatheredParameters(modifier_rank=0). Needs a process group."""
 
     def __init__(self, width: int = 12, vocab: int = 17, depth: int = 3):
         super().__init__()
@@ -56,7 +57,11 @@ class Outer(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith("b.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * depth))
-        self.out.bias.data.zero_()
+        self.out.bias.data.zero_()  # out.bias is the resident parameter now
+        import dsrun
+        with dsrun.zero.GatheredParameters([self.out.bias, self.emb.weight], modifier_rank=0):
+            self.emb.weight.data[0].zero_()  # HF style: written inside GatheredParameters
+            self.out.bias.data.add_(0.25)
         self.norm.weight.data.fill_(0.75)
 
     @staticmethod
