@@ -164,6 +164,32 @@ def test_init_keeps_the_models_own_initialisation_bit_for_bit(tmp_path, monkeypa
         assert r["nvme_losses"][0] == r["nvme_losses"][1], r["nvme_losses"]
 
 
+def _hf_models() -> dict:
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    import dsrun
+
+    dsrun.init_distributed()
+    makers = {
+        "gpt2": lambda: GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=97, n_positions=32,
+                                                   bos_token_id=0, eos_token_id=0)),
+        "llama": lambda: LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64,
+                                                      num_attention_heads=2, num_key_value_heads=2, vocab_size=97)),
+    }
+    return {name: _gathered_equal(*_build(make, seed=11)) for name, make in makers.items()}
+
+
+@pytest.mark.slow
+def test_hugging_face_models_built_under_init_equal_eager_ones():
+    """Hugging Face's post_init (initialize_weights over every module, tied
+    embeddings) under dsrun.zero.Init, without DeepSpeed's integration."""
+    pytest.importorskip("transformers")
+    for rank, r in enumerate(run_ranks(_hf_models, 2, timeout=300)):
+        for name, equal in r.items():
+            bad = [n for n, ok in equal.items() if not ok]
+            assert equal and not bad, f"rank {rank} {name}: differ from the eager model: {bad}"
+
+
 def _save_pattern() -> dict:
     """DeepSpeed-Chat's save_zero_three_model: gather each parameter, keep
     p.data.cpu() in a dict, save it on rank 0 after the loop."""
