@@ -1293,6 +1293,32 @@ def _unsupported_raw(data: dict) -> list[str]:
 # Entry point
 
 
+def offload_param_of(source: Mapping | str | os.PathLike | DsConfig) -> OffloadParamConfig:
+    """`zero_optimization.offload_param` of a ds_config, validated on its own.
+
+    zero.Init reads it while the model is built, when a Hugging Face config
+    may still hold "auto" placeholders elsewhere that `load_config` rejects.
+    DeepSpeed's old `cpu_offload_param: true` (with
+    `cpu_offload_use_pin_memory`) reads as device cpu. Raises ConfigError
+    when the file cannot be read or the section is invalid.
+    """
+    if isinstance(source, DsConfig):
+        return source.zero_optimization.offload_param
+    name = "dict" if isinstance(source, Mapping) else str(source)
+    raw = source if isinstance(source, Mapping) else _read_file(Path(source))
+    zero = raw.get("zero_optimization") if isinstance(raw, Mapping) else None
+    if not isinstance(zero, Mapping):
+        return OffloadParamConfig()
+    section = zero.get("offload_param")
+    if section is None and zero.get("cpu_offload_param") is True:
+        section = {"device": "cpu", "pin_memory": bool(zero.get("cpu_offload_use_pin_memory", False))}
+    try:
+        return OffloadParamConfig.model_validate(section or {})
+    except ValidationError as exc:
+        raise ConfigError(*(f"zero_optimization.offload_param.{'.'.join(map(str, e['loc']))}: {e['msg']}"
+                            for e in exc.errors()), source=name) from None
+
+
 def load_config(source: Mapping | str | os.PathLike | DsConfig, world_size: int | None = None,
                 strict: bool | None = None) -> DsConfig:
     """Read, validate and resolve a ds_config.

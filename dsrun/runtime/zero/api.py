@@ -38,6 +38,13 @@ def GatheredParameters(params, modifier_rank: int | None = None, fwd_module=None
     Only the units of `params` are gathered (load a big model module by
     module to keep the working set small). fwd_module is accepted for
     compatibility.
+
+    What the block takes from a parameter stays valid after it (e.g.
+    `kept = p.data.cpu()`, which on a CPU rank is the gathered storage
+    itself, as DeepSpeed-Chat's save_zero_three_model keeps it): on exit
+    the parameters' `.data` is swapped back to an empty tensor and the
+    gathered storage is left to whoever still references it (freed when
+    nobody does), never resized under them.
     """
     if not enabled:
         yield
@@ -53,8 +60,7 @@ def GatheredParameters(params, modifier_rank: int | None = None, fwd_module=None
     init_only = [p for p in params if zinit.is_partitioned(p)]
     for unit in units:
         unit.wait("GatheredParameters")
-    for p in init_only:
-        p.data = zinit.gather_full(p).clone()
+    zinit.open_full(init_only)
     try:
         yield
     finally:
@@ -66,12 +72,9 @@ def GatheredParameters(params, modifier_rank: int | None = None, fwd_module=None
                     owner = owner_of(p)
                     if owner is not None:
                         owner.sync_master_from_params([p])
-        for p in init_only:
-            if modifier_rank is not None:
-                zinit.write_shard(p, p.data)
-            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        zinit.close_full(init_only, modified=modifier_rank is not None)
         for unit in units:
-            unit.release()
+            unit.release(hand_off=True)  # a tensor the user took from a parameter stays valid
 
 
 def _owner(param):

@@ -49,7 +49,7 @@ import torch
 from dsrun.runtime.comm import quantized
 from dsrun.runtime.precision import PrecisionPolicy
 from dsrun.runtime.zero.groups import RankGroup
-from dsrun.runtime.zero.params import record_of
+from dsrun.runtime.zero.params import home_device, record_of
 from dsrun.runtime.zero.partition import BucketSlot, FlatLayout
 
 
@@ -124,7 +124,7 @@ class FlatParamSet:
         self.frozen_block = frozen_block if self.frozen_shard_numel else 0
         self.frozen_message: torch.Tensor | None = None  # int8, see [Note: int8 frozen shards]
         self.frozen_staging: torch.Tensor | None = None
-        device = _device(self.params[0])
+        device = home_device(self.params[0])
         compute, accum = precision.compute_dtype, precision.grad_accum_dtype
         if partition_params:
             self.full = None
@@ -309,7 +309,7 @@ class FlatParamSet:
     def partition_of(self, view) -> torch.Tensor:
         """`view(span)` of every span assembled into one partition-shaped
         tensor (shard_numel,), fp32 (a copy; zero outside the spans)."""
-        out = torch.zeros(self.layout.shard_numel, dtype=torch.float32, device=_device(self.params[0]))
+        out = torch.zeros(self.layout.shard_numel, dtype=torch.float32, device=home_device(self.params[0]))
         for span in self.spans:
             out[span.lo:span.hi].copy_(view(span))
         return out
@@ -318,13 +318,6 @@ class FlatParamSet:
 def _full_shape(p: torch.nn.Parameter) -> torch.Size:
     rec = record_of(p)
     return rec.shape if rec is not None else p.shape
-
-
-def _device(p: torch.nn.Parameter) -> torch.device:
-    rec = record_of(p)
-    if rec is not None and rec.init_shard is not None:
-        return rec.init_shard.device
-    return p.device
 
 
 def _spans(layout: FlatLayout, trainable: list[BucketSlot], key_of_bucket: list, merge: bool) -> list[Span]:

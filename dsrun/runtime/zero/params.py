@@ -51,6 +51,12 @@ class ZeroParam:
         init_shard: the zero.Init shard, (ceil(numel / N),) in the param's
             dtype, until a strategy adopts the parameter (then None).
         init_world_size: N of that shard (the shard group size of zero.Init).
+        init_device: where zero.Init built the parameter and runs its
+            collectives (the backend's device); the shard itself may live
+            elsewhere (remote_device).
+        init_full: True while `.data` holds the full value during zero.Init
+            (see [Note: writes under zero.Init] in init_writes.py) or inside
+            GatheredParameters; the shard is then possibly stale.
         fset, slot: the FlatParamSet and slot index holding it (once adopted).
         unit: the stage-3 gather unit (None at stages 0-2).
     """
@@ -63,6 +69,8 @@ class ZeroParam:
         self.id = next(_IDS)
         self.init_shard: torch.Tensor | None = None
         self.init_world_size = 0
+        self.init_device: torch.device | None = None
+        self.init_full = False
         self.fset: FlatParamSet | None = None
         self.slot = -1
         self.unit: Unit | None = None
@@ -101,6 +109,15 @@ class ZeroParam:
 def record_of(param: torch.Tensor) -> ZeroParam | None:
     """The ZeRO record of `param`, or None for a parameter ZeRO does not manage."""
     return getattr(param, "_dsrun_zero", None)
+
+
+def home_device(param: torch.Tensor) -> torch.device:
+    """The device `param` computes on: where zero.Init built it (its shard
+    may be in host memory), else the device of its own data."""
+    rec = record_of(param)
+    if rec is not None and rec.init_shard is not None and rec.init_device is not None:
+        return rec.init_device
+    return param.device
 
 
 def ensure_record(param: torch.nn.Parameter) -> ZeroParam:

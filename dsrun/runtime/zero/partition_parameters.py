@@ -6,9 +6,11 @@ functions are dsrun's (init.py, api.py, params.py, module_hints.py).
 `zero_wrapper_for_fp_tensor_constructor` and `_orig_torch_arange` exist
 because Hugging Face's `from_config` swaps the former while it builds a
 model under `zero.Init`: DeepSpeed's Init wraps torch's tensor constructors
-to create floating-point tensors in the config's dtype on the device. dsrun's
-Init does not wrap constructors (shards keep the constructor's dtype, see
-init.py), so swapping it changes nothing; it is still a working wrapper.
+to create floating-point tensors in the config's dtype on the device.
+dsrun's Init sets the device of factory calls with a device context instead
+(see [Note: where zero.Init builds] in init.py) and does not cast to the
+config's dtype, so swapping the wrapper changes nothing there; it is still
+a working wrapper.
 """
 from __future__ import annotations
 

@@ -48,7 +48,7 @@ from dsrun.runtime.zero.collectives import GradientQuantization
 from dsrun.runtime.zero.flat_params import FlatParamSet
 from dsrun.runtime.zero.groups import RankGroup, ZeroGroups, block_group, node_groups
 from dsrun.runtime.zero.module_hints import external_parameters, z3_leaf_module
-from dsrun.runtime.zero.params import record_of
+from dsrun.runtime.zero.params import home_device, record_of
 from dsrun.runtime.zero.reducer import OrderedReducer, Region
 from dsrun.runtime.zero.schedule import GatherSchedule
 from dsrun.runtime.zero.strategy import ZeroStrategy
@@ -266,9 +266,7 @@ class PartitionedParamStrategy(ZeroStrategy):
 
     @staticmethod
     def _param_device(members) -> torch.device:
-        p = members[0][0]
-        rec = record_of(p)
-        return rec.init_shard.device if rec is not None and rec.init_shard is not None else p.device
+        return home_device(members[0][0])
 
     def _gather_persistent(self) -> None:
         for unit in self.units:

@@ -46,7 +46,7 @@ from dsrun.runtime.offload.param_tier import ParamTier
 from dsrun.runtime.precision import PrecisionPolicy
 from dsrun.runtime.zero.flat_params import FlatParamSet, Span
 from dsrun.runtime.zero.groups import ZeroGroups
-from dsrun.runtime.zero.params import ensure_record, record_of
+from dsrun.runtime.zero.params import ensure_record, home_device, record_of
 from dsrun.runtime.zero.watchdog import Watchdog
 
 log = logging.getLogger("dsrun.zero")
@@ -110,9 +110,7 @@ class ZeroStrategy(GradientStrategy):
 
     def _master_device(self, param: torch.Tensor) -> torch.device:
         """Where the optimizer tier wants the master of a set holding `param`."""
-        rec = record_of(param)
-        device = rec.init_shard.device if rec is not None and rec.init_shard is not None else param.device
-        return self.optimizer_tier.master_device(device)
+        return self.optimizer_tier.master_device(home_device(param))
 
     def _adopt(self, fset: FlatParamSet, unit=None) -> None:
         """Give every parameter of `fset` its record pointing here, and the

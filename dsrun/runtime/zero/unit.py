@@ -14,6 +14,10 @@ bytes alive between forward and backward -- and gathering before backward
 refills the very storage they point at. Writes into `full` bump `full`'s
 version counter, not the parameters' (`.data` assignment keeps a
 parameter's own counter), so autograd's saved-tensor checks still pass.
+A gather that user code saw (GatheredParameters) is released by hand-off
+instead: the unit takes a new, empty `full` and leaves the old storage to
+whatever still references it (a tensor the user kept), so nothing a user
+holds is resized under them.
 
 [Note: unit life cycle]
     SHARDED --gather()--> GATHERING --wait()--> GATHERED --release()--> SHARDED
@@ -94,10 +98,8 @@ class Unit:
         self.state = UnitState.SHARDED
         self.handle: RegionHandle | None = None
         part = fset.partition
-        self.full = torch.empty(fset.layout.padded_numel, dtype=part.dtype, device=part.device)
-        self._nbytes = self.full.untyped_storage().nbytes()
-        self._views = [self.full[s.offset:s.offset + s.numel].view(s.shape) for s in fset.layout.slots]
-        self.full.untyped_storage().resize_(0)  # no bytes until gathered
+        self._new_buffer()
+        self._nbytes = self.full.element_size() * self.full.numel()
         self._empty = torch.empty(0, dtype=part.dtype, device=part.device)
         # Buckets gathered from the compute partition (all but int8 frozen ones) and their elements.
         buckets = fset.layout.buckets
@@ -112,6 +114,14 @@ class Unit:
                           if self._secondary_layout is not None else None)
         self.secondary_valid = False
         self._fill_secondary = False  # the gather in flight is primary: keep its slice on completion
+
+    def _new_buffer(self) -> None:
+        """A new `full` (padded_numel,) with no bytes until gathered, and the
+        parameter views of it."""
+        part, layout = self.fset.partition, self.fset.layout
+        self.full = torch.empty(layout.padded_numel, dtype=part.dtype, device=part.device)
+        self._views = [self.full[s.offset:s.offset + s.numel].view(s.shape) for s in layout.slots]
+        self.full.untyped_storage().resize_(0)
 
     def drop_values(self) -> None:
         """Free the parameters' original storage (the partition holds their
@@ -202,13 +212,18 @@ class Unit:
             self._set_params(self._views, ZeroParamStatus.AVAILABLE)
             self.state = UnitState.GATHERED
 
-    def release(self, force: bool = False) -> None:
+    def release(self, force: bool = False, hand_off: bool = False) -> None:
         """GATHERED -> SHARDED, freeing the gathered bytes (kept when
-        persistent, unless forced)."""
+        persistent, unless forced). hand_off: user code saw the gathered
+        values (GatheredParameters), so the storage is not resized but left
+        to whoever still references it, and the unit takes a new buffer."""
         if self.state is UnitState.SHARDED or (self.persistent and not force):
             return
         if self.state is UnitState.GATHERING:
             self.wait("release")
         self._set_params(self._empty, ZeroParamStatus.NOT_AVAILABLE)
-        self.full.untyped_storage().resize_(0)
+        if hand_off:
+            self._new_buffer()
+        else:
+            self.full.untyped_storage().resize_(0)
         self.state = UnitState.SHARDED
