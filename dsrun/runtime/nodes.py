@@ -33,6 +33,8 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from dsrun.runtime.torch_collectives import all_gather_single
+
 log = logging.getLogger("dsrun.nodes")
 
 
@@ -123,8 +125,7 @@ def learn(rank: int, world_size: int, local_rank: int, local_world_size: int,
     else:
         mine = torch.tensor([rank - local_rank, local_world_size], dtype=torch.int64, device=device)
         every = torch.empty(2 * world_size, dtype=torch.int64, device=device)
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # newer name first
-        gather(every, mine)  # set-up traffic, not counted
+        all_gather_single(every, mine)  # set-up traffic, not counted
         reports = [tuple(int(v) for v in pair) for pair in every.view(world_size, 2).tolist()]
         nodes = map_from_reports(reports)
         if nodes is None and rank == 0:

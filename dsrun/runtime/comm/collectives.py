@@ -115,6 +115,7 @@ from dsrun.ops import shm_comm
 from dsrun.runtime import nodes
 from dsrun.runtime.comm import comm_thread
 from dsrun.runtime.comm.logger import comms_logger, timed
+from dsrun.runtime.torch_collectives import all_gather_single, reduce_scatter_single
 
 log = logging.getLogger(__name__)
 
@@ -385,7 +386,7 @@ def overlapped_reduce_scatter(pairs: list[tuple[torch.Tensor, torch.Tensor]],
         for o, i in pairs:
             g.reduce_scatter(o, i, "sum")
     return _overlapped("reduce_scatter_tensor", [i for _, i in pairs], group, shm, on_shm,
-                       lambda: [dist.reduce_scatter_tensor(o, i, group=group, async_op=True) for o, i in pairs],
+                       lambda: [reduce_scatter_single(o, i, group=group, async_op=True) for o, i in pairs],
                        lambda: None)
 
 
@@ -405,7 +406,7 @@ def overlapped_all_gather(pairs: list[tuple[torch.Tensor, torch.Tensor]],
         for o, i in pairs:
             g.all_gather(o, i)
     return _overlapped("all_gather_into_tensor", [o for o, _ in pairs], group, shm, on_shm,
-                       lambda: [dist.all_gather_into_tensor(o, i, group=group, async_op=True) for o, i in pairs],
+                       lambda: [all_gather_single(o, i, group=group, async_op=True) for o, i in pairs],
                        lambda: None)
 
 
@@ -424,8 +425,7 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor,
     """Concatenate every rank's `input` (shape [n]) into `output` (shape [world*n]), rank order."""
     return _issue("all_gather_into_tensor", output, group, async_op, _served(group, output, input),
                   lambda shm: shm.all_gather(output, input),
-                  lambda: dist.all_gather_into_tensor(output, input, group=group,
-                                                      async_op=async_op))
+                  lambda: all_gather_single(output, input, group=group, async_op=async_op))
 
 
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor,
@@ -435,8 +435,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor,
     return _issue("reduce_scatter_tensor", input, group, async_op,
                   _served(group, output, input, reduce_op=op),
                   lambda shm: shm.reduce_scatter(output, input, _SHM_REDUCE_OPS[op]),
-                  lambda: dist.reduce_scatter_tensor(output, input, op=op, group=group,
-                                                     async_op=async_op))
+                  lambda: reduce_scatter_single(output, input, op=op, group=group, async_op=async_op))
 
 
 def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup | None = None,
