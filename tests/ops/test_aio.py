@@ -2,15 +2,20 @@
 from __future__ import annotations
 
 import errno
+import os
 import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
-from dsrun.ops import aio
+from dsrun.ops import aio, builder
 from dsrun.ops.builder import get_op
+
+ROOT = Path(__file__).resolve().parents[2]
 
 # Sizes around the 4 KiB O_DIRECT unit and the 64 KiB blocks used below,
 # including DeepSpeed's failing 4196 bytes and zero.
@@ -144,3 +149,69 @@ def test_from_config_and_bad_arguments():
         aio.AioHandle(engine="posix")
     with pytest.raises(ValueError, match="contiguous CPU tensor"):
         h.pwrite(torch.zeros(10, 2).t(), "/tmp/never")
+
+
+# Run in a fresh process whose compiler sees <liburing.h> and <libaio.h> as
+# `#error` (CPATH directories come before the system's): a cold build of the
+# op into an empty cache, then each native engine forced, on a file system
+# that takes O_DIRECT.
+FRESH_MACHINE_CHECK = """
+import os, sys, torch
+from dsrun.ops import aio
+from dsrun.ops.builder import get_op
+op = get_op("aio")
+assert op.load() is not None, f"aio did not build: {op.reason}"
+print("LIBRARY", op.path)
+data_dir = sys.argv[1]
+n, offset = (1 << 20) + 4096 + 5, 4096  # an aligned 1 MiB + 4 KiB, then a 5-byte tail
+data = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(7))
+src = aio.new_aligned_tensor(n).copy_(data)
+for engine in aio.ENGINES:
+    with aio.AioHandle(block_size=65536, queue_depth=4, intra_op_parallelism=2, engine=engine) as h:
+        assert h.engine == engine, h.engine
+        path = os.path.join(data_dir, engine + ".bin")
+        assert h.pwrite(src, path, offset) == n
+        back = aio.new_aligned_tensor(n)
+        assert h.pread(back, path, offset) == n
+        assert torch.equal(back, data), engine + ": read back differs"
+        print("ENGINE", engine, "direct_bytes", h.direct_bytes)
+"""
+
+
+def _o_direct_dir(*candidates):
+    for d in candidates:
+        try:
+            os.close(os.open(d, os.O_RDWR | os.O_TMPFILE | os.O_DIRECT, 0o600))  # an unnamed file
+            return d
+        except OSError:
+            continue
+    pytest.fail(f"none of {candidates} takes O_DIRECT: cannot check the engines' O_DIRECT path")
+
+
+def test_builds_without_liburing_or_libaio_headers_and_io_uring_runs_o_direct(tmp_path):
+    hidden = tmp_path / "hidden_headers"
+    hidden.mkdir()
+    for header in ("liburing.h", "libaio.h"):
+        (hidden / header).write_text(f'#error "<{header}> is out of reach in this test"\n')
+    env = dict(os.environ, CPATH=str(hidden), DSRUN_OPS_CACHE=str(tmp_path / "cache"),
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    # The hiding works: a source that includes liburing fails to compile.
+    probe = subprocess.run([builder.compiler(), "-x", "c++", "-E", "-o", os.devnull, "-"], env=env, text=True,
+                           input="#include <liburing.h>\n", capture_output=True)
+    assert probe.returncode != 0 and "out of reach" in probe.stderr, probe.stderr
+    data_dir = _o_direct_dir(str(tmp_path), "/var/tmp")
+    proc = subprocess.run([sys.executable, "-c", FRESH_MACHINE_CHECK, data_dir], env=env, capture_output=True,
+                          text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    lib = Path(out.split("LIBRARY ", 1)[1].split()[0])
+    assert lib.is_relative_to(tmp_path / "cache"), f"{lib} was not built by this test"  # no prebuilt, no old cache
+    ninja = (lib.parent / "build.ninja").read_text()
+    (ldflags,) = [ln for ln in ninja.splitlines() if ln.startswith("ldflags =")]
+    assert "-luring" not in ldflags and "-laio" not in ldflags, ldflags
+    dynamic = subprocess.run(["readelf", "-d", str(lib)], capture_output=True, text=True, check=True).stdout
+    needed = [ln for ln in dynamic.splitlines() if "(NEEDED)" in ln]
+    assert needed and not any("uring" in ln or "libaio" in ln for ln in needed), needed
+    middle = (1 << 20) + 4096  # the 4 KiB-aligned part of the request, written and read with O_DIRECT
+    for engine in aio.ENGINES:
+        assert f"ENGINE {engine} direct_bytes {2 * middle}" in out, out
