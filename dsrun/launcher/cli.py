@@ -22,6 +22,7 @@ from rich.console import Console
 from dsrun.launcher.hostfile import MAX_SLOTS
 from dsrun.launcher.job import DEFAULT_RENDEZVOUS_TIMEOUT
 from dsrun.launcher.multinode import MultinodeOptions, RankCommand, multinode_options, run_multinode
+from dsrun.numpy_warning import quiet_missing_numpy
 
 # dsrun's own messages go to stderr; rank output is passed through untouched.
 console = Console(stderr=True, highlight=False)
@@ -69,7 +70,8 @@ def warn_if_oversubscribed(num_procs: int, console: Console) -> None:
 
 def default_num_procs() -> int:
     """One process per visible CUDA GPU, else 1 with a notice (imports torch: about a second)."""
-    import torch  # deferred: importing torch costs ~1 s, and only this default needs it
+    with quiet_missing_numpy():  # see [Note: torch's NumPy warning] in dsrun/numpy_warning.py
+        import torch  # deferred: importing torch costs ~1 s, and only this default needs it
 
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if count == 0:

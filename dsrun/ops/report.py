@@ -11,15 +11,14 @@ import platform
 import shutil
 import subprocess
 import sys
-import warnings
 
 import click
 from rich.console import Console
 from rich.table import Table
 
-with warnings.catch_warnings():
-    # torch warns at import when NumPy is missing; dsrun does not need NumPy (only the tests' extra has it).
-    warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
+from dsrun.numpy_warning import quiet_missing_numpy
+
+with quiet_missing_numpy():  # see [Note: torch's NumPy warning] in dsrun/numpy_warning.py
     import torch
 
 from dsrun.ops import builder
