@@ -45,6 +45,10 @@ def _isa(name: str, loaded: bool) -> str:
         return "avx2/baseline (ifunc)"
     if name in ("cuda_adam", "quantizer_cuda"):
         return "cuda"
+    if name == "aio":  # the engine the kernel lets AioHandle use (io_uring may be refused, e.g. by seccomp)
+        from dsrun.ops.aio import PAGE, AioHandle
+        with AioHandle(block_size=PAGE, queue_depth=1) as handle:
+            return f"engine {handle.engine}"
     return "n/a"
 
 

@@ -27,6 +27,7 @@ def test_report_lists_every_op_with_isa_and_versions():
     assert adam[1:4] == ["yes", "yes", "yes"] and adam[4] in ("avx2", "avx512", "scalar")
     for op in ("aio", "shm_comm"):
         assert _row(text, op)[1:4] == ["yes", "yes", "yes"]
+    assert _row(text, "aio")[4] in ("engine io_uring", "engine libaio")  # what the kernel allows here
     cuda = _row(text, "cuda_adam")
     if "CPU build" in cuda[5]:
         assert cuda[1:4] == ["no", "no", "no"]
