@@ -52,6 +52,7 @@ int uring_register(int fd, unsigned opcode, void* arg, unsigned nr_args) {
 }
 
 unsigned load_acquire(const unsigned* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+unsigned load_relaxed(const unsigned* p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }  // an index we own
 void store_release(unsigned* p, unsigned v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
 
 // The three mappings of one ring; unmapped and closed by the destructor.
@@ -95,7 +96,7 @@ class UringEngine final : public Engine {
 
   int submit(const IoReq* reqs, int n) override {
     const unsigned head = load_acquire(sq_head_);  // SQEs before head were consumed by the kernel
-    const unsigned tail0 = *sq_tail_;               // only this thread writes the tail
+    const unsigned tail0 = load_relaxed(sq_tail_);  // only this thread writes the tail
     const int room = static_cast<int>(sq_entries_ - (tail0 - head));
     const int queued = std::min(n, room);  // ring full: submit what fits
     unsigned tail = tail0;
@@ -133,7 +134,7 @@ class UringEngine final : public Engine {
   int reap(IoDone* out, int max, int min_wait) override {
     int n = 0;
     while (n < max) {
-      unsigned head = *cq_head_;  // only this thread writes the head
+      unsigned head = load_relaxed(cq_head_);  // only this thread writes the head
       const unsigned tail = load_acquire(cq_tail_);
       for (; head != tail && n < max; ++head, ++n) {
         const io_uring_cqe& cqe = cqes_[head & cq_mask_];

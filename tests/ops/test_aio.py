@@ -83,6 +83,22 @@ def test_async_many_requests_then_wait(handle, tmp_path):
     assert torch.equal(b, c)
 
 
+@pytest.mark.parametrize("engine", aio.ENGINES)
+@pytest.mark.parametrize(("single_submit", "overlap_events"), [(False, True), (True, True), (False, False),
+                                                               (True, False)])
+def test_submission_modes_wrap_the_rings_many_times(tmp_path, engine, single_submit, overlap_events):
+    # 3 MiB + 5 bytes in 16 KiB blocks, 3 in flight (io_uring rounds its rings up to 4 entries):
+    # about 190 requests per direction on each of 2 threads, so every ring index wraps dozens of times.
+    data = _random_bytes(3 * (1 << 20) + 5, 11)
+    with aio.AioHandle(block_size=16384, queue_depth=3, intra_op_parallelism=2, single_submit=single_submit,
+                       overlap_events=overlap_events, engine=engine) as h:
+        assert h.engine == engine
+        h.pwrite(data, tmp_path / "x.bin")
+        back = torch.empty_like(data)
+        h.pread(back, tmp_path / "x.bin")
+    assert torch.equal(back, data)
+
+
 def test_errors_name_file_and_errno(handle, tmp_path):
     missing = tmp_path / "no_such_dir" / "x.bin"
     with pytest.raises(FileNotFoundError) as e:
