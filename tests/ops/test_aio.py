@@ -161,6 +161,8 @@ def test_from_config_and_bad_arguments():
     assert (h.block_size, h.queue_depth, h.threads) == (8192, 2, 3)
     with pytest.raises(ValueError, match="multiple of 4096"):
         aio.AioHandle(block_size=1000)
+    with pytest.raises(ValueError, match="up to 1073741824"):  # io_uring's request length is 32 bits
+        aio.AioHandle(block_size=2 << 30)
     with pytest.raises(ValueError, match="engine must be"):
         aio.AioHandle(engine="posix")
     with pytest.raises(ValueError, match="contiguous CPU tensor"):
