@@ -37,7 +37,7 @@ def missing_packages(packages) -> list[str]:
         return list(packages)
     missing = []
     for p in packages:
-        out = subprocess.run(["dpkg-query", "-W", "-f=${Status}", p], capture_output=True, text=True)
+        out = subprocess.run(["dpkg-query", "-W", "-f=${Status}", p], capture_output=True, text=True, check=False)
         if out.returncode != 0 or "install ok installed" not in out.stdout:
             missing.append(p)
     return missing
@@ -80,7 +80,7 @@ def install_missing() -> int:
     lock_wait = "DPkg::Lock::Timeout=600"  # wait for another apt run rather than fail at once
     for cmd in (["apt-get", "-o", lock_wait, "update", "-q"],
                 ["apt-get", "-o", lock_wait, "install", "-y", "-q", "--no-install-recommends", *missing]):
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             print(f"system packages: {' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
                   f"{proc.stderr[-3000:]}", file=sys.stderr)
