@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # CPU build of torch unless an NVIDIA driver is present (then the default CUDA build).
 TORCH_SPEC := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch" || echo "torch==2.13.0")
 
-.PHONY: install demo test test-quick gpu-check bench docs clean
+.PHONY: install system-packages demo test test-quick gpu-check bench docs clean
 
 # Two stamps: the demo needs only what `pip install dsrun` brings; the tests,
 # benchmarks and docs add the [test] extra (pytest, transformers, mkdocs, ...).
@@ -23,13 +23,20 @@ $(VENV)/.installed-test: $(VENV)/.installed
 
 install: $(VENV)/.installed-test
 
+# The Debian packages the test suite needs (sshd, Slurm, Open MPI, ...; list
+# and reasons in tests/system_packages.py), installed before the first test:
+# as root, apt-get update then install of the missing ones; nothing to do and
+# no root needed when all are there. Tests only check for them.
+system-packages:
+	$(PYTHON) tests/system_packages.py
+
 demo: $(VENV)/.installed
 	$(VENV)/bin/dsrun --num_procs 2 examples/train_gpt.py --config examples/configs/gpt_demo.json
 
-test: install
+test: install system-packages
 	$(PY) -m pytest -q --durations=25
 
-test-quick: install
+test-quick: install system-packages
 	$(PY) -m pytest -q -m "not slow"
 
 # On one GPU: every stage, precision, offload and zero.Init configuration of the

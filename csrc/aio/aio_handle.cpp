@@ -106,9 +106,11 @@ struct Part {
 
 class Worker {
  public:
-  Worker(std::unique_ptr<Engine> engine, int depth, int64_t block_size, bool single_submit, bool overlap)
+  Worker(std::unique_ptr<Engine> engine, int depth, int64_t block_size, bool single_submit, bool overlap,
+         std::atomic<int64_t>* direct_bytes)
       : engine_(std::move(engine)), depth_(depth), block_size_(block_size), single_submit_(single_submit),
-        overlap_(overlap), bounce_(depth, nullptr), slot_begin_(depth), slot_len_(depth), slot_bounced_(depth) {}
+        overlap_(overlap), direct_bytes_(direct_bytes), bounce_(depth, nullptr), slot_begin_(depth),
+        slot_len_(depth), slot_bounced_(depth) {}
 
   bool alloc_buffers(std::string* err) {
     for (auto& b : bounce_) {
@@ -174,6 +176,7 @@ class Worker {
           stop = true;
           continue;
         }
+        if (op.fd_direct >= 0) direct_bytes_->fetch_add(res, std::memory_order_relaxed);
         if (!op.write && slot_bounced_[s]) memcpy(op.user + slot_begin_[s], bounce_[s], res);
         // A short transfer (end of device space, a signal): finish it synchronously.
         if (res < slot_len_[s] && !sync_io(op, slot_begin_[s] + res, slot_len_[s] - res)) stop = true;
@@ -203,6 +206,7 @@ class Worker {
   int depth_;
   int64_t block_size_;
   bool single_submit_, overlap_;
+  std::atomic<int64_t>* direct_bytes_;  // the handle's count of bytes moved with O_DIRECT
   std::vector<char*> bounce_;
   std::vector<int64_t> slot_begin_, slot_len_;
   std::vector<bool> slot_bounced_;
@@ -214,9 +218,10 @@ class Handle {
 
   bool init(int engine_kind, int depth, bool single_submit, bool overlap, std::string* err) {
     for (int t = 0; t < threads_; ++t) {
-      auto engine = engine_kind == 0 ? make_uring_engine(depth, err) : make_libaio_engine(depth, err);
+      auto engine = engine_kind == 0 ? make_uring_engine(depth, err) : make_kernel_aio_engine(depth, err);
       if (!engine) return false;
-      workers_.emplace_back(new Worker(std::move(engine), depth, block_size_, single_submit, overlap));
+      workers_.emplace_back(
+          new Worker(std::move(engine), depth, block_size_, single_submit, overlap, &direct_bytes_));
       if (!workers_.back()->alloc_buffers(err)) return false;
     }
     queues_.resize(threads_);
@@ -293,6 +298,9 @@ class Handle {
     return 0;
   }
 
+  // Bytes the engines moved with O_DIRECT since the handle was made.
+  int64_t direct_bytes() const { return direct_bytes_.load(std::memory_order_relaxed); }
+
   // Waits for every submitted op; returns their count or -errno of the first failure.
   int64_t wait(std::string* err) {
     std::unique_lock<std::mutex> g(mu_);
@@ -341,6 +349,7 @@ class Handle {
   std::mutex mu_;
   std::condition_variable cv_, done_cv_;
   bool quit_ = false;
+  std::atomic<int64_t> direct_bytes_{0};
 };
 
 void copy_err(const std::string& msg, char* err, int errlen) {
@@ -352,12 +361,13 @@ void copy_err(const std::string& msg, char* err, int errlen) {
 
 using dsrun_aio::Handle;
 
-// engine: 0 = io_uring, 1 = libaio. Returns nullptr with a message in err.
+// engine: 0 = io_uring, 1 = Linux native AIO ("libaio" in Python). Returns nullptr with a message in err.
 extern "C" void* dsrun_aio_create(int engine, int64_t block_size, int queue_depth, int threads, int single_submit,
                                   int overlap_events, char* err, int errlen) {
-  if (block_size <= 0 || block_size % dsrun_aio::kAlign != 0 || queue_depth <= 0 || threads <= 0) {
-    dsrun_aio::copy_err("block_size must be a positive multiple of 4096; queue_depth and threads positive", err,
-                        errlen);
+  if (block_size <= 0 || block_size % dsrun_aio::kAlign != 0 || block_size > dsrun_aio::kMaxBlock ||
+      queue_depth <= 0 || threads <= 0) {
+    dsrun_aio::copy_err("block_size must be a positive multiple of 4096 up to 1 GiB; queue_depth and threads positive",
+                        err, errlen);
     return nullptr;
   }
   std::string msg;
@@ -399,3 +409,6 @@ extern "C" int64_t dsrun_aio_wait(void* h, char* err, int errlen) {
   if (rc < 0) dsrun_aio::copy_err(msg, err, errlen);
   return rc;
 }
+
+// Bytes moved with O_DIRECT (page cache bypassed) by the handle's engines so far.
+extern "C" int64_t dsrun_aio_direct_bytes(void* h) { return static_cast<Handle*>(h)->direct_bytes(); }

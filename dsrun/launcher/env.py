@@ -13,6 +13,8 @@ so a script written for either launcher runs unchanged:
     DSRUN_RENDEZVOUS_TIMEOUT                       dsrun: seconds ranks wait for each other at start
     PYTHONUNBUFFERED=1                             output reaches the launcher line by line
     DSRUN_PROGRESS=1                               rank 0's engine sends progress records (progress.py)
+    PYTHONWARNINGS (only where NumPy is missing)   hides torch's import-time "Failed to initialize NumPy"
+                                                   (see [Note: torch's NumPy warning] in dsrun/numpy_warning.py)
 
 The runtime reads only RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR,
 MASTER_PORT (and LOCAL_WORLD_SIZE), so it also runs under torchrun.
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 from dsrun.launcher.job import NodeJob
 from dsrun.launcher.progress import PROGRESS_ENV
+from dsrun.numpy_warning import rank_warning_filter
 
 
 def rank_environment(job: NodeJob, index: int) -> dict[str, str]:
@@ -54,9 +57,12 @@ def rank_process_env(job: NodeJob, index: int, base: dict[str, str]) -> dict[str
     """The full environment of a rank: `base` (the agent's own), then `job.env`, then the contract.
 
     The contract variables win over anything inherited, so a stale RANK in the
-    user's shell cannot leak into a rank.
+    user's shell cannot leak into a rank. Where NumPy is not installed,
+    PYTHONWARNINGS gets one more filter in front of the user's (see
+    [Note: torch's NumPy warning] in dsrun/numpy_warning.py).
     """
-    return {**base, **job.env, **rank_environment(job, index)}
+    env = {**base, **job.env, **rank_environment(job, index)}
+    return {**env, **rank_warning_filter(env)}
 
 
 def rank_argv(job: NodeJob, index: int) -> list[str]:

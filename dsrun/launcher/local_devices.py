@@ -10,6 +10,8 @@ from pathlib import Path
 
 from rich.console import Console
 
+from dsrun.numpy_warning import quiet_missing_numpy
+
 
 def visible_gpu_count() -> int:
     """GPUs a rank here could use, without importing torch: CUDA_VISIBLE_DEVICES if set, else the
@@ -35,7 +37,8 @@ def warn_if_oversubscribed(num_procs: int, console: Console) -> None:
 
 def default_num_procs(console: Console) -> int:
     """One process per visible CUDA GPU, else 1 with a notice on `console` (imports torch: about a second)."""
-    import torch  # deferred: importing torch costs ~1 s, and only this default needs it
+    with quiet_missing_numpy():  # see [Note: torch's NumPy warning] in dsrun/numpy_warning.py
+        import torch  # deferred: importing torch costs ~1 s, and only this default needs it
 
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if count == 0:

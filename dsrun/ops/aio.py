@@ -4,9 +4,12 @@
     handle.pwrite(tensor, "/nvme/x.bin")              # synchronous
     handle.async_pread(tensor, "/nvme/x.bin"); ...; handle.wait()
 
-Transfers use O_DIRECT (no page cache) through io_uring, or libaio where
-io_uring is refused, in blocks of `block_size` bytes with `queue_depth`
-blocks in flight on each of `intra_op_parallelism` threads. Any size and
+Transfers use O_DIRECT (no page cache) through io_uring, or Linux native AIO
+(engine "libaio": the kernel interface libaio wraps) where io_uring is
+refused, in blocks of `block_size` bytes with `queue_depth` blocks in flight
+on each of `intra_op_parallelism` threads. Both engines are built on the
+kernel's UAPI headers with raw system calls (csrc/aio/), so the op needs
+neither liburing-dev nor libaio-dev. Any size and
 offset work: see [Note: O_DIRECT and unaligned sizes] in
 csrc/aio/aio_handle.cpp. Tensors whose memory is not page-aligned go through
 the handle's page-aligned bounce buffers; `new_aligned_tensor` gives memory
@@ -31,6 +34,7 @@ log = logging.getLogger("dsrun.ops")
 
 ENGINES = ("io_uring", "libaio")
 PAGE = 4096
+MAX_BLOCK = 1 << 30  # csrc/aio/aio_engine.h kMaxBlock
 _ERRLEN = 1024
 
 
@@ -45,6 +49,8 @@ def _native():
                                          ctypes.c_char_p, ctypes.c_int64, ctypes.c_char_p, ctypes.c_int]
         lib.dsrun_aio_wait.restype = ctypes.c_int64
         lib.dsrun_aio_wait.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
+        lib.dsrun_aio_direct_bytes.restype = ctypes.c_int64
+        lib.dsrun_aio_direct_bytes.argtypes = [ctypes.c_void_p]
         lib._dsrun_typed = True
     return lib
 
@@ -69,14 +75,16 @@ class AioHandle:
     """Reads and writes whole tensors to files at a byte offset.
 
     Args:
-        block_size: bytes per I/O request; a positive multiple of 4096.
+        block_size: bytes per I/O request; a positive multiple of 4096, at most 1 GiB.
         queue_depth: requests in flight per thread.
         intra_op_parallelism: threads per read/write (`thread_count` is accepted too).
         single_submit: submit requests one at a time rather than in batches.
         overlap_events: submit new requests while others complete, rather
             than a batch at a time.
         engine: "auto" (io_uring, else libaio, else the Python fallback),
-            "io_uring", "libaio", or "python" (the fallback: buffered os.pread/pwrite).
+            "io_uring", "libaio" (Linux native AIO), or "python" (the fallback:
+            buffered os.pread/pwrite). Naming an engine forces it: this is how
+            each engine is tested on any machine.
 
     Raises:
         ValueError: bad sizes or an unknown engine.
@@ -88,8 +96,9 @@ class AioHandle:
                  thread_count: int | None = None):
         if thread_count is not None:
             intra_op_parallelism = thread_count
-        if block_size <= 0 or block_size % PAGE or queue_depth <= 0 or intra_op_parallelism <= 0:
-            raise ValueError(f"aio: block_size must be a positive multiple of {PAGE} (got {block_size}); "
+        if not 0 < block_size <= MAX_BLOCK or block_size % PAGE or queue_depth <= 0 or intra_op_parallelism <= 0:
+            raise ValueError(f"aio: block_size must be a positive multiple of {PAGE} up to {MAX_BLOCK} "
+                             f"(got {block_size}); "
                              f"queue_depth ({queue_depth}) and intra_op_parallelism ({intra_op_parallelism}) "
                              "must be positive")
         if engine not in ("auto", "python", *ENGINES):
@@ -145,6 +154,13 @@ class AioHandle:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    @property
+    def direct_bytes(self) -> int:
+        """Bytes the native engine moved with O_DIRECT (bypassing the page cache) since the
+        handle was made; 0 for the Python fallback, and for files whose file system refuses
+        O_DIRECT. The unaligned head and tail of a request (under 4 KiB each) are not counted."""
+        return self._lib.dsrun_aio_direct_bytes(self._handle) if self._handle is not None else 0
 
     # -- requests ---------------------------------------------------------
     @staticmethod

@@ -118,11 +118,12 @@ OPS: dict[str, OpSpec] = {
     ),
     "aio": OpSpec(
         name="aio",
-        sources=("aio/aio_handle.cpp", "aio/aio_uring.cpp", "aio/aio_libaio.cpp"),
+        sources=("aio/aio_handle.cpp", "aio/aio_uring.cpp", "aio/aio_kernel_aio.cpp"),
         cflags=("-O2",),
-        ldflags=("-luring", "-laio", "-pthread"),
-        headers=("liburing.h", "libaio.h"),
-        description="asynchronous file I/O, io_uring or libaio, O_DIRECT, any size",
+        ldflags=("-pthread",),
+        # The kernel's UAPI headers (linux-libc-dev, a dependency of gcc), not liburing/libaio.
+        headers=("linux/io_uring.h", "linux/aio_abi.h"),
+        description="asynchronous file I/O, io_uring or Linux native AIO (raw system calls), O_DIRECT, any size",
         hashed_dirs=("aio",),
     ),
     "shm_comm": OpSpec(
@@ -208,7 +209,7 @@ def _probe_headers(spec: OpSpec, cxx: str) -> None:
         proc = subprocess.run([cxx, "-x", "c++", "-E", "-o", os.devnull, "-"],
                               input=f"#include <{header}>\n", capture_output=True, text=True, timeout=60)
         if proc.returncode != 0:
-            pkg = {"liburing.h": "liburing-dev", "libaio.h": "libaio-dev"}.get(header, "its -dev package")
+            pkg = "linux-libc-dev" if header.startswith("linux/") else "its -dev package"
             raise OpBuildError(f"header <{header}> not found (install {pkg})")
 
 

@@ -1,11 +1,16 @@
 """Unit tests of the launcher's pure parts: job validation, rank environment, stderr capture, ports."""
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
+import warnings
 
 import pytest
 from pydantic import ValidationError
 
+from dsrun import numpy_warning
 from dsrun.launcher.env import rank_argv, rank_process_env
 from dsrun.launcher.failure import TAIL_LINES, TRACEBACK_MAX_LINES, RankFailure, StderrTail, exit_status, signal_name
 from dsrun.launcher.job import NodeJob
@@ -47,6 +52,33 @@ def test_rank_environment_on_a_second_node_and_precedence():
     assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"]) == ("3", "1", "4", "2")
     assert (env["NODE_RANK"], env["GROUP_RANK"], env["CROSS_RANK"], env["CROSS_SIZE"]) == ("1", "1", "1", "2")
     assert rank_argv(job, 1) == ["python", "t.py", "--local_rank=1"]
+
+
+def test_ranks_without_numpy_get_a_filter_for_torchs_numpy_warning_only(monkeypatch):
+    assert "PYTHONWARNINGS" not in rank_process_env(_job(), 0, {})  # NumPy is installed here: nothing added
+    monkeypatch.setattr(numpy_warning, "numpy_missing", lambda: True)
+    assert rank_process_env(_job(), 0, {})["PYTHONWARNINGS"] == "ignore:Failed to initialize NumPy:UserWarning"
+    env = rank_process_env(_job(env={"PYTHONWARNINGS": "error::DeprecationWarning"}), 0, {})
+    assert env["PYTHONWARNINGS"] == "ignore:Failed to initialize NumPy:UserWarning,error::DeprecationWarning"
+    # As Python parses it: torch's message is hidden, any other warning shows, the user's filter still holds.
+    code = (f"import warnings; warnings.warn({numpy_warning.MESSAGE!r}); warnings.warn('another one'); "
+            "warnings.warn('old', DeprecationWarning)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONWARNINGS": env["PYTHONWARNINGS"]})
+    assert "NumPy" not in proc.stderr and "UserWarning: another one" in proc.stderr, proc.stderr
+    assert proc.returncode != 0 and "DeprecationWarning: old" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("missing", [True, False])
+def test_quiet_missing_numpy_hides_that_message_only_without_numpy(monkeypatch, missing):
+    monkeypatch.setattr(numpy_warning, "numpy_missing", lambda: missing)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with numpy_warning.quiet_missing_numpy():
+            warnings.warn(numpy_warning.MESSAGE)
+            warnings.warn("Failed to initialize NumPy: _ARRAY_API not found")  # a broken NumPy: the user's to fix
+    shown = [str(w.message) for w in seen]
+    assert shown == [numpy_warning.MESSAGE] * (not missing) + ["Failed to initialize NumPy: _ARRAY_API not found"]
 
 
 def test_exit_status_never_reads_a_signal_as_success():

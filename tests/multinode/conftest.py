@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from tests.multinode.sshd import SshCluster, free_port, keygen, loopback_sshd, stop  # noqa: F401 (re-exported)
-from tests.system_packages import ensure_debian_packages
+from tests.system_packages import require_debian_packages
 
 
 def expected_losses(steps: int) -> list[float]:
@@ -114,7 +114,7 @@ def slurm_cluster(tmp_path_factory) -> SlurmCluster:
     per "node" exactly as on a real cluster. proctrack/linuxproc and
     task/none avoid cgroups, which the test machine may not delegate.
     """
-    ensure_debian_packages("slurm-wlm", "munge")
+    require_debian_packages("slurm-wlm", "munge")
     d = tmp_path_factory.mktemp("slurm")
     for sub in ("state", "spool/n1", "spool/n2", "munge"):
         (d / sub).mkdir(parents=True)

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from tests.system_packages import ensure_debian_packages
+from tests.system_packages import require_debian_packages
 
 PREFIX = 30
 MAX_LINKS = 64  # several benchmarks or tests may hold a link at once, each its own names and /30
@@ -137,7 +137,7 @@ def _unused_index() -> int:
 def node_link(rate: str | None = None) -> Iterator[NodeLink]:
     """Create a namespace and a veth pair for the `with` block; remove both afterwards, also on error.
 
-    Needs root and iproute2 (installed if missing). Takes the first set of
+    Needs root and iproute2 (installed by `make test`). Takes the first set of
     names no other link holds, so several can exist at once.
 
     Raises:
@@ -145,7 +145,7 @@ def node_link(rate: str | None = None) -> Iterator[NodeLink]:
         subprocess.CalledProcessError: an `ip` command failed (its stderr says why).
     """
     if shutil.which("ip") is None or shutil.which("tc") is None:
-        ensure_debian_packages("iproute2")
+        require_debian_packages("iproute2")
     if os.geteuid() != 0:
         raise RuntimeError("a network namespace and a veth pair need root; run as root")
     link = NodeLink(_unused_index())

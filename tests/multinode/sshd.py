@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from tests.system_packages import ensure_debian_packages
+from tests.system_packages import require_debian_packages
 
 LOOPBACK_NODES = {"node-a": "127.0.0.1", "node-b": "127.0.0.2"}
 
@@ -111,7 +111,7 @@ class SshCluster:
 def loopback_sshd(d: Path, extra_addresses: tuple[str, ...] = ()) -> Iterator[SshCluster]:
     """Run sshd for the duration of the `with` block; its files live in the existing directory `d`.
 
-    Installs openssh-server/openssh-client first if missing (tests/system_packages.py).
+    Needs openssh-server/openssh-client (installed by `make test`, see tests/system_packages.py).
 
     Args:
         d: empty directory for keys, configs, pid file and log.
@@ -123,9 +123,9 @@ def loopback_sshd(d: Path, extra_addresses: tuple[str, ...] = ()) -> Iterator[Ss
 
     Raises:
         RuntimeError: sshd did not start listening (its log is in the message),
-            or the packages cannot be installed.
+            or the packages are not installed.
     """
-    ensure_debian_packages("openssh-server", "openssh-client")
+    require_debian_packages("openssh-server", "openssh-client")
     host_key = keygen(d / "ssh_host_ed25519_key")
     client_key = keygen(d / "id_client")
     (d / "authorized_keys").write_text((d / "id_client.pub").read_text())

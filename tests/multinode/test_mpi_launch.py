@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.multinode.conftest import expected_losses
-from tests.system_packages import ensure_debian_packages
+from tests.system_packages import require_debian_packages
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def openmpi():
-    ensure_debian_packages("openmpi-bin")
+    require_debian_packages("openmpi-bin")
 
 
 def test_openmpi_launch_trains(openmpi, tmp_path):

@@ -104,6 +104,6 @@ def test_compile_error_and_missing_header_give_reasons(tmp_path, monkeypatch):
     assert op.load() is None
     assert op.reason.startswith("build failed:") and "undeclared_name" in op.reason and "build.log" in op.reason
     op = builder.NativeOp(builder.OpSpec(name="noheader", sources=("broken/broken.cpp",),
-                                         headers=("liburing.h", "dsrun_no_such_header.h")))
+                                         headers=("linux/io_uring.h", "dsrun_no_such_header.h")))
     assert op.load() is None
     assert op.reason == "header <dsrun_no_such_header.h> not found (install its -dev package)"
