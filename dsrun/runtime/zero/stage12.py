@@ -75,7 +75,8 @@ class PartitionedOptimizerStrategy(ZeroStrategy):
             fset = FlatParamSet(f"group{g}", members, groups.shard, precision, int(reduce_bucket_size),
                                 partition_params=False, grad_in_full=stage in (0, 1),
                                 master_device=self._master_device(members[0][0]),
-                                pin_memory=self.optimizer_tier.pin_memory)
+                                pin_memory=self.optimizer_tier.pin_memory,
+                                grad_device=self.optimizer_tier.grad_device(self._device_of(members[0][0])))
             self.sets.append(fset)
             self._adopt(fset)
         if precision.mixed:
@@ -86,7 +87,8 @@ class PartitionedOptimizerStrategy(ZeroStrategy):
                    for b in fset.layout.buckets]
         # Backward produces gradients roughly in reverse registration order.
         regions.sort(key=lambda r: (-self.sets.index(r.fset), -r.buckets[0].index))
-        self.reducer = OrderedReducer(regions, groups, watchdog=self.watchdog)
+        self.reducer = OrderedReducer(regions, groups, watchdog=self.watchdog,
+                                      host_grads=self.optimizer_tier.host_grads)
         self._hooks = [p.register_post_accumulate_grad_hook(self.reducer.accumulate)
                        for fset in self.sets for p in fset.params]
         self._gather_plan = [(fset, _runs(fset, int(allgather_bucket_size))) for fset in self.sets]

@@ -108,11 +108,15 @@ class ZeroStrategy(GradientStrategy):
         numels = [rec.numel if (rec := record_of(p)) is not None else p.numel() for p, _, _ in trainable]
         self.optimizer_tier.prepare(self, numels, self.groups.shard.size)
 
+    @staticmethod
+    def _device_of(param: torch.Tensor) -> torch.device:
+        """The compute device of `param` (its zero.Init shard's when it has one)."""
+        rec = record_of(param)
+        return rec.init_shard.device if rec is not None and rec.init_shard is not None else param.device
+
     def _master_device(self, param: torch.Tensor) -> torch.device:
         """Where the optimizer tier wants the master of a set holding `param`."""
-        rec = record_of(param)
-        device = rec.init_shard.device if rec is not None and rec.init_shard is not None else param.device
-        return self.optimizer_tier.master_device(device)
+        return self.optimizer_tier.master_device(self._device_of(param))
 
     def _adopt(self, fset: FlatParamSet, unit=None) -> None:
         """Give every parameter of `fset` its record pointing here, and the
@@ -160,7 +164,10 @@ class ZeroStrategy(GradientStrategy):
         """Sum of squares of every averaged gradient shard over the shard group
         (one collective; see [Note: one small collective per step])."""
         grads = [g for fset in self.sets for g in fset.grad_shards() if g.numel()]
-        if grads:
+        host = self.optimizer_tier.host_grads
+        if host is not None:  # gradients in host memory (see [Note: offload copies] in offload/transfer.py)
+            sq = host.sq_norm(grads, self.topology.device)
+        elif grads:
             norms = torch._foreach_norm(grads)  # one fused pass, no gradient-sized temporary
             sq = torch.stack([n.float() for n in norms]).square().sum().reshape(1)
         else:
@@ -221,8 +228,12 @@ class ZeroStrategy(GradientStrategy):
         raise NotImplementedError
 
     def zero_grad(self) -> None:
+        host = self.optimizer_tier.host_grads
         for fset in self.sets:
-            fset.zero_grad()
+            if host is None or fset.grad_partition is None or fset.grad_partition.device == fset.compute_device:
+                fset.zero_grad()
+        if host is not None:
+            host.reset()  # host gradients are overwritten by the next backward, not zeroed
 
     # ---- state -------------------------------------------------------------
     def state_dict(self) -> dict:
