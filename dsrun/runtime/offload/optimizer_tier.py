@@ -142,8 +142,7 @@ class OptimizerTier:
             return  # a CPU model: host memory is the device memory
         copies = CopyStream(device, self.timeline)
         self.uploads = Uploader(copies, self.timeline)
-        if any(f.grad_partition is not None and f.grad_partition.device != f.compute_device
-               for f in strategy.sets):
+        if any(f.grads_offloaded for f in strategy.sets):
             self.host_grads = HostGradients(copies, self.timeline)
 
     def close(self) -> None:

@@ -160,12 +160,15 @@ class FlatParamSet:
             self.frozen_message = quantized.pack_message(self.frozen_staging, self.frozen_block)
             self.frozen_staging = None
         self.grad_full = self.grad_partition = None
+        # True: gradients reach grad_partition through the offload copies (reducer.py, offload/transfer.py).
+        self.grads_offloaded = False
         if grad_in_full:
             self.grad_full = torch.zeros(self.trainable_numel, dtype=accum, device=device)
         else:
             where = self.compute_device if grad_device is None else torch.device(grad_device)
             self.grad_partition = torch.zeros(self.trainable_shard_numel, dtype=accum, device=where,
                                               pin_memory=_pin(True, where, self.compute_device))
+            self.grads_offloaded = where != self.compute_device
 
     def _load_initial_values(self) -> None:
         """Copy each parameter's value into the compute copy and the master,

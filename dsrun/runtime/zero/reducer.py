@@ -208,7 +208,7 @@ class OrderedReducer:
             target.div_(self.groups.data_parallel_size)
             return
         target = fset.grad_partition[region.part_lo:region.part_lo + out.numel()]
-        if target.device != out.device:  # to host memory, averaged there
+        if fset.grads_offloaded:  # to host memory, averaged there
             self.host_grads.add(target, out, self.groups.data_parallel_size)
         else:
             summed = out if out.dtype == target.dtype else out.to(target.dtype)

@@ -230,7 +230,7 @@ class ZeroStrategy(GradientStrategy):
     def zero_grad(self) -> None:
         host = self.optimizer_tier.host_grads
         for fset in self.sets:
-            if host is None or fset.grad_partition is None or fset.grad_partition.device == fset.compute_device:
+            if host is None or not fset.grads_offloaded:
                 fset.zero_grad()
         if host is not None:
             host.reset()  # host gradients are overwritten by the next backward, not zeroed
