@@ -36,6 +36,7 @@ from dsrun.runtime import comm
 from dsrun.runtime.logging import log_rank0
 from dsrun.runtime.memory_profile import MemorySnapshot
 from dsrun.runtime.monitor import events
+from dsrun.runtime.offload.transfer import format_timeline
 from dsrun.runtime.timers import StepTimes, StepTimers, format_breakdown
 
 if TYPE_CHECKING:
@@ -136,6 +137,9 @@ class StepTelemetry:
             if every > 0 and engine.global_steps % every == 0:
                 log_rank0(engine.topology, format_breakdown(self._period, engine.global_steps))
                 self._period = StepTimes()
+                timeline = engine.offload_timeline()
+                if timeline:  # optimizer offload from an accelerator: the last step's copies and CPU Adam
+                    log_rank0(engine.topology, format_timeline(timeline))
         if self._flops is not None and not self._flops_done:
             self._print_flops_profile(times)
         if self._records and (now - self._last_record >= _RECORD_INTERVAL_S or engine.global_steps == self._total):

@@ -52,6 +52,9 @@ import torch
 # Elements the CPU Adam updates before their 16-bit values are sent to the device (32 MiB in bf16):
 # small enough that the last chunk's copy is short, large enough that a copy's fixed cost is noise.
 PIPELINE_NUMEL = 1 << 24
+# Most elements per gradient bucket when gradients leave the device (stage 2 caps
+# reduce_bucket_size at it): the device holds a few buckets in flight, 128 MiB each in fp32.
+OFFLOAD_BUCKET_NUMEL = 1 << 25
 
 KINDS = ("grads d2h", "grads on host", "wait grads", "adam", "params h2d", "wait params")
 
@@ -216,6 +219,7 @@ class HostGradients:
         self._written = False         # a backward wrote the partitions since `reset`
         self._sq: torch.Tensor | None = None  # device (1,) fp32: sum of squares while fresh
         self._micro_steps = 0
+        self._scratch: torch.Tensor | None = None  # the worker's fp32 buffer for averaging before an add
 
     def reset(self) -> None:
         """A new accumulation starts (the strategy's zero_grad): the next
@@ -243,15 +247,23 @@ class HostGradients:
             self._jobs.append(self._worker.submit(self._on_host, self._last, staging, target, divisor, self.fresh))
 
     def _on_host(self, event, staging: torch.Tensor, target: torch.Tensor, divisor: int, fresh: bool) -> None:
+        # The in-memory path's arithmetic (reducer.py): cast, divide, add -- without new tensors,
+        # whose fresh pages would cost more than the arithmetic.
         if event is not None:
             event.synchronize()
         t1 = time.perf_counter()
-        value = staging if staging.dtype == target.dtype and divisor == 1 else staging.to(target.dtype)
-        if divisor != 1:
-            value.div_(divisor)  # the same fp32 arithmetic as the in-memory path (reducer.py)
         if fresh:
-            target.copy_(value)
+            target.copy_(staging)
+            if divisor != 1:
+                target.div_(divisor)
+        elif divisor == 1:
+            target.add_(staging)
         else:
+            if self._scratch is None or self._scratch.numel() < staging.numel() or \
+                    self._scratch.dtype != target.dtype:
+                self._scratch = torch.empty(staging.numel(), dtype=target.dtype)
+            value = self._scratch[:staging.numel()]
+            value.copy_(staging).div_(divisor)
             target.add_(value)
         self.timeline.cpu("grads on host", t1, time.perf_counter(), staging.numel() * staging.element_size())
 
