@@ -148,8 +148,8 @@ class Unit:
             reading, what = self.owner.param_tier.resident(fset), "all-gather"  # NVMe: read it in
         exact, handles = self._exact, []
         uploading = contextlib.nullcontext() if secondary else self.owner.param_tier.uploading(fset)
+        self.full.untyped_storage().resize_(self._nbytes)  # allocated on the compute stream, before `uploading`
         with torch.no_grad(), uploading as self._uploaded:
-            self.full.untyped_storage().resize_(self._nbytes)
             if exact:
                 with reading:
                     source = self.secondary if secondary else fset.partition
