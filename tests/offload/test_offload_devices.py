@@ -200,3 +200,40 @@ def test_uploader_rotates_buffers_and_copies():
     assert seen[0] == seen[2] != seen[1]  # two buffers, in turn
     record = tl.end()
     assert "wait params" in format_timeline(record) and record["wall_ms"] >= 0
+
+
+# ---- on a GPU (skipped without one) --------------------------------------------------------------
+
+def _cuda_run(stage, opt, param):
+    cfg = base_config(stage, "bf16", reduce_bucket_size=300, stage3_param_persistence_threshold=40,
+                      offload_optimizer={"device": opt, "pin_memory": True},
+                      **({"offload_param": {"device": param, "pin_memory": True}} if stage == 3 else {}))
+    losses, _, engine = train(cfg, steps=4, optimizer="config")
+    s = engine.strategy
+    out = {"losses": losses, "device": str(engine.device),
+           "host_grads_pinned": [f.grad_partition.is_pinned() for f in s.sets if f.grads_offloaded],
+           "timeline": engine.offload_timeline()}
+    if stage == 3:
+        out["partitions"] = {f.partition.device.type for f in s.sets}
+        out["gathered"] = {u.full.device.type for u in s.units}
+    s.optimizer_tier.close()
+    return out
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("stage,opt,param", [(2, "cpu", "none"), (3, "none", "cpu"), (3, "cpu", "cpu")])
+def test_cuda_offload_trains_like_no_offload(stage, opt, param):
+    """On CUDA (the issue's failures): offloaded runs train, gathered units
+    are on the GPU and partitions in host memory, gradients reach pinned
+    host memory, and the losses follow no offload (GPU Adam there, CPU Adam
+    here: equal up to rounding)."""
+    (ref,) = run_ranks(_cuda_run, 1, stage, "none", "none")
+    (off,) = run_ranks(_cuda_run, 1, stage, opt, param)
+    assert off["device"].startswith("cuda")
+    assert off["losses"] == pytest.approx(ref["losses"], rel=2e-2)
+    if opt == "cpu":
+        assert off["host_grads_pinned"] and all(off["host_grads_pinned"])
+        assert off["timeline"]["totals"]["grads d2h"]["count"] > 0
+        assert off["timeline"]["totals"]["params h2d"]["count"] > 0 or stage == 3
+    if stage == 3:
+        assert off["gathered"] == {"cuda"} and off["partitions"] == {"cpu"}
