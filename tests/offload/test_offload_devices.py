@@ -18,7 +18,7 @@ from tests.zero.models import base_config, train
 
 def _patch_tiers(opt_device, param_device):
     """Make dsrun.initialize build tiers whose host memory is the given device."""
-    import dsrun.runtime.zero as zero
+    from dsrun.runtime import zero
     from dsrun.runtime.offload import build_optimizer_tier, build_param_tier
 
     def opt_tier(cfg, topology):
@@ -158,7 +158,11 @@ def test_copy_path_with_clipping_matches_no_offload():
 # ---- the transfer classes on their own -------------------------------------------------------------
 
 def test_host_gradients_write_then_add_and_norm():
-    from dsrun.runtime.offload.transfer import CopyStream, HostGradients, OffloadTimeline
+    from dsrun.runtime.offload.transfer import (
+        CopyStream,
+        HostGradients,
+        OffloadTimeline,
+    )
 
     tl = OffloadTimeline()
     hg = HostGradients(CopyStream(torch.device("cpu"), tl), tl)
@@ -182,7 +186,12 @@ def test_host_gradients_write_then_add_and_norm():
 
 
 def test_uploader_rotates_buffers_and_copies():
-    from dsrun.runtime.offload.transfer import CopyStream, OffloadTimeline, Uploader, format_timeline
+    from dsrun.runtime.offload.transfer import (
+        CopyStream,
+        OffloadTimeline,
+        Uploader,
+        format_timeline,
+    )
 
     tl = OffloadTimeline()
     tl.begin(torch.device("cpu"))

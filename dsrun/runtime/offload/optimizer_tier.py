@@ -60,7 +60,13 @@ from dsrun.ops import adam as native_adam
 from dsrun.ops import cuda_adam
 from dsrun.ops.aio import AioHandle, new_aligned_tensor
 from dsrun.runtime.offload.swap import SwapDir
-from dsrun.runtime.offload.transfer import PIPELINE_NUMEL, CopyStream, HostGradients, OffloadTimeline, Uploader
+from dsrun.runtime.offload.transfer import (
+    PIPELINE_NUMEL,
+    CopyStream,
+    HostGradients,
+    OffloadTimeline,
+    Uploader,
+)
 
 log = logging.getLogger("dsrun.offload")
 _HALF = (torch.bfloat16, torch.float16)
