@@ -141,6 +141,7 @@ def test_copy_path_equals_no_offload(stage, prec, gas):
         for n in f0:
             assert torch.equal(f0[n], f1[n]), n
         assert tl["totals"]["grads on host"]["count"] > 0 and tl["totals"]["adam"]["count"] > 0
+        assert tl["totals"]["backward"]["count"] == gas  # one interval per micro-step
 
 
 def test_copy_path_with_clipping_matches_no_offload():
@@ -246,3 +247,16 @@ def test_cuda_offload_trains_like_no_offload(stage, opt, param):
         assert off["timeline"]["totals"]["params h2d"]["count"] > 0 or stage == 3
     if stage == 3:
         assert off["gathered"] == {"cuda"} and off["partitions"] == {"cpu"}
+
+
+def test_timeline_format_shows_each_kind():
+    from dsrun.runtime.offload.transfer import KINDS, format_timeline
+
+    record = {"wall_ms": 100.0, "totals": {k: {"ms": 10.0, "bytes": 2**20, "count": 1} for k in KINDS},
+              "intervals": [("backward", 0.0, 50.0), ("adam", 50.0, 100.0)]}
+    lines = format_timeline(record, width=10).splitlines()
+    assert len(lines) == 1 + len(KINDS)
+    backward = next(line for line in lines if line.strip().startswith("backward"))
+    adam = next(line for line in lines if line.strip().startswith("adam"))
+    assert backward.endswith("|######    |") and adam.endswith("|     #####|")
+    assert format_timeline({}) == ""

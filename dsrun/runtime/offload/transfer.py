@@ -35,9 +35,9 @@ caching allocator does not hand their memory out before the copy ran.
 On a device that is host memory (CPU training) none of this exists: host
 and device gradients are the same tensors and nothing is copied.
 
-`OffloadTimeline` records each step's copies (device time, from CUDA
-events on the copy stream), host gradient work, waits and CPU Adam
-intervals relative to the start of backward; `format_timeline` prints one
+`OffloadTimeline` records each step's backward and copies (device time,
+from CUDA events on the compute and copy streams), host gradient work,
+waits and CPU Adam intervals relative to the start of backward; `format_timeline` prints one
 step as totals and a bar per kind of work.
 """
 from __future__ import annotations
@@ -56,7 +56,7 @@ PIPELINE_NUMEL = 1 << 24
 # reduce_bucket_size at it): the device holds a few buckets in flight, 128 MiB each in fp32.
 OFFLOAD_BUCKET_NUMEL = 1 << 25
 
-KINDS = ("grads d2h", "grads on host", "wait grads", "adam", "params h2d", "wait params")
+KINDS = ("backward", "grads d2h", "grads on host", "wait grads", "adam", "params h2d", "wait params")
 
 
 @dataclass
@@ -71,7 +71,8 @@ class _Interval:
 class OffloadTimeline:
     """One step's offload work, kept for the last completed step.
 
-    Kinds (KINDS): "grads d2h" (device time of the gradient copies),
+    Kinds (KINDS): "backward" (the compute stream's backward, reductions
+    included: device time on CUDA), "grads d2h" (device time of the gradient copies),
     "grads on host" (the worker's casts and adds), "wait grads" (the
     training thread waiting for them at the end of backward), "adam" (the
     CPU Adam), "params h2d" (device time of the parameter copies), "wait
@@ -220,6 +221,7 @@ class HostGradients:
         self._sq: torch.Tensor | None = None  # device (1,) fp32: sum of squares while fresh
         self._micro_steps = 0
         self._scratch: torch.Tensor | None = None  # the worker's fp32 buffer for averaging before an add
+        self._backward_start = None  # _mark() at the start of the running backward
 
     def reset(self) -> None:
         """A new accumulation starts (the strategy's zero_grad): the next
@@ -229,6 +231,15 @@ class HostGradients:
     def begin(self) -> None:
         """A backward starts."""
         self.timeline.begin(self.copies.device)
+        self._backward_start = self._mark()
+
+    def _mark(self):
+        """Now on the compute stream: a recorded CUDA event, or perf_counter seconds without a side stream."""
+        if self.copies.stream is None:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.copies.device))
+        return event
 
     def add(self, target: torch.Tensor, summed: torch.Tensor, divisor: int) -> None:
         """Make `target` (host, fp32 or the accumulation dtype) hold (fresh)
@@ -269,6 +280,12 @@ class HostGradients:
 
     def drain(self) -> None:
         """End of a backward: wait for every copy and host update (re-raising a worker's error)."""
+        end, start, self._backward_start = self._mark(), self._backward_start, None
+        if start is not None:
+            if isinstance(end, float):
+                self.timeline.cpu("backward", start, end)
+            else:
+                self.timeline.device("backward", start, end, 0)
         t0 = time.perf_counter()
         if self._last is not None:
             self._last.synchronize()
