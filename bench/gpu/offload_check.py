@@ -17,8 +17,9 @@ Configurations (--configs, comma-separated):
 - s3-param-cpu: stage 3 + offload_param cpu;
 - s3-param-nvme: stage 3 + offload_param nvme under --nvme_path.
 
-Each runs --warmup + --steps steps on one fixed batch (so the loss must
-fall) and prints the median step time (ms, between CUDA synchronizations),
+Each runs in its own process (so one run's GPU memory cannot count in the
+next one's peak), --warmup + --steps steps on one fixed batch (so the loss must
+fall), and prints the median step time (ms, between CUDA synchronizations),
 the peak GPU memory (torch.cuda.max_memory_allocated, MiB, over the whole
 run including construction), the losses and, for optimizer offload, the last
 step's offload timeline (engine.offload_timeline()). It exits 1 when a
@@ -32,9 +33,12 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import math
 import os
+import socket
 import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -104,8 +108,9 @@ def run_config(name: str, args, device: torch.device) -> dict:
         if i >= args.warmup:
             times.append((time.perf_counter() - t0) * 1e3)
         losses.append(loss.item())
+    timeline = engine.offload_timeline()
     out = {"name": name, "params": n_params, "build_s": build_s, "step_ms": statistics.median(times),
-           "min_ms": min(times), "losses": losses, "timeline": engine.offload_timeline(),
+           "min_ms": min(times), "losses": losses, "timeline": timeline,
            "peak_mib": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None}
     for tier in (engine.strategy.optimizer_tier, engine.strategy.param_tier):
         tier.close()
@@ -130,9 +135,45 @@ def check(results: list[dict], rtol: float) -> list[str]:
     return problems
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _one(name: str, args) -> int:
+    """Child process: run config `name`, print its figures as one JSON line."""
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1"),
+                       ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(_free_port()))):
+        os.environ.setdefault(key, value)
+    from dsrun.runtime.dist import init_distributed
+
+    device = init_distributed("nccl" if args.device == "cuda" else "gloo").device
+    try:
+        r = run_config(name, args, device)
+    except Exception as e:  # reported as this config's failure
+        traceback.print_exc()
+        r = {"name": name, "error": f"{type(e).__name__}: {e}"}
+    print("RESULT " + json.dumps(r), flush=True)
+    return 0
+
+
+def _spawn(name: str, argv: list[str]) -> dict:
+    """Run config `name` in a fresh process; its figures, or its failure."""
+    proc = subprocess.run([sys.executable, __file__, *argv, "--one", name], capture_output=True, text=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if not lines:
+        sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
+        return {"name": name, "error": f"the run exited with code {proc.returncode} without a result"}
+    if proc.returncode or "error" in lines[-1]:
+        sys.stderr.write(proc.stderr[-4000:])
+    return json.loads(lines[-1][len("RESULT "):])
+
+
 def main(argv=None) -> int:
     from dsrun.runtime.offload.transfer import format_timeline
 
+    argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--configs", default="s2,s2-offload,s3-param-cpu",
                    help=f"comma-separated, from {', '.join(CONFIGS)} (s3-param-nvme needs --nvme_path)")
@@ -150,16 +191,17 @@ def main(argv=None) -> int:
     p.add_argument("--bucket", type=int, default=500_000_000, help="reduce/allgather bucket elements")
     p.add_argument("--nvme_path", default=None)
     p.add_argument("--loss_rtol", type=float, default=1e-2)
+    p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: the child running one config
     args = p.parse_args(argv)
+    if args.steps < 1 or args.warmup + args.steps < 2:
+        p.error("--steps >= 1 and --warmup + --steps >= 2 (the loss must fall between the first and the last)")
     if args.small:
         args.n_layer, args.n_embd, args.n_head, args.seq_len = 4, 256, 4, 256
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda but CUDA is not available; pass --device cpu for the smoke test")
-    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1"),
-                       ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29531")):
-        os.environ.setdefault(key, value)
+    if args.one:
+        return _one(args.one, args)
     from dsrun.ops import adam as native_adam
-    from dsrun.runtime.dist import init_distributed
 
     t0 = time.perf_counter()
     if not native_adam.native_available():
@@ -167,17 +209,13 @@ def main(argv=None) -> int:
         return 1
     print(f"CPU Adam op ready in {time.perf_counter() - t0:.1f} s (ISA {native_adam.selected_isa()}, "
           f"{torch.get_num_threads()} threads)")
-    topology = init_distributed("nccl" if args.device == "cuda" else "gloo")
-    device = topology.device
-    print(f"device {device}" + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "")
+    print(f"device {args.device}" + (f" ({torch.cuda.get_device_name()})" if args.device == "cuda" else "")
           + f", GPT {args.n_layer} x {args.n_embd}, seq {args.seq_len}, micro {args.micro}, bf16")
     results = []
     for name in [c.strip() for c in args.configs.split(",") if c.strip()]:
-        try:
-            r = run_config(name, args, device)
-        except Exception as e:  # reported and counted as a failure; the other configs still run
-            traceback.print_exc()
-            r = {"name": name, "error": f"{type(e).__name__}: {e}"}
+        _zero(name, args)  # an unknown name or a missing --nvme_path stops here, before any run
+    for name in [c.strip() for c in args.configs.split(",") if c.strip()]:
+        r = _spawn(name, argv)
         results.append(r)
         if "error" not in r:
             peak = f"{r['peak_mib']:,.0f} MiB" if r["peak_mib"] is not None else "n/a"
