@@ -18,11 +18,12 @@ Configurations (--configs, comma-separated):
 - s3-param-nvme: stage 3 + offload_param nvme under --nvme_path.
 
 Each runs in its own process (so one run's GPU memory cannot count in the
-next one's peak), --warmup + --steps steps on one fixed batch (so the loss must
-fall), and prints the median step time (ms, between CUDA synchronizations),
-the peak GPU memory (torch.cuda.max_memory_allocated, MiB, over the whole
-run including construction), the losses and, for optimizer offload, the last
-step's offload timeline (engine.offload_timeline()). It exits 1 when a
+next one's peak), --warmup + --steps steps on one fixed batch (so the loss
+must fall), and prints the median step time (ms, between CUDA
+synchronizations), the peak GPU memory over the training steps
+(torch.cuda.max_memory_allocated, MiB, reset after dsrun.initialize; the
+construction's own peak beside it), the losses and, for optimizer offload,
+the last step's offload timeline (engine.offload_timeline()). It exits 1 when a
 config raises, a loss is not finite, the loss does not fall, or an
 offloaded run's first loss differs from s2's (the same model and batch)
 by more than --loss_rtol. The CPU Adam op is built first (its build time is
@@ -94,6 +95,9 @@ def run_config(name: str, args, device: torch.device) -> dict:
     t0 = time.perf_counter()
     engine, *_ = dsrun.initialize(model=model, model_parameters=model.param_groups(), config=cfg)
     build_s = time.perf_counter() - t0
+    if device.type == "cuda":
+        build_peak = torch.cuda.max_memory_allocated(device) / 2**20
+        torch.cuda.reset_peak_memory_stats(device)  # from here: the training steps' own peak
     g = torch.Generator().manual_seed(1)
     batch = torch.randint(0, args.vocab, (args.micro, args.seq_len + 1), generator=g).to(device)
     x, y = batch[:, :-1], batch[:, 1:]
@@ -111,7 +115,8 @@ def run_config(name: str, args, device: torch.device) -> dict:
     timeline = engine.offload_timeline()
     out = {"name": name, "params": n_params, "build_s": build_s, "step_ms": statistics.median(times),
            "min_ms": min(times), "losses": losses, "timeline": timeline,
-           "peak_mib": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None}
+           "peak_mib": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
+           "build_peak_mib": build_peak if device.type == "cuda" else None}
     for tier in (engine.strategy.optimizer_tier, engine.strategy.param_tier):
         tier.close()
     del engine, model
@@ -218,7 +223,8 @@ def main(argv=None) -> int:
         r = _spawn(name, argv)
         results.append(r)
         if "error" not in r:
-            peak = f"{r['peak_mib']:,.0f} MiB" if r["peak_mib"] is not None else "n/a"
+            peak = (f"{r['peak_mib']:,.0f} MiB (construction {r['build_peak_mib']:,.0f})"
+                    if r["peak_mib"] is not None else "n/a")
             print(f"{name:<14} {r['params'] / 1e6:8.1f}M params  step {r['step_ms']:8.1f} ms (min {r['min_ms']:.1f})"
                   f"  peak GPU {peak}  built in {r['build_s']:.1f} s")
             print(f"{'':<14} losses {' '.join(f'{v:.4f}' for v in r['losses'])}")
