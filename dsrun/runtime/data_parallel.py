@@ -155,6 +155,12 @@ class GradientStrategy(abc.ABC):
         """Restore a scaler state a checkpoint holds, when the strategy has a
         scaler of the same kind; default: ignored."""
 
+    def offload_timeline(self) -> dict:
+        """The last optimizer step's offload timeline (see
+        dsrun/runtime/offload/transfer.py); empty when nothing is offloaded
+        from an accelerator (the default)."""
+        return {}
+
     def state_dict(self) -> dict:
         """Strategy state to checkpoint (default: the optimizer's state_dict)."""
         return {"optimizer": self.optimizer.state_dict()}

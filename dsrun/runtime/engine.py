@@ -399,6 +399,17 @@ class Engine(DeepSpeedEngineCompat, torch.nn.Module):
         profile["phases"] = {**recorded_phases(), **profile["phases"]}
         return {"rank": self.global_rank, **profile}
 
+    def offload_timeline(self) -> dict:
+        """The last optimizer step's offload timeline: device time of the
+        gradient (device->host) and parameter (host->device) copies, the
+        host gradient work, the CPU Adam and the waits, as totals (ms, bytes,
+        count per kind) and intervals (kind, start ms, end ms) from the start
+        of backward; see dsrun/runtime/offload/transfer.py. Empty unless the
+        optimizer is offloaded from an accelerator. Printed with
+        `wall_clock_breakdown`; `dsrun.runtime.offload.transfer.format_timeline`
+        renders it."""
+        return self.strategy.offload_timeline()
+
     def _end_memory_step(self) -> None:
         self._memory_profiler.end_step(self.global_steps)
         every = self.config.steps_per_print

@@ -36,6 +36,7 @@ from dsrun.runtime import comm
 from dsrun.runtime.logging import log_rank0
 from dsrun.runtime.memory_profile import MemorySnapshot
 from dsrun.runtime.monitor import MonitorMaster, events
+from dsrun.runtime.offload.transfer import format_timeline
 from dsrun.runtime.timers import StepTimes, StepTimers, format_breakdown
 from dsrun.runtime.train_state import TrainingParts
 
@@ -141,6 +142,9 @@ class StepTelemetry:
             if every > 0 and state.global_steps % every == 0:
                 log_rank0(parts.topology, format_breakdown(self._period, state.global_steps))
                 self._period = StepTimes()
+                timeline = parts.strategy.offload_timeline()
+                if timeline:  # optimizer offload from an accelerator: the last step's copies and CPU Adam
+                    log_rank0(parts.topology, format_timeline(timeline))
         if self._flops is not None and not self._flops_done:
             self._print_flops_profile(times)
         if self._records and (now - self._last_record >= _RECORD_INTERVAL_S or state.global_steps == self._total):

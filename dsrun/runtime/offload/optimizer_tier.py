@@ -9,16 +9,15 @@ optimizer step; the strategy never tests an offload flag.
   multi-tensor Adam on a GPU).
 - `OptimizerTier(host=True)`: `offload_optimizer.device: cpu` (ZeRO-Offload,
   Ren et al., USENIX ATC 2021, section 4). Masters and moments live in host
-  memory (page-locked on a CUDA machine); each sub-group's averaged
-  gradients are copied to the host, dsrun's CPU Adam updates master and
-  moments and writes the compute copy in the same pass (directly when the
-  compute copy is in host memory, else through a host copy). On a CPU-only
-  machine host and device memory are the same, so nothing is copied: the
-  arithmetic and the results are those of no offload, bit for bit. (On a
-  GPU machine the gradient copies happen in the step, one sub-group after
-  another, not during backward as in the paper's design, and the copies
-  back are not overlapped with the next sub-group's update; that path has
-  not run on a GPU yet.)
+  memory (page-locked with pin_memory). With the model on an accelerator,
+  the averaged gradients of stages 2-3 live in host memory too and reach it
+  during backward, and dsrun's CPU Adam writes the 16-bit values into
+  page-locked buffers that go back to the device while it updates the next
+  chunk: see [Note: offload copies] in transfer.py. Stage 1 keeps its full
+  gradient buffer on the device; the step copies each sub-group's shard to
+  the host. On a CPU-only machine host and device memory are the same, so
+  nothing is copied: the arithmetic and the results are those of no
+  offload, bit for bit.
 - `NvmeOptimizerTier`: `offload_optimizer.device: nvme` (ZeRO-Infinity,
   Rajbhandari et al., SC21, section 5). Masters (when separate from the
   compute copy) and moments live in this rank's swap files (see swap.py);
@@ -61,6 +60,13 @@ from dsrun.ops import adam as native_adam
 from dsrun.ops import cuda_adam
 from dsrun.ops.aio import AioHandle, new_aligned_tensor
 from dsrun.runtime.offload.swap import SwapDir
+from dsrun.runtime.offload.transfer import (
+    PIPELINE_NUMEL,
+    CopyStream,
+    HostGradients,
+    OffloadTimeline,
+    Uploader,
+)
 
 log = logging.getLogger("dsrun.offload")
 _HALF = (torch.bfloat16, torch.float16)
@@ -81,22 +87,41 @@ class OptimizerTier:
         sub_group_size: most elements the fused CPU Adam processes at once.
         force_native: with host=True, refuse an optimizer other than dsrun's
             Adam (ds_config's zero_force_ds_cpu_optimizer, as in DeepSpeed).
+        offload_device: the host memory's device ("cpu"; tests name another
+            one to see which tensors follow it).
+
+    Attributes:
+        timeline: the OffloadTimeline of the copies, host gradient work and
+            CPU Adam of the last step (see transfer.py).
+        host_grads: the HostGradients moving gradients to host memory during
+            backward, or None (no optimizer offload, a CPU model, stage 1).
     """
 
     def __init__(self, host: bool = False, pin_memory: bool = False, sub_group_size: int = 1_000_000_000,
-                 force_native: bool = True):
+                 force_native: bool = True, offload_device: str | torch.device = "cpu"):
         self.host = host
         self.force_native = force_native
         self.pin_memory = pin_memory
         self.sub_group_size = int(sub_group_size)
+        self.offload_device = torch.device(offload_device)
         self._staging: dict[str, torch.Tensor] = {}
         self.stats: dict[str, float] = {}
         self.device_kind = "cpu" if host else "none"  # offload_optimizer.device
+        self.timeline = OffloadTimeline()
+        self.host_grads: HostGradients | None = None
+        self.uploads: Uploader | None = None
 
     # ---- construction -----------------------------------------------------------------
     def master_device(self, device: torch.device) -> torch.device:
         """Where a FlatParamSet on `device` keeps its master."""
-        return torch.device("cpu") if self.host else torch.device(device)
+        return self.offload_device if self.host else torch.device(device)
+
+    def grad_device(self, device: torch.device) -> torch.device:
+        """Where a stage-2/3 FlatParamSet on `device` keeps its averaged
+        gradients: host memory when the optimizer is offloaded from another
+        device, else with the parameters."""
+        return self.offload_device if self.host and torch.device(device) != self.offload_device \
+            else torch.device(device)
 
     def prepare(self, strategy, param_numels: list[int], world_size: int) -> None:
         """Before any FlatParamSet exists: the full element counts of the
@@ -112,19 +137,38 @@ class OptimizerTier:
         """A FlatParamSet was just built (its master holds the initial values)."""
 
     def bind(self, strategy) -> None:
-        """Every set is built and the optimizer bound to its master views."""
+        """Every set is built and the optimizer bound to its master views:
+        with masters in host memory and the model on another device, set up
+        the copies of [Note: offload copies] (before the strategy builds its
+        reducer, which sends gradients through `host_grads`)."""
+        if not self.host or not strategy.sets:
+            return
+        device = strategy.sets[0].compute_device
+        if device == self.offload_device:
+            return  # a CPU model: host memory is the device memory
+        copies = CopyStream(device, self.timeline)
+        self.uploads = Uploader(copies, self.timeline)
+        if any(f.grads_offloaded for f in strategy.sets):
+            self.host_grads = HostGradients(copies, self.timeline)
 
     def close(self) -> None:
-        """Release files and buffers."""
+        """Release files, buffers and the gradient worker thread."""
+        if self.host_grads is not None:
+            self.host_grads.close()
 
     # ---- the step -----------------------------------------------------------------------
     def step(self, strategy, factor: float) -> None:
         """Apply the optimizer to every span with gradients multiplied by `factor`
-        (call `settle` first)."""
+        (call `settle` first). Returns once the new compute values are where
+        the next forward reads them."""
+        self.timeline.begin(strategy.topology.device)
         if strategy._fused:
             self._fused_step(strategy, factor)
         else:
             self._torch_step(strategy, factor)
+        if self.uploads is not None:
+            self.uploads.finish()
+        self.timeline.end()
 
     @staticmethod
     def adam_state(optimizer: torch.optim.Optimizer, key: torch.Tensor, like: torch.Tensor | None = None) -> dict:
@@ -160,14 +204,32 @@ class OptimizerTier:
         for lo, hi in _chunks(master.numel(), self.sub_group_size):
             self._cpu_adam(master[lo:hi], grad[lo:hi], state["exp_avg"][lo:hi], state["exp_avg_sq"][lo:hi],
                            None if copy is None else copy[lo:hi], args)
+        if self.uploads is not None:
+            self.uploads.copies.join()  # what the stage gathers next (span_stepped) waits for the copies
 
     def _cpu_adam(self, master, grad, exp_avg, exp_avg_sq, copy, args: dict) -> None:
-        """dsrun's CPU Adam on host tensors; `grad` and `copy` may be on the device."""
-        direct = copy is not None and copy.device.type == "cpu" and copy.dtype in _HALF
-        native_adam.adam_step(master, self._on_host(grad, "grad"), exp_avg, exp_avg_sq,
-                              param_copy=copy if direct else None, **args)
-        if copy is not None and not direct:
-            copy.copy_(master)  # to the device (or an fp32 compute copy elsewhere)
+        """dsrun's CPU Adam on host tensors; `grad` and `copy` may be on the
+        device. A compute copy on the device is written through the uploader
+        in chunks of PIPELINE_NUMEL (see [Note: offload copies])."""
+        grad = self._on_host(grad, "grad")
+        if copy is None or copy.device.type == "cpu" or self.uploads is None:
+            direct = copy is not None and copy.device.type == "cpu" and copy.dtype in _HALF
+            t0 = time.perf_counter()
+            native_adam.adam_step(master, grad, exp_avg, exp_avg_sq, param_copy=copy if direct else None, **args)
+            if copy is not None and not direct:
+                copy.copy_(master)  # an fp32 compute copy elsewhere
+            self.timeline.cpu("adam", t0, time.perf_counter())
+            return
+        half = copy.dtype in _HALF
+        for lo, hi in _chunks(master.numel(), PIPELINE_NUMEL):
+            buf = self.uploads.buffer(hi - lo, copy.dtype)  # free once its previous copy is done
+            t0 = time.perf_counter()
+            native_adam.adam_step(master[lo:hi], grad[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi],
+                                  param_copy=buf if half else None, **args)
+            if not half:
+                buf.copy_(master[lo:hi])
+            self.timeline.cpu("adam", t0, time.perf_counter())
+            self.uploads.send(buf, copy[lo:hi])  # overlaps the next chunk's update
 
     def _on_host(self, t: torch.Tensor, slot: str) -> torch.Tensor:
         """`t` itself when in host memory, else a copy in a reused host staging buffer."""
@@ -205,7 +267,8 @@ class OptimizerTier:
 
     def held(self, strategy) -> dict[str, list[torch.Tensor]]:
         """Extra host tensors this tier holds, per category, for memory_breakdown."""
-        return {"offload_buffers": list(self._staging.values())}
+        uploads = self.uploads.held() if self.uploads is not None else []
+        return {"offload_buffers": list(self._staging.values()) + uploads}
 
     def nvme_bytes(self) -> int:
         """Bytes of this rank's swap files (0 without NVMe)."""
@@ -309,6 +372,7 @@ class NvmeOptimizerTier(OptimizerTier):
         fset.master = None  # lives in the swap file from now on
 
     def bind(self, strategy) -> None:
+        super().bind(strategy)
         groups = [_SubGroup(fset, span, key, lo, hi, self._base[(id(fset), span.lo)] + lo)
                   for fset, span, key in strategy._views
                   for lo, hi in _chunks(span.hi - span.lo, self.sub_group_size)]
@@ -333,6 +397,7 @@ class NvmeOptimizerTier(OptimizerTier):
                 self._wait(h)
 
     def close(self) -> None:
+        super().close()
         for b in self._buffers:
             b.handle.close()
         self._buffers = []

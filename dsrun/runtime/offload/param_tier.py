@@ -27,6 +27,18 @@ shards in `fset.partition`. A `ParamTier` decides where that partition is:
 
 Resident partitions are reference counted: `resident(fset)` is a context
 manager, nested uses share one read.
+
+[Note: gathering from host memory]
+An offloaded partition is in host memory (page-locked with pin_memory, and
+always for NVMe, whose reads land there) while the unit's gathered buffer
+is on the compute device. A unit's gather runs its own-shard copies and
+issues its all-gather inside `uploading(fset)`: on a CUDA device that is
+the offload copy stream (transfer.py, `CopyStream`), which first waits for
+the work already queued on the compute stream; the copies are
+non-blocking, so a prefetched unit's copy overlaps the layers computing
+meanwhile, and the all-gather's stream waits for the copy stream, not for
+compute. `Unit.wait` then makes the compute stream wait (on the device)
+for the copy's event: compute waits only for the unit it is about to use.
 """
 from __future__ import annotations
 
@@ -39,22 +51,61 @@ import torch
 
 from dsrun.ops.aio import AioHandle
 from dsrun.runtime.offload.swap import SwapDir
+from dsrun.runtime.offload.transfer import CopyStream
 
 
 class ParamTier:
     """Partitions with the model (host=False) or in host memory (host=True);
-    see [Note: parameter tiers]."""
+    see [Note: parameter tiers] and [Note: gathering from host memory].
+
+    Args:
+        host: keep partitions in host memory (offload_param.device cpu).
+        pin_memory: page-lock them (on a machine with CUDA).
+        offload_device: the host memory's device ("cpu"; tests name another
+            one to see which tensors follow it).
+    """
 
     lookahead = 0  # partitions the schedule may prefetch ahead
 
-    def __init__(self, host: bool = False, pin_memory: bool = False):
+    def __init__(self, host: bool = False, pin_memory: bool = False, offload_device: str | torch.device = "cpu"):
         self.host = host
         self.pin_memory = pin_memory
+        self.offload_device = torch.device(offload_device)
         self.device_kind = "cpu" if host else "none"  # offload_param.device
+        self._copies: CopyStream | None = None
+        self.h2d_bytes = 0  # cumulative bytes copied from offloaded partitions to the device
 
     def partition_device(self, device: torch.device) -> torch.device:
         """Where a FlatParamSet on `device` keeps its compute partition."""
-        return torch.device("cpu") if self.host else torch.device(device)
+        return self.offload_device if self.host else torch.device(device)
+
+    @contextlib.contextmanager
+    def uploading(self, fset):
+        """A unit's own-shard copies from `fset.partition` and its all-gather
+        are issued inside. Yields the CUDA event that completes after them
+        when they run on the copy stream (partition in host memory, unit on
+        CUDA), else None; pass it to `wait_uploaded`. See [Note: gathering
+        from host memory]."""
+        device = fset.compute_device
+        if fset.partition.device == device or device.type != "cuda":
+            yield None
+            return
+        if self._copies is None or self._copies.device != device:
+            self._copies = CopyStream(device)
+        side = self._copies.stream
+        side.wait_stream(torch.cuda.current_stream(device))  # `full`'s memory is free, the partition final
+        done = torch.cuda.Event()
+        with torch.cuda.stream(side):
+            yield done
+            done.record()
+        self.h2d_bytes += fset.partition.numel() * fset.partition.element_size()
+
+    @staticmethod
+    def wait_uploaded(done) -> None:
+        """The compute stream waits (on the device, the host does not block)
+        for the copies of `uploading` that yielded `done` (None: nothing to wait for)."""
+        if done is not None:
+            torch.cuda.current_stream().wait_event(done)
 
     def prepare(self, strategy, param_numels: list[int], world_size: int) -> None:
         """Before any set exists: full element counts of every partitioned parameter."""
@@ -110,7 +161,7 @@ class NvmeParamTier(ParamTier):
     """
 
     def __init__(self, nvme_path, rank: int, buffer_count: int, aio):
-        super().__init__(host=True)
+        super().__init__(host=True, pin_memory=True)  # reads land in page-locked memory: copied to the device
         self.device_kind = "nvme"
         self.nvme_path, self.rank, self.aio = nvme_path, rank, aio
         self.lookahead = max(1, int(buffer_count))

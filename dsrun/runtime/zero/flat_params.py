@@ -82,9 +82,15 @@ class FlatParamSet:
         master_device: where the fp32 master lives (None: with the
             parameters). Another device than the parameters' (optimizer
             offload to host memory) gives a separate master even in fp32.
-        pin_memory: page-lock a master kept on the CPU for a CUDA model.
+        pin_memory: page-lock a master or partition kept in host memory
+            for a model on an accelerator (CUDA present).
         partition_device: where the stage-3 compute partition lives (None:
             with the parameters; parameter offload puts it in host memory).
+        grad_device: where `grad_partition` lives (None: with the
+            parameters; optimizer offload on an accelerator puts it in host
+            memory, always page-locked there, since gradients are copied into
+            it during backward: see [Note: offload copies] in
+            offload/transfer.py). Not used with grad_in_full.
         frozen_block: > 0 (stage 3 only) keeps the frozen shards as int8
             blocks of this many elements (see [Note: int8 frozen shards]).
 
@@ -97,7 +103,8 @@ class FlatParamSet:
                  shard: RankGroup, precision: PrecisionPolicy, bucket_numel: int | None,
                  partition_params: bool, grad_in_full: bool = False,
                  master_device: torch.device | None = None, pin_memory: bool = False,
-                 partition_device: torch.device | None = None, frozen_block: int = 0):
+                 partition_device: torch.device | None = None, frozen_block: int = 0,
+                 grad_device: torch.device | None = None):
         keys = [k for _, _, k in members]
         if None in keys and any(k is not None for k in keys[keys.index(None):]):
             raise ValueError(f"{name}: frozen parameters must come after trainable ones")
@@ -125,13 +132,14 @@ class FlatParamSet:
         self.frozen_message: torch.Tensor | None = None  # int8, see [Note: int8 frozen shards]
         self.frozen_staging: torch.Tensor | None = None
         device = home_device(self.params[0])
+        self.compute_device = torch.device(device)  # where gathered parameters, gradients and buckets live
         compute, accum = precision.compute_dtype, precision.grad_accum_dtype
         if partition_params:
             self.full = None
             where = torch.device(device if partition_device is None else partition_device)
             kept = self.trainable_shard_numel if self.frozen_block else self.layout.shard_numel
             self.partition = torch.zeros(kept, dtype=compute, device=where,
-                                         pin_memory=pin_memory and where != torch.device(device))
+                                         pin_memory=_pin(pin_memory, where, self.compute_device))
             if self.frozen_block:  # filled by _load_initial_values, then quantized once
                 self.frozen_staging = torch.zeros(self.frozen_shard_numel, dtype=compute, device=where)
         else:
@@ -145,18 +153,22 @@ class FlatParamSet:
         # A separate master: 16-bit compute, or fp32 compute on another device than the step's.
         self.separate_master = precision.mixed or master_device != torch.device(device)
         self.master = (torch.zeros(self.trainable_shard_numel, dtype=torch.float32, device=master_device,
-                                   pin_memory=pin_memory and master_device.type == "cpu"
-                                   and torch.cuda.is_available())
+                                   pin_memory=_pin(pin_memory, master_device, self.compute_device))
                        if self.separate_master else None)
         self._load_initial_values()
         if self.frozen_block:
             self.frozen_message = quantized.pack_message(self.frozen_staging, self.frozen_block)
             self.frozen_staging = None
         self.grad_full = self.grad_partition = None
+        # True: gradients reach grad_partition through the offload copies (reducer.py, offload/transfer.py).
+        self.grads_offloaded = False
         if grad_in_full:
             self.grad_full = torch.zeros(self.trainable_numel, dtype=accum, device=device)
         else:
-            self.grad_partition = torch.zeros(self.trainable_shard_numel, dtype=accum, device=device)
+            where = self.compute_device if grad_device is None else torch.device(grad_device)
+            self.grad_partition = torch.zeros(self.trainable_shard_numel, dtype=accum, device=where,
+                                              pin_memory=_pin(True, where, self.compute_device))
+            self.grads_offloaded = where != self.compute_device
 
     def _load_initial_values(self) -> None:
         """Copy each parameter's value into the compute copy and the master,
@@ -313,6 +325,11 @@ class FlatParamSet:
         for span in self.spans:
             out[span.lo:span.hi].copy_(view(span))
         return out
+
+
+def _pin(wanted: bool, where: torch.device, compute: torch.device) -> bool:
+    """Page-lock a tensor in host memory `where` that serves an accelerator `compute`."""
+    return wanted and where.type == "cpu" and compute.type != "cpu" and torch.cuda.is_available()
 
 
 def _full_shape(p: torch.nn.Parameter) -> torch.Size:

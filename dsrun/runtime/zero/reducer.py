@@ -27,6 +27,11 @@ With a communication dtype other than the accumulation dtype
 region is what travels, and the result is cast back when it is averaged.
 With ZeRO++ qgZ (`quantize`) int4 travels whatever that dtype: the staging
 buffer is quantized as it is, without the cast copy.
+
+When the gradient partition is in host memory (optimizer offload from an
+accelerator) a finished region's reduced shard is not averaged on the
+device: it goes to `host_grads` as it is, which copies it to the host and
+averages it there (offload/transfer.py, [Note: offload copies]).
 """
 from __future__ import annotations
 
@@ -73,8 +78,7 @@ class Region:
         got none."""
         if self.staging is None:
             self.staging = torch.empty(self.end - self.start, dtype=self.fset.precision.grad_accum_dtype,
-                                       device=self.fset.partition.device if self.fset.partition is not None
-                                       else self.fset.full.device)
+                                       device=self.fset.compute_device)
             for b in self.buckets:
                 self.staging[b.offset + b.numel - self.start:b.offset + b.padded_numel - self.start].zero_()
         return self.staging
@@ -114,6 +118,8 @@ class OrderedReducer:
     issued (stage 3 releases the unit's gathered parameters there).
     watchdog: reports a launch that blocks too long (see watchdog.py).
     quantize: ZeRO++ qgZ (see reduce_region); None = full precision.
+    host_grads: the optimizer tier's HostGradients when gradient partitions
+    are in host memory (None: they are on the device).
     """
 
     # Regions reduced but not yet finished: each holds its staging buffer and
@@ -122,8 +128,9 @@ class OrderedReducer:
 
     def __init__(self, regions: list[Region], groups: ZeroGroups,
                  on_launched: Callable[[Region], None] | None = None, watchdog: Watchdog | None = None,
-                 quantize: GradientQuantization | None = None):
+                 quantize: GradientQuantization | None = None, host_grads=None):
         self.regions = regions
+        self.host_grads = host_grads
         self.groups = groups
         self.quantize = quantize
         self.on_launched = on_launched
@@ -142,6 +149,8 @@ class OrderedReducer:
         self.launch_enabled = launch
         for region in self.regions:
             region.ready.clear()
+        if self.host_grads is not None:
+            self.host_grads.begin()
 
     def accumulate(self, param: torch.nn.Parameter) -> None:
         """Hook body: move param.grad into its region's staging buffer."""
@@ -198,9 +207,13 @@ class OrderedReducer:
                 target.copy_(out)
             target.div_(self.groups.data_parallel_size)
             return
-        summed = out if out.dtype == fset.grad_partition.dtype else out.to(fset.grad_partition.dtype)
-        summed.div_(self.groups.data_parallel_size)
-        fset.grad_partition[region.part_lo:region.part_lo + summed.numel()].add_(summed)
+        target = fset.grad_partition[region.part_lo:region.part_lo + out.numel()]
+        if fset.grads_offloaded:  # to host memory, averaged there
+            self.host_grads.add(target, out, self.groups.data_parallel_size)
+        else:
+            summed = out if out.dtype == target.dtype else out.to(target.dtype)
+            summed.div_(self.groups.data_parallel_size)
+            target.add_(summed)
         region.staging = None
 
     def flush(self) -> None:
@@ -209,6 +222,8 @@ class OrderedReducer:
         self._launch_in_order(force=True)
         while self.inflight:
             self._finish(self.inflight.pop(0))
+        if self.host_grads is not None:
+            self.host_grads.drain()
         for region in self.regions:
             region.ready.clear()
         self.next = 0

@@ -34,11 +34,13 @@ from __future__ import annotations
 import torch
 
 from dsrun.runtime.dist import Topology
+from dsrun.runtime.offload.transfer import OFFLOAD_BUCKET_NUMEL
 from dsrun.runtime.precision import PrecisionPolicy
 from dsrun.runtime.zero.collectives import all_gather_region
 from dsrun.runtime.zero.flat_params import FlatParamSet
 from dsrun.runtime.zero.groups import ZeroGroups
 from dsrun.runtime.zero.init import restore_full
+from dsrun.runtime.zero.params import home_device
 from dsrun.runtime.zero.reducer import OrderedReducer, Region
 from dsrun.runtime.zero.strategy import ZeroStrategy
 
@@ -49,7 +51,10 @@ class PartitionedOptimizerStrategy(ZeroStrategy):
     module: the model (its floating parameters and buffers are cast to the
     compute dtype). optimizer: a fresh torch optimizer over module's
     parameters; its param groups are rewritten to hold master shards.
-    reduce_bucket_size / allgather_bucket_size: elements per collective.
+    reduce_bucket_size / allgather_bucket_size: elements per collective
+    (gradient buckets of at most OFFLOAD_BUCKET_NUMEL when stage-2 gradients
+    leave an accelerator for the offloaded optimizer, see [Note: offload
+    copies] in offload/transfer.py).
     sub_group_size: elements per fused optimizer chunk.
     optimizer_tier: where masters and optimizer states live (offload/optimizer_tier.py).
     Raises ValueError for stage not in (0, 1, 2) or an optimizer with state.
@@ -72,10 +77,16 @@ class PartitionedOptimizerStrategy(ZeroStrategy):
             restore_full(p, groups.shard.group)  # built under zero.Init: full values back, once
             by_group.setdefault(g, []).append((p, n, g))
         for g, members in sorted(by_group.items()):
-            fset = FlatParamSet(f"group{g}", members, groups.shard, precision, int(reduce_bucket_size),
+            device = home_device(members[0][0])
+            grad_device = self.optimizer_tier.grad_device(device)
+            # Gradients leaving the device (optimizer offload): buckets of at most OFFLOAD_BUCKET_NUMEL.
+            bucket = int(reduce_bucket_size) if grad_device == device or stage in (0, 1) \
+                else min(int(reduce_bucket_size), OFFLOAD_BUCKET_NUMEL)
+            fset = FlatParamSet(f"group{g}", members, groups.shard, precision, bucket,
                                 partition_params=False, grad_in_full=stage in (0, 1),
                                 master_device=self._master_device(members[0][0]),
-                                pin_memory=self.optimizer_tier.pin_memory)
+                                pin_memory=self.optimizer_tier.pin_memory,
+                                grad_device=grad_device)
             self.sets.append(fset)
             self._adopt(fset)
         if precision.mixed:
@@ -86,7 +97,8 @@ class PartitionedOptimizerStrategy(ZeroStrategy):
                    for b in fset.layout.buckets]
         # Backward produces gradients roughly in reverse registration order.
         regions.sort(key=lambda r: (-self.sets.index(r.fset), -r.buckets[0].index))
-        self.reducer = OrderedReducer(regions, groups, watchdog=self.watchdog)
+        self.reducer = OrderedReducer(regions, groups, watchdog=self.watchdog,
+                                      host_grads=self.optimizer_tier.host_grads)
         self._hooks = [p.register_post_accumulate_grad_hook(self.reducer.accumulate)
                        for fset in self.sets for p in fset.params]
         self._gather_plan = [(fset, _runs(fset, int(allgather_bucket_size))) for fset in self.sets]

@@ -203,7 +203,8 @@ class PartitionedParamStrategy(ZeroStrategy):
                                 master_device=self._master_device(members[0][0]),
                                 pin_memory=self.optimizer_tier.pin_memory or self.param_tier.pin_memory,
                                 partition_device=self.param_tier.partition_device(self._param_device(members)),
-                                frozen_block=QWZ_BLOCK if quantized_nontrainable_weights else 0)
+                                frozen_block=QWZ_BLOCK if quantized_nontrainable_weights else 0,
+                                grad_device=self.optimizer_tier.grad_device(self._param_device(members)))
             self.sets.append(fset)
             unit = Unit(len(self.units), uname, modules, fset, uname == PERSISTENT, self)
             self.units.append(unit)
@@ -227,7 +228,8 @@ class PartitionedParamStrategy(ZeroStrategy):
             if runs:
                 self._last_region[id(regions[-1])] = unit
         self.reducer = OrderedReducer(regions, groups, on_launched=self._on_reduced, watchdog=self.watchdog,
-                                      quantize=_gradient_quantization(groups) if quantized_gradients else None)
+                                      quantize=_gradient_quantization(groups) if quantized_gradients else None,
+                                      host_grads=self.optimizer_tier.host_grads)
         # First pre-hook of the root: a new forward follows the trace from its start
         # (registered before the units' hooks, so it runs before the root unit's fetch).
         self._hooks = [module.register_forward_pre_hook(lambda mod, a: self.schedule.start_step())]

@@ -158,7 +158,10 @@ class ZeroStrategy(GradientStrategy):
         """Sum of squares of every averaged gradient shard over the shard group
         (one collective; see [Note: one small collective per step])."""
         grads = [g for fset in self.sets for g in fset.grad_shards() if g.numel()]
-        if grads:
+        host = self.optimizer_tier.host_grads
+        if host is not None:  # gradients in host memory (see [Note: offload copies] in offload/transfer.py)
+            sq = host.sq_norm(grads, self.topology.device)
+        elif grads:
             norms = torch._foreach_norm(grads)  # one fused pass, no gradient-sized temporary
             sq = torch.stack([n.float() for n in norms]).square().sum().reshape(1)
         else:
@@ -219,8 +222,12 @@ class ZeroStrategy(GradientStrategy):
         raise NotImplementedError
 
     def zero_grad(self) -> None:
+        host = self.optimizer_tier.host_grads
         for fset in self.sets:
-            fset.zero_grad()
+            if host is None or not fset.grads_offloaded:
+                fset.zero_grad()
+        if host is not None:
+            host.reset()  # host gradients are overwritten by the next backward, not zeroed
 
     # ---- state -------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -251,6 +258,10 @@ class ZeroStrategy(GradientStrategy):
 
     def loss_scale(self) -> float:
         return self.precision.scaler.scale
+
+    def offload_timeline(self) -> dict:
+        tier = self.optimizer_tier
+        return tier.timeline.last if tier.uploads is not None else {}
 
     def memory_breakdown(self) -> dict[str, dict[str, int]]:
         """Bytes this rank holds per category (params, gathered_params,

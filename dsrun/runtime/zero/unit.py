@@ -97,10 +97,12 @@ class Unit:
         self.owner = owner
         self.state = UnitState.SHARDED
         self.handle: RegionHandle | None = None
-        part = fset.partition
+        self._uploaded = None  # event of the copy from an offloaded partition (param_tier.uploading)
+        # Gathered values live on the compute device, wherever the partition is (offload_param: host memory).
+        dtype, device = fset.partition.dtype, fset.compute_device
         self._new_buffer()
         self._nbytes = self.full.element_size() * self.full.numel()
-        self._empty = torch.empty(0, dtype=part.dtype, device=part.device)
+        self._empty = torch.empty(0, dtype=dtype, device=device)
         # Buckets gathered from the compute partition (all but int8 frozen ones) and their elements.
         buckets = fset.layout.buckets
         self._exact = [b for b, k in zip(buckets, fset.key_of_bucket) if k is not None or not fset.frozen_block]
@@ -110,7 +112,7 @@ class Unit:
         self._secondary_layout = (FlatLayout(slots, self._exact, hpz.size)
                                   if hpz is not None and not persistent and self._exact else None)
         # (padded_numel / h,) in the compute dtype, where `full` lives; see [Note: hpZ secondary partition]
-        self.secondary = (torch.zeros(self._secondary_layout.shard_numel, dtype=part.dtype, device=part.device)
+        self.secondary = (torch.zeros(self._secondary_layout.shard_numel, dtype=dtype, device=device)
                           if self._secondary_layout is not None else None)
         self.secondary_valid = False
         self._fill_secondary = False  # the gather in flight is primary: keep its slice on completion
@@ -119,7 +121,7 @@ class Unit:
         """A new `full` (padded_numel,) with no bytes until gathered, and the
         parameter views of it."""
         part, layout = self.fset.partition, self.fset.layout
-        self.full = torch.empty(layout.padded_numel, dtype=part.dtype, device=part.device)
+        self.full = torch.empty(layout.padded_numel, dtype=part.dtype, device=self.fset.compute_device)
         self._views = [self.full[s.offset:s.offset + s.numel].view(s.shape) for s in layout.slots]
         self.full.untyped_storage().resize_(0)
 
@@ -155,13 +157,14 @@ class Unit:
             layout, group, block = fset.layout, shard, self._quantize_block(phase)
             reading, what = self.owner.param_tier.resident(fset), "all-gather"  # NVMe: read it in
         exact, handles = self._exact, []
-        with torch.no_grad():
-            self.full.untyped_storage().resize_(self._nbytes)
+        uploading = contextlib.nullcontext() if secondary else self.owner.param_tier.uploading(fset)
+        self.full.untyped_storage().resize_(self._nbytes)  # allocated on the compute stream, before `uploading`
+        with torch.no_grad(), uploading as self._uploaded:
             if exact:
                 with reading:
                     source = self.secondary if secondary else fset.partition
                     for view, dst in own_shard_views(layout, exact, self.full, group.rank):
-                        view.copy_(source[dst:dst + view.numel()])
+                        view.copy_(source[dst:dst + view.numel()], non_blocking=True)
             # Issuing may block too (synchronous transports such as shm).
             with self.owner.watchdog.waiting(f"{what} of unit '{self.name}' ({phase})"):
                 if exact:
@@ -206,6 +209,8 @@ class Unit:
             with self.owner.watchdog.waiting(f"all-gather of unit '{self.name}' ({phase})"):
                 self.handle.wait()  # blocks until every rank's shard arrived
             self.handle = None
+            self.owner.param_tier.wait_uploaded(self._uploaded)
+            self._uploaded = None
             if self._fill_secondary:
                 self._keep_secondary()
                 self._fill_secondary = False
