@@ -1,4 +1,4 @@
-"""Tests of the ds_config schema (dsrun/runtime/config.py).
+"""Tests of the ds_config schema (dsrun/runtime/config/).
 
 Each bad config asserts the exact content of its message: the key path,
 the suggestion, the numbers. Good configs check file formats, aliases,
@@ -28,7 +28,7 @@ def problems(source, world_size=1):
 @pytest.fixture
 def all_features(monkeypatch):
     """Pretend every feature is built, to test values the registry would reject."""
-    monkeypatch.setattr(config_module, "NOT_YET_SUPPORTED", ())
+    monkeypatch.setattr(config_module.registries, "NOT_YET_SUPPORTED", ())
 
 
 # --------------------------------------------------------------------- bad configs
@@ -125,7 +125,7 @@ def test_fp16_and_bf16_together():
 
 def test_unsupported_features_are_each_named(monkeypatch):
     # A registry of our own: the real one shrinks as features land.
-    monkeypatch.setattr(config_module, "NOT_YET_SUPPORTED", (
+    monkeypatch.setattr(config_module.registries, "NOT_YET_SUPPORTED", (
         Unsupported("zero_optimization.stage", lambda v: v > 0, "ZeRO stages 1-3", "set it to 0"),
         Unsupported("bf16.enabled", bool, "bf16 mixed precision"),
         Unsupported("optimizer.type", lambda v: v == "Lamb", "the Lamb optimizer", "use Adam or AdamW"),
@@ -389,7 +389,7 @@ def test_summary_shows_arithmetic_and_given_keys():
 
 def test_registry_is_one_line_per_feature(monkeypatch):
     kept = tuple(e for e in config_module.NOT_YET_SUPPORTED if e.path != "zero_optimization.stage")
-    monkeypatch.setattr(config_module, "NOT_YET_SUPPORTED", kept)
+    monkeypatch.setattr(config_module.registries, "NOT_YET_SUPPORTED", kept)
     assert load_config({**MICRO, "zero_optimization": {"stage": 2}}).zero_optimization.stage == 2
 
 

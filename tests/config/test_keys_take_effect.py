@@ -3,7 +3,7 @@
 DESIGN rule: a key that does nothing always warns. So each leaf key of
 DsConfig must be one of:
 
-  read       some module of dsrun/ other than config.py names the field: an
+  read       some module of dsrun/ outside the config package names the field: an
              attribute `.name` or a string constant "name" (getattr, dict
              keys), found with `ast`. The module must also name the field's
              section (`fp16`, `zero_optimization`, ...), so that a read of
@@ -53,7 +53,7 @@ ONLY_WITH: dict[str, str] = {
 _SWITCHES = ("enabled", "device")  # a section's own on/off key
 _PROBES = (False, True, None, -1, 0, 1, 2, 0.5, 10**9)  # for bool, int, float and Literal fields
 _DSRUN = Path(dsrun.__file__).parent
-_CONFIG_PY = Path(config_module.__file__)
+_CONFIG_DIR = Path(config_module.__file__).parent  # the schema names every field itself
 
 
 def leaf_fields(model: type[BaseModel] = DsConfig,
@@ -68,10 +68,10 @@ def leaf_fields(model: type[BaseModel] = DsConfig,
 
 
 def names_per_module(root: Path = _DSRUN) -> list[set[str]]:
-    """For each module under `root` except config.py: its attribute names and string constants."""
+    """For each module under `root` outside the config package: its attribute names and string constants."""
     found = []
     for path in sorted(root.rglob("*.py")):
-        if path == _CONFIG_PY:
+        if path.is_relative_to(_CONFIG_DIR):
             continue
         names = set()
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
@@ -118,7 +118,7 @@ def is_rejected(path: str, field: FieldInfo, unsupported) -> bool:
 def unaccounted(model: type[BaseModel] = DsConfig, modules: list[set[str]] | None = None) -> list[str]:
     """Key paths of `model` that are accepted, read by nothing and not declared (see module docstring)."""
     modules = names_per_module() if modules is None else modules
-    unsupported = config_module.NOT_YET_SUPPORTED
+    unsupported = config_module.registries.NOT_YET_SUPPORTED
     fields = dict(leaf_fields(model))
 
     def rejected(path: str) -> bool:
@@ -142,7 +142,7 @@ def test_every_key_takes_effect_or_is_declared():
     assert not offending, (
         f"{len(offending)} config key(s) are accepted but read by nothing in dsrun/ and declared "
         "nowhere; make the runtime read each one, or add it to NO_EFFECT_YET in "
-        "dsrun/runtime/config.py with the value dsrun behaves as:\n  " + "\n  ".join(offending))
+        "dsrun/runtime/config/registries.py with the value dsrun behaves as:\n  " + "\n  ".join(offending))
 
 
 def test_allowed_and_only_with_name_real_keys_that_need_them():
@@ -174,7 +174,7 @@ def test_declaring_or_reading_a_key_accounts_for_it(monkeypatch):
     monkeypatch.setitem(config_module.NO_EFFECT_YET, "zz_unread_knob", False)
     assert "zz_unread_knob" not in unaccounted(fake)
     monkeypatch.undo()
-    monkeypatch.setattr(config_module, "NOT_YET_SUPPORTED", (
+    monkeypatch.setattr(config_module.registries, "NOT_YET_SUPPORTED", (
         *config_module.NOT_YET_SUPPORTED, config_module.Unsupported("zz_unread_knob", bool, "a knob")))
     assert "zz_unread_knob" not in unaccounted(fake)
 
@@ -198,7 +198,7 @@ def test_when_a_feature_lands_its_keys_must_be_read_or_declared(monkeypatch):
     fake = pydantic.create_model("FakeConfig", __base__=DsConfig,
                                  zz_feature=(section, pydantic.Field(default_factory=section)))
     keys = {"zz_feature.enabled", "zz_feature.zz_depth"}
-    monkeypatch.setattr(config_module, "NOT_YET_SUPPORTED", (
+    monkeypatch.setattr(config_module.registries, "NOT_YET_SUPPORTED", (
         *config_module.NOT_YET_SUPPORTED, config_module.Unsupported("zz_feature.enabled", bool, "a feature")))
     assert not keys & set(unaccounted(fake))
     monkeypatch.undo()

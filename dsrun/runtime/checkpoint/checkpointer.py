@@ -108,7 +108,7 @@ class Checkpointer:
         self.wait_pending()
         tag = f"global_step{self.parts.state.global_steps}" if tag is None else str(tag)
         rdv = self._rendezvous("save_checkpoint", tag)
-        save_dir, tag = agree_on_location(rdv, self.parts.config.checkpoint, "save_dir", save_dir, tag)
+        save_dir, tag = agree_on_location(rdv, self.parts.config, "save_dir", save_dir, tag)
         job = saving.prepare_save(self.parts, rdv, save_dir, tag, client_state or {}, save_latest,
                                   exclude_frozen_parameters, lr_scheduler, dataloader, _fault)
         if self._staging is None:
@@ -140,7 +140,7 @@ class Checkpointer:
         """
         self.wait_pending()
         rdv = self._rendezvous("load_checkpoint", tag)
-        load_dir, tag = agree_on_location(rdv, self.parts.config.checkpoint, "load_dir", load_dir,
+        load_dir, tag = agree_on_location(rdv, self.parts.config, "load_dir", load_dir,
                                           None if tag is None else str(tag))
         return loading.load(self.parts, rdv, load_dir, tag, load_module_strict, load_optimizer_states,
                             load_lr_scheduler_states, load_module_only, lr_scheduler, dataloader)

@@ -13,7 +13,7 @@ import time
 
 from dsrun.runtime import comm
 from dsrun.runtime.checkpoint.store import CheckpointError
-from dsrun.runtime.config import STRICT_ENV
+from dsrun.runtime.config import STRICT_ENV, DsConfig
 from dsrun.runtime.dist import Topology
 
 log = logging.getLogger("dsrun.checkpoint")
@@ -139,17 +139,17 @@ def raise_unless_all(results: list[tuple[bool, str]], error: BaseException | Non
 _HANDLING = ("ignore", "warn", "error")
 
 
-def _handling(checkpoint_cfg) -> dict[str, str]:
+def _handling(config: DsConfig) -> dict[str, str]:
     """This rank's handling of a differing directory ("dir") and tag: "error"
     under DSRUN_STRICT_CONFIG=1 or `checkpoint.strict_paths`; a tag also
     follows DeepSpeed's `checkpoint.tag_validation` ("Fail": error,
     "Ignore": no warning); otherwise "warn"."""
-    strict = checkpoint_cfg.strict_paths or os.environ.get(STRICT_ENV, "") == "1"
-    tag = {"Fail": "error", "Ignore": "ignore"}.get(checkpoint_cfg.tag_validation, "warn")
+    strict = config.checkpoint.strict_paths or os.environ.get(STRICT_ENV, "") == "1"
+    tag = {"Fail": "error", "Ignore": "ignore"}.get(config.checkpoint.tag_validation, "warn")
     return {"dir": "error" if strict else "warn", "tag": "error" if strict else tag}
 
 
-def agree_on_location(rdv: Rendezvous, checkpoint_cfg, dir_arg: str, directory: str | os.PathLike,
+def agree_on_location(rdv: Rendezvous, config: DsConfig, dir_arg: str, directory: str | os.PathLike,
                       tag: str | None) -> tuple[str, str | None]:
     """The directory and tag every rank of one save or load uses: rank 0's
     when the ranks' differ (see [Note: agreed location]). Call it on every
@@ -157,7 +157,7 @@ def agree_on_location(rdv: Rendezvous, checkpoint_cfg, dir_arg: str, directory: 
 
     Args:
         rdv: the call's rendezvous (its "location" agreement is used).
-        checkpoint_cfg: the engine's `checkpoint` config section.
+        config: the engine's config (its `checkpoint` section is read).
         dir_arg: the directory's argument name for messages ("save_dir",
             "load_dir").
         directory: this rank's directory, as passed.
@@ -193,7 +193,7 @@ def agree_on_location(rdv: Rendezvous, checkpoint_cfg, dir_arg: str, directory: 
     saved, whatever the other ranks pass.
     """
     mine = {"dir": os.path.abspath(os.fspath(directory)), "tag": tag}
-    record = json.dumps({"values": mine, "handling": _handling(checkpoint_cfg)})
+    record = json.dumps({"values": mine, "handling": _handling(config)})
     records = [json.loads(report) for _, report in rdv.agree("location", True, record)]
     first = records[0]["values"]
     differing = {key: [(r, rec["values"][key]) for r, rec in enumerate(records)

@@ -1,0 +1,513 @@
+"""The sections of a ds_config (optimizer, scheduler, fp16/bf16, zero_optimization, aio,
+monitors, ...): one pydantic model each, with DeepSpeed's key names and defaults and a
+description per field."""
+from __future__ import annotations
+
+import difflib
+import types
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, ClassVar, Literal, Optional, Union
+
+import annotated_types as at
+import torch
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
+
+from dsrun.runtime.config.errors import _Problem
+
+def _unwrap(tp: Any) -> tuple[Any, list, bool]:
+    """Strip Optional and Annotated: (base type, constraint metadata, nullable)."""
+    meta: list = []
+    nullable = False
+    while True:
+        origin = typing.get_origin(tp)
+        if origin is Annotated:
+            tp, *extra = typing.get_args(tp)
+            meta.extend(extra)
+        elif origin in (Union, types.UnionType):
+            args = [a for a in typing.get_args(tp) if a is not type(None)]
+            nullable = nullable or len(args) < len(typing.get_args(tp))
+            if len(args) != 1:
+                return tp, meta, nullable
+            tp = args[0]
+        else:
+            return tp, meta, nullable
+
+
+# Value types. Numbers reject booleans (pydantic would read `true` as 1) and,
+# through pydantic's lax mode, accept integral floats such as 5e8 for ints.
+
+
+def _not_bool(value: Any) -> Any:
+    if isinstance(value, bool):
+        raise ValueError("a boolean is not a number")
+    return value
+
+
+_NUMBER = BeforeValidator(_not_bool)
+Int = Annotated[int, _NUMBER]
+PosInt = Annotated[int, _NUMBER, at.Ge(1)]
+Count = Annotated[int, _NUMBER, at.Ge(0)]  # sizes in elements, thresholds
+NonNegReal = Annotated[float, _NUMBER, at.Ge(0.0)]
+PosReal = Annotated[float, _NUMBER, at.Gt(0.0)]
+Device = Literal["none", "cpu", "nvme"]
+
+
+class _Section(BaseModel):
+    """Base of every config section: strict keys, old key names accepted.
+
+    `_ALIASES` maps an old or alternative DeepSpeed key name to the field
+    it means; the old name is renamed before validation, and giving both
+    names is an error (they could disagree).
+    """
+
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+    _ALIASES: ClassVar[dict[str, str]] = {}
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _strict_bool(cls, value: Any, info) -> Any:
+        """A boolean key takes only true or false: "yes", "no", 1 or "false"
+        are not coerced (pydantic would read "false" as False and "yes" as True)."""
+        field = cls.model_fields.get(info.field_name)
+        if field is not None and _unwrap(field.annotation)[0] is bool and not isinstance(value, bool):
+            if value is None and _unwrap(field.annotation)[2]:
+                return value
+            raise _Problem(f"expected true or false, got {value!r}")
+        return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _rename_aliases(cls, data: Any) -> Any:
+        if not isinstance(data, Mapping) or not any(a in data for a in cls._ALIASES):
+            return data
+        data = dict(data)
+        for old, new in cls._ALIASES.items():
+            if old in data:
+                if new in data:
+                    raise _Problem(f"both '{old}' and '{new}' are given; '{old}' is the old name of "
+                                   f"'{new}', keep only '{new}'", key=old)
+                data[new] = data.pop(old)
+        return data
+
+
+# ---------------------------------------------------------------------------
+# Sections, in the order of REFERENCE.md §2.
+
+def _known_names(names: typing.Iterable[str]) -> dict[str, str]:
+    return {n.lower(): n for n in names}
+
+
+# torch.optim classes are usable by name in `optimizer.type`, as in DeepSpeed.
+_TORCH_OPTIMIZERS = [
+    name for name, obj in vars(torch.optim).items()
+    if isinstance(obj, type) and issubclass(obj, torch.optim.Optimizer) and obj is not torch.optim.Optimizer
+]
+OPTIMIZER_NAMES = _known_names(["Adam", "AdamW", "SGD", "Adagrad", "Lamb", "Lion", "OneBitAdam",
+                                "ZeroOneAdam", "OneBitLamb", *_TORCH_OPTIMIZERS])
+# DeepSpeed's constants for optimizer.type values (`deepspeed.runtime.config.LAMB_OPTIMIZER`, ...):
+# lower-case names, compared with the config's type by scripts such as BERT pre-training.
+ADAGRAD_OPTIMIZER, ADAM_OPTIMIZER, ADAMW_OPTIMIZER, LAMB_OPTIMIZER = "adagrad", "adam", "adamw", "lamb"
+ONEBIT_ADAM_OPTIMIZER, ZERO_ONE_ADAM_OPTIMIZER, ONEBIT_LAMB_OPTIMIZER = "onebitadam", "zerooneadam", "onebitlamb"
+LION_OPTIMIZER = "lion"
+DEEPSPEED_OPTIMIZERS = [ADAGRAD_OPTIMIZER, ADAM_OPTIMIZER, ADAMW_OPTIMIZER, LAMB_OPTIMIZER, ONEBIT_ADAM_OPTIMIZER,
+                        ZERO_ONE_ADAM_OPTIMIZER, ONEBIT_LAMB_OPTIMIZER, LION_OPTIMIZER]
+SCHEDULER_NAMES = _known_names(["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest"])
+
+
+def _canonical_name(value: str, known: dict[str, str], what: str) -> str:
+    """Return the canonical spelling of `value` (matched case-insensitively).
+
+    Raises:
+        _Problem: `value` is not a known name; the message gives the closest one.
+    """
+    if value.lower() in known:
+        return known[value.lower()]
+    close = difflib.get_close_matches(value.lower(), list(known), n=1, cutoff=0.5)
+    hint = f"did you mean '{known[close[0]]}'? " if close else ""
+    raise _Problem(f"unknown {what} '{value}'; {hint}known: {', '.join(sorted(known.values()))}")
+
+
+class OptimizerConfig(_Section):
+    """`optimizer`: which optimizer the engine builds when none is passed in."""
+
+    type: str = Field(description="Optimizer name, case-insensitive: Adam, AdamW, SGD, Adagrad, Lamb, Lion, "
+                                  "OneBitAdam, ZeroOneAdam, OneBitLamb, or any torch.optim class name. "
+                                  "Stored in its canonical spelling.")
+    params: dict[str, Any] = Field(default_factory=dict,
+                                   description="Keyword arguments of the optimizer (lr, betas, eps, "
+                                               "weight_decay, ...); checked when the optimizer is built.")
+
+    @field_validator("type")
+    @classmethod
+    def _known_type(cls, value: str) -> str:
+        return _canonical_name(value, OPTIMIZER_NAMES, "optimizer type")
+
+    @model_validator(mode="after")
+    def _common_params(self) -> OptimizerConfig:
+        """Check the hyperparameters most optimizers share here, with the
+        other config problems, rather than when torch builds the optimizer."""
+        problems = [(f"params.{key}", text) for key, text in _optimizer_param_problems(self.params)]
+        if problems:
+            first_key, first = problems[0]
+            rest = "".join(f"; also optimizer.{key}: {text}" for key, text in problems[1:])
+            raise _Problem(first + rest, key=first_key)
+        return self
+
+
+def _real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+
+
+def _optimizer_param_problems(params: dict[str, Any]) -> list[tuple[str, str]]:
+    """(key, problem) for each shared optimizer hyperparameter with a bad value."""
+    out = []
+    for key in ("lr", "eps", "weight_decay", "momentum", "dampening"):
+        if key in params and not (_real(params[key]) and 0 <= params[key] < float("inf")):
+            out.append((key, f"expected a finite number >= 0, got {params[key]!r}"))
+    if "betas" in params:
+        betas = params["betas"]
+        if not (isinstance(betas, (list, tuple)) and len(betas) == 2
+                and all(_real(b) and 0 <= b < 1 for b in betas)):
+            out.append(("betas", f"expected two numbers in [0, 1) such as [0.9, 0.999], got {betas!r}"))
+    return out
+
+
+class SchedulerConfig(_Section):
+    """`scheduler`: which learning-rate schedule the engine builds."""
+
+    type: str = Field(description="Schedule name, case-insensitive: WarmupLR, WarmupDecayLR, "
+                                  "WarmupCosineLR, OneCycle or LRRangeTest.")
+    params: dict[str, Any] = Field(default_factory=dict,
+                                   description="Keyword arguments of the schedule (warmup_num_steps, "
+                                               "total_num_steps, ...); checked when it is built.")
+
+    @field_validator("type")
+    @classmethod
+    def _known_type(cls, value: str) -> str:
+        return _canonical_name(value, SCHEDULER_NAMES, "scheduler type")
+
+
+class Fp16Config(_Section):
+    """`fp16`: fp16 mixed precision with a (dynamic) loss scale."""
+
+    enabled: bool = Field(False, description="Train with fp16 parameters and fp32 master weights.")
+    auto_cast: bool = Field(False, description="Cast floating-point inputs of forward to fp16.")
+    loss_scale: NonNegReal = Field(0.0, description="Static loss scale; 0 selects dynamic loss scaling.")
+    initial_scale_power: Annotated[int, _NUMBER, at.Interval(ge=0, le=32)] = Field(
+        16, description="Dynamic scaling starts at 2**initial_scale_power. At most 32: fp16's largest "
+                        "value is 65504 (about 2**16), so a larger scale overflows on every step until "
+                        "halved back down.")
+    loss_scale_window: PosInt = Field(1000, description="Steps without overflow before the dynamic scale "
+                                                        "is doubled.")
+    hysteresis: PosInt = Field(2, description="Overflows tolerated before the dynamic scale is halved.")
+    consecutive_hysteresis: bool = Field(False, description="Refill the hysteresis after every step "
+                                                            "without overflow, not only after a window.")
+    min_loss_scale: PosReal = Field(1.0, description="The dynamic scale never drops below this value.")
+    fp16_master_weights_and_grads: bool = Field(False, description="Keep master weights and gradients "
+                                                "in fp16 too (no fp32 copy).")
+
+
+class Bf16Config(_Section):
+    """`bf16` (old name `bfloat16`): bf16 mixed precision (no loss scale needed)."""
+
+    enabled: bool = Field(False, description="Train with bf16 parameters and fp32 master weights.")
+
+
+class DataTypesConfig(_Section):
+    """`data_types`: dtypes of internal buffers."""
+
+    grad_accum_dtype: Optional[Literal["fp32", "bf16", "fp16"]] = Field(
+        None, description="Dtype gradients are accumulated in across micro-batches; null = the "
+                          "parameters' dtype (fp32 master gradients under mixed precision).")
+
+
+class OffloadOptimizerConfig(_Section):
+    """`zero_optimization.offload_optimizer`: where optimizer states live (ZeRO 1-3)."""
+
+    device: Device = Field("none", description="none, cpu (host memory) or nvme (files under nvme_path).")
+    nvme_path: Optional[Path] = Field(None, description="Directory for the state files; required with "
+                                                        "device nvme.")
+    pin_memory: bool = Field(False, description="Keep offloaded states in page-locked host memory "
+                                                "(faster transfers, less pageable memory).")
+    buffer_count: PosInt = Field(4, description="Number of buffers used to stream states from NVMe.")
+    ratio: Annotated[float, _NUMBER, at.Ge(0.0), at.Le(1.0)] = Field(
+        1.0, description="Fraction of the optimizer states offloaded to NVMe (the rest stays in memory).")
+    fast_init: bool = Field(False, description="Initialise NVMe-offloaded states faster (DeepSpeed's "
+                                               "knob; dsrun's swap files are preallocated anyway).")
+
+    @model_validator(mode="after")
+    def _nvme_needs_path(self) -> OffloadOptimizerConfig:
+        _check_nvme_path(self.device, self.nvme_path)
+        if self.ratio != 1.0 and self.device != "nvme":
+            raise _Problem("partial offload is built for device nvme only; set ratio to 1.0 or device "
+                           "to nvme", key="ratio")
+        return self
+
+
+class OffloadParamConfig(_Section):
+    """`zero_optimization.offload_param`: where partitioned parameters live (ZeRO 3 only)."""
+
+    device: Device = Field("none", description="none, cpu (host memory) or nvme (files under nvme_path).")
+    nvme_path: Optional[Path] = Field(None, description="Directory for the parameter files; required "
+                                                        "with device nvme.")
+    pin_memory: bool = Field(False, description="Keep offloaded parameters in page-locked host memory.")
+    buffer_count: PosInt = Field(5, description="Number of buffers used to stream parameters from NVMe.")
+    buffer_size: PosInt = Field(100_000_000, description="Size of each NVMe buffer, in elements.")
+    max_in_cpu: Count = Field(1_000_000_000, description="Most parameter elements kept in host memory "
+                                                         "when offloading to NVMe.")
+
+    @model_validator(mode="after")
+    def _nvme_needs_path(self) -> OffloadParamConfig:
+        _check_nvme_path(self.device, self.nvme_path)
+        return self
+
+
+def _fill(model: BaseModel, name: str, value: Any) -> None:
+    """Set a field computed from other fields without marking it as given in the config."""
+    given = name in model.model_fields_set
+    setattr(model, name, value)
+    if not given:
+        model.model_fields_set.discard(name)
+
+
+def _check_nvme_path(device: str, nvme_path: Path | None) -> None:
+    if device == "nvme" and nvme_path is None:
+        raise _Problem("required when device is 'nvme'; set it to a directory on a fast local drive",
+                       key="nvme_path")
+
+
+class ZeroConfig(_Section):
+    """`zero_optimization`: ZeRO partitioning of optimizer states, gradients, parameters.
+
+    The `stage3_*` keys are also accepted without the prefix, as DeepSpeed
+    does. Old keys: `cpu_offload: true` means offload_optimizer.device cpu,
+    `cpu_offload_param: true` means offload_param.device cpu,
+    `cpu_offload_use_pin_memory` sets pin_memory of both.
+    """
+
+    _ALIASES: ClassVar[dict[str, str]] = {
+        "prefetch_bucket_size": "stage3_prefetch_bucket_size",
+        "param_persistence_threshold": "stage3_param_persistence_threshold",
+        "model_persistence_threshold": "stage3_model_persistence_threshold",
+        "max_live_parameters": "stage3_max_live_parameters",
+        "max_reuse_distance": "stage3_max_reuse_distance",
+        "gather_16bit_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
+        "stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
+    }
+
+    stage: Annotated[int, _NUMBER, at.Interval(ge=0, le=3)] = Field(
+        0, description="0 = off (data parallel), 1 = partition optimizer states, 2 = also gradients, "
+                       "3 = also parameters.")
+    allgather_partitions: bool = Field(True, description="Gather updated partitions with all-gather "
+                                                         "(false: a series of broadcasts).")
+    allgather_bucket_size: PosInt = Field(500_000_000, description="Elements per all-gather bucket.")
+    overlap_comm: Optional[bool] = Field(None, description="Overlap gradient reduction with backward; "
+                                                           "default true for stage 3, false otherwise.")
+    reduce_scatter: bool = Field(True, description="Reduce gradients with reduce-scatter (false: "
+                                                   "all-reduce).")
+    reduce_bucket_size: PosInt = Field(500_000_000, description="Elements per gradient-reduction bucket.")
+    contiguous_gradients: bool = Field(True, description="Copy gradients into one contiguous buffer as "
+                                                         "they are produced (less fragmentation).")
+    sub_group_size: PosInt = Field(1_000_000_000, description="Elements per optimizer sub-group stepped "
+                                                              "at a time (bounds offload buffers).")
+    stage3_prefetch_bucket_size: Count = Field(50_000_000, description="Elements of parameters "
+                                                                       "prefetched ahead of use.")
+    stage3_param_persistence_threshold: Count = Field(100_000, description="Parameters smaller than this "
+                                                      "(elements) stay gathered after use.")
+    stage3_model_persistence_threshold: Count = Field(2**63 - 1, description="Most elements kept "
+                                                      "gathered in total because of the threshold above.")
+    stage3_max_live_parameters: Count = Field(1_000_000_000, description="Most gathered parameter "
+                                              "elements alive at once.")
+    stage3_max_reuse_distance: Count = Field(1_000_000_000, description="A parameter reused within this "
+                                             "many elements of other parameters is not freed in between.")
+    stage3_unit_modules: Optional[list[str]] = Field(
+        None, description="dsrun: the stage-3 gather units, as fnmatch patterns of module names "
+                          "(\"layers.*\") or class names (\"Block\"); each matching module's parameters "
+                          "are gathered with one all-gather. Default: each element of an nn.ModuleList "
+                          "or nn.Sequential, plus the root.")
+    stage3_gather_16bit_weights_on_model_save: bool = Field(
+        False, description="save_16bit_model gathers full 16-bit weights (old name: "
+                           "stage3_gather_fp16_weights_on_model_save).")
+    ignore_unused_parameters: bool = Field(True, description="Parameters that get no gradient are not "
+                                                             "an error.")
+    round_robin_gradients: bool = Field(False, description="Stage 1/2 with CPU offload: spread gradient "
+                                                           "copies over ranks round-robin.")
+    elastic_checkpoint: bool = Field(False, description="Stage 1/2 checkpoints loadable on another world "
+                                     "size; dsrun checkpoints always are, so this has no effect.")
+    load_from_fp32_weights: bool = Field(True, description="Restore master weights from the fp32 copy in "
+                                         "the checkpoint, not from the 16-bit model weights.")
+    memory_efficient_linear: bool = Field(True, description="Stage 3: use a linear layer that frees its "
+                                          "gathered weight before backward.")
+    zero_hpz_partition_size: PosInt = Field(1, description="ZeRO++ hpZ (stage 3): keep a secondary copy "
+                                            "of each parameter partitioned over blocks of this many "
+                                            "consecutive ranks (the ranks of a node, or a divisor), so the "
+                                            "backward all-gather stays inside the node; 1 = off.")
+    zero_quantized_weights: bool = Field(False, description="ZeRO++ qwZ (stage 3): forward/backward "
+                                         "all-gathers send weights as block-wise int8 with fp32 scales.")
+    zero_quantized_gradients: bool = Field(False, description="ZeRO++ qgZ (stage 3): gradients reduce-"
+                                           "scattered as block-wise int4 by an all-to-all within each node, "
+                                           "then one across nodes.")
+    zero_quantized_nontrainable_weights: bool = Field(False, description="ZeRO++ (stage 3): keep frozen "
+                                                      "(requires_grad=False) parameters' partitions as "
+                                                      "block-wise int8, quantized once, and all-gather them "
+                                                      "as int8.")
+    mics_shard_size: Int = Field(-1, description="MiCS: ranks a model state is sharded over; -1 = off.")
+    offload_optimizer: OffloadOptimizerConfig = Field(default_factory=OffloadOptimizerConfig,
+                                                      description="Offload of optimizer states.")
+    offload_param: OffloadParamConfig = Field(default_factory=OffloadParamConfig,
+                                              description="Offload of parameters (stage 3 only).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_offload_flags(cls, data: Any) -> Any:
+        """Translate DeepSpeed's old boolean offload keys into the sections."""
+        if not isinstance(data, Mapping):
+            return data
+        data = dict(data)
+        for old, section in (("cpu_offload", "offload_optimizer"), ("cpu_offload_param", "offload_param")):
+            if old not in data:
+                continue
+            if section in data:
+                raise _Problem(f"'{old}' is the old form of '{section}'; give only '{section}'", key=old)
+            flag = data.pop(old)
+            if not isinstance(flag, bool):
+                raise _Problem(f"expected true or false, got {flag!r}", key=old)
+            if flag:
+                data[section] = {"device": "cpu"}
+        if "cpu_offload_use_pin_memory" in data:
+            pin = data.pop("cpu_offload_use_pin_memory")
+            for section in ("offload_optimizer", "offload_param"):
+                if isinstance(data.get(section), Mapping):
+                    data[section] = {**data[section], "pin_memory": pin}
+        return data
+
+    @model_validator(mode="after")
+    def _stage_rules(self) -> ZeroConfig:
+        if self.overlap_comm is None:
+            _fill(self, "overlap_comm", self.stage == 3)
+        if self.offload_param.device != "none" and self.stage != 3:
+            raise _Problem(f"offloading parameters needs stage 3 (stage is {self.stage}); set "
+                           f"zero_optimization.stage to 3 or remove offload_param", key="offload_param")
+        if self.zero_quantized_weights and self.stage != 3:
+            raise _Problem(f"quantized weight all-gathers (ZeRO++ qwZ) need stage 3 (stage is {self.stage}); "
+                           "set zero_optimization.stage to 3 or remove zero_quantized_weights",
+                           key="zero_quantized_weights")
+        if self.zero_hpz_partition_size > 1 and self.stage != 3:
+            raise _Problem(f"hierarchical partitioning (ZeRO++ hpZ) needs stage 3 (stage is {self.stage}); "
+                           "set zero_optimization.stage to 3 or zero_hpz_partition_size to 1",
+                           key="zero_hpz_partition_size")
+        if self.zero_quantized_gradients and self.stage != 3:
+            raise _Problem(f"quantized gradient reduction (ZeRO++ qgZ) needs stage 3 (stage is {self.stage}); "
+                           "set zero_optimization.stage to 3 or remove zero_quantized_gradients",
+                           key="zero_quantized_gradients")
+        if self.zero_quantized_nontrainable_weights and self.stage != 3:
+            raise _Problem(f"int8 frozen weights (ZeRO++ zero_quantized_nontrainable_weights) need stage 3, "
+                           f"where frozen parameters are partitioned (stage is {self.stage}; below it every "
+                           "rank keeps them whole); set zero_optimization.stage to 3 or remove "
+                           "zero_quantized_nontrainable_weights", key="zero_quantized_nontrainable_weights")
+        return self
+
+
+class AioConfig(_Section):
+    """`aio`: asynchronous file I/O used by NVMe offload."""
+
+    _ALIASES: ClassVar[dict[str, str]] = {"thread_count": "intra_op_parallelism"}
+
+    block_size: PosInt = Field(1_048_576, description="Bytes per I/O request.")
+    queue_depth: PosInt = Field(8, description="I/O requests in flight per thread.")
+    intra_op_parallelism: PosInt = Field(1, description="Threads per read/write (old name: thread_count).")
+    single_submit: bool = Field(False, description="Submit requests one at a time instead of in batches.")
+    overlap_events: bool = Field(True, description="Submit new requests while waiting for completions.")
+
+
+class ActivationCheckpointingConfig(_Section):
+    """`activation_checkpointing`: options of dsrun.checkpointing (applied by initialize() unless the
+    script called checkpointing.configure() first; see activation_checkpointing/checkpointing.py)."""
+
+    partition_activations: bool = Field(False, description="Partition checkpointed activations across "
+                                                           "model-parallel ranks.")
+    cpu_checkpointing: bool = Field(False, description="Keep checkpointed activations in host memory.")
+    contiguous_memory_optimization: bool = Field(False, description="Copy checkpoints into one buffer.")
+    number_checkpoints: Optional[PosInt] = Field(None, description="Number of checkpoints, for the "
+                                                                   "contiguous buffer.")
+    synchronize_checkpoint_boundary: bool = Field(False, description="Synchronize the device at each "
+                                                                     "checkpoint boundary.")
+    profile: bool = Field(False, description="Time the checkpointed forward and recompute.")
+
+
+class MonitorConfig(_Section):
+    """`tensorboard` / `csv_monitor`: write training metrics."""
+
+    enabled: bool = Field(False, description="On rank 0, write loss, lr, grad norm, loss scale, "
+                          "throughput, step time, peak memory and collectives per optimizer step "
+                          "(dsrun/runtime/monitor/events.py).")
+    output_path: str = Field("", description="Directory for the output; empty = current directory.")
+    job_name: str = Field("DeepSpeedJobName", description="Subdirectory name of this run.")
+
+
+class WandbConfig(_Section):
+    """`wandb`: log training metrics to Weights & Biases."""
+
+    enabled: bool = Field(False, description="On rank 0, log the per-step events (as tensorboard) to a "
+                          "W&B run; WANDB_MODE=offline keeps it on disk.")
+    group: Optional[str] = Field(None, description="W&B group of the run.")
+    team: Optional[str] = Field(None, description="W&B team (entity).")
+    project: str = Field("deepspeed", description="W&B project.")
+
+
+class FlopsProfilerConfig(_Section):
+    """`flops_profiler`: count FLOPs, parameters and latency of one step."""
+
+    enabled: bool = Field(False, description="Profile one training step.")
+    recompute_fwd_factor: NonNegReal = Field(0.0, description="Extra forward passes due to activation "
+                                                              "recomputation (0 = none, 1 = full).")
+    profile_step: PosInt = Field(1, description="Profile the first forward after this many optimizer "
+                                 "steps (DeepSpeed's counting), print at the end of that step.")
+    module_depth: Int = Field(-1, description="Depth of the module tree to print; -1 = all.")
+    top_modules: PosInt = Field(1, description="Number of top modules to list.")
+    detailed: bool = Field(True, description="Print the per-module profile.")
+    output_file: Optional[str] = Field(None, description="File to write the profile to; null = stdout.")
+
+
+class CommsLoggerConfig(_Section):
+    """`comms_logger`: count and time the collectives of each step."""
+
+    enabled: bool = Field(False, description="Record every collective (op, bytes, time).")
+    verbose: bool = Field(False, description="Print each collective as it happens.")
+    prof_all: bool = Field(True, description="Record all ops (false: only those in prof_ops).")
+    prof_ops: list[str] = Field(default_factory=list, description="Ops to record when prof_all is "
+                                                                  "false, e.g. [\"all_reduce\"].")
+    debug: bool = Field(False, description="Also record the caller of each collective.")
+
+
+class CheckpointConfig(_Section):
+    """`checkpoint`: engine.save_checkpoint / load_checkpoint (dsrun.runtime.checkpoint)."""
+
+    keep_last: Optional[PosInt] = Field(None, description="dsrun: after a committed save, delete the "
+                                        "oldest complete tags of the save directory so that this many "
+                                        "remain (null = keep all). Incomplete tags are left alone.")
+    async_save: bool = Field(False, description="dsrun: save_checkpoint returns at once; a background "
+                             "thread writes and commits (the next optimizer step first copies what it has "
+                             "not written yet). The next save, load or engine.wait_checkpoint() waits for "
+                             "it and raises its error.")
+    tag_validation: Literal["Warn", "Ignore", "Fail"] = Field(
+        "Warn", description="What to do when ranks pass different tags to save_checkpoint or "
+                            "load_checkpoint: Warn and Ignore use rank 0's tag on every rank (Warn "
+                            "logs which ranks differed), Fail raises on every rank before any file "
+                            "is touched.")
+    strict_paths: bool = Field(False, description="dsrun: when ranks pass different directories or tags "
+                               "to save_checkpoint / load_checkpoint, raise on every rank before any file "
+                               "is touched (as DSRUN_STRICT_CONFIG=1 does) instead of using rank 0's "
+                               "with a warning.")
+    load_universal: bool = Field(False, description="Load a DeepSpeed universal checkpoint; every dsrun "
+                                 "checkpoint loads on any world size and stage, so this has no effect.")
+    use_node_local_storage: bool = Field(False, description="Each node writes to its own storage.")
