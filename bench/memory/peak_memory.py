@@ -3,6 +3,7 @@ the ZeRO model-state formulas: does ZeRO deliver its memory?
 
     .venv/bin/python bench/memory/peak_memory.py [--layers 48] [--width 2048] [--steps 3]
         [--repeats 1] [--precision fp32|bf16] [--runs ddp,fsdp2,...] [--deepspeed DIR]
+        [--knobs small|default] [--profile]
 
 Model: `layers` x nn.Linear(width, width) in an nn.ModuleList (default 48 x
 2048: 201.4M parameters, Ψ), forward = the input through each layer, loss =
@@ -48,6 +49,14 @@ bf16 via MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32), so its
 formula stays 16Ψ/N. ddp is skipped: DDP has no bf16 parameters with an fp32
 master copy (autocast would keep fp32 parameters, i.e. the fp32 run). Note
 that DeepSpeed's ZeRO 1-3 keep bf16 gradients, 2 bytes, not the 4 assumed.
+
+--knobs default gives dsrun and DeepSpeed no bucket or stage-3 knobs (their
+defaults: reduce_bucket_size 5e8, stage3_prefetch_bucket_size 5e7,
+stage3_max_live_parameters and stage3_max_reuse_distance 1e9), as a new
+user's config; the default, small, sets those below. --profile has dsrun's
+rank 0 measure each phase of every step (engine.enable_memory_profile) and
+prints its table of the last step (dsrun.runtime.memory_profile): where the
+peak's bytes are, per phase and per category.
 
 A guard polls both ranks' RSS and stops a launch whose sum passes
 --rss-limit-gib (default 10), so a run cannot exhaust a shared machine; the
@@ -110,9 +119,12 @@ class Stack(nn.Module):
         return F.mse_loss(x.float(), y)
 
 
-def ds_config(stage: int, precision: str) -> dict:
-    """The dsrun/DeepSpeed config of one stage: AdamW, the knobs above, bf16 when asked."""
-    zero = {"stage": stage, **ZERO_KNOBS, **(STAGE3_KNOBS if stage == 3 else {})}
+def ds_config(stage: int, precision: str, knobs: str = "small") -> dict:
+    """The dsrun/DeepSpeed config of one stage: AdamW, the knobs above ("small") or none
+    ("default": the libraries' defaults), bf16 when asked."""
+    zero = {"stage": stage}
+    if knobs == "small":
+        zero.update(ZERO_KNOBS, **(STAGE3_KNOBS if stage == 3 else {}))
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 10 ** 9,
            "optimizer": {"type": "AdamW", "params": {"lr": LR}}, "zero_optimization": zero}
     if precision == "bf16":
@@ -188,7 +200,7 @@ def worker(args: argparse.Namespace) -> None:
     else:
         dist.init_process_group("gloo")
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    cfg = ds_config(stage, args.precision)
+    cfg = ds_config(stage, args.precision, args.knobs)
     g = torch.Generator().manual_seed(1000 + rank)
     x, y = torch.randn(MICRO, args.width, generator=g), torch.randn(MICRO, args.width, generator=g)
     dist.barrier()
@@ -205,6 +217,8 @@ def worker(args: argparse.Namespace) -> None:
 
     if fw in ("dsrun", "deepspeed"):
         engine, *_ = lib.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        if args.profile and fw == "dsrun" and rank == 0:
+            engine.enable_memory_profile()
 
         def step() -> float:
             loss = engine(x, y)
@@ -230,9 +244,13 @@ def worker(args: argparse.Namespace) -> None:
             return loss.item()
     losses = [step() for _ in range(args.steps)]
     peak = status_kib("VmHWM")
+    profile = None
+    if args.profile and fw == "dsrun" and rank == 0:
+        from dsrun.runtime.memory_profile import format_memory_profile
+        profile = format_memory_profile(engine.memory_profile())
     dist.barrier()
     print("RESULT " + json.dumps({"rank": rank, "before_kib": before, "after_build_kib": after_build,
-                                  "peak_kib": peak, "losses": losses}), flush=True)
+                                  "peak_kib": peak, "losses": losses, "profile": profile}), flush=True)
     dist.destroy_process_group()
 
 
@@ -337,14 +355,16 @@ def format_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join([head, "-" * len(head), *map(line, rows)])
 
 
-def dsrun_estimate_mib(stage: int, precision: str, layers: int, width: int) -> float:
+def dsrun_estimate_mib(stage: int, precision: str, layers: int, width: int, knobs: str) -> float:
     """dsrun.estimate_zero_memory's persistent bytes per rank (MiB), from a meta-device model."""
     from dsrun import estimate_zero_memory
+    from dsrun.runtime.config import ZeroConfig
 
     with torch.device("meta"):
         model = Stack(layers, width)
-    est = estimate_zero_memory(model, WORLD, stage, dtype=precision,
-                               bucket_numel=int(ZERO_KNOBS["reduce_bucket_size"]))
+    bucket = ds_config(stage, precision, knobs)["zero_optimization"].get("reduce_bucket_size",
+                                                                       ZeroConfig().reduce_bucket_size)
+    est = estimate_zero_memory(model, WORLD, stage, dtype=precision, bucket_numel=int(bucket))
     return est.total / MIB
 
 
@@ -359,6 +379,10 @@ def main() -> None:
     ap.add_argument("--runs", help=f"comma-separated subset of {','.join(RUNS + DS_RUNS)}")
     ap.add_argument("--deepspeed", metavar="DIR", help="a directory holding the deepspeed package: "
                     "adds the deepspeed-* configurations, importing deepspeed from DIR")
+    ap.add_argument("--knobs", choices=("small", "default"), default="small",
+                    help="small: the bucket and stage-3 knobs above (default); default: none given")
+    ap.add_argument("--profile", action="store_true",
+                    help="print dsrun rank 0's memory profile per phase of the last step")
     ap.add_argument("--rss-limit-gib", type=float, default=10.0,
                     help="stop a launch whose ranks together pass this RSS (default 10)")
     ap.add_argument("--worker", metavar="RUN", help=argparse.SUPPRESS)
@@ -375,7 +399,7 @@ def main() -> None:
         runs.remove("ddp")
         print("ddp skipped under --precision bf16 (see --help)", file=sys.stderr)
     worker_args = ["--layers", str(args.layers), "--width", str(args.width), "--steps", str(args.steps),
-                   "--precision", args.precision]
+                   "--precision", args.precision, "--knobs", args.knobs] + (["--profile"] if args.profile else [])
     psi = num_params(args.layers, args.width)
     results: dict[str, list] = {run: [] for run in runs}
     for rep in range(args.repeats):
@@ -393,8 +417,11 @@ def main() -> None:
           f"{args.precision}, AdamW, micro-batch {MICRO}, {args.steps} steps, {args.repeats} repeat(s)")
     print(f"machine: {os.cpu_count()} cores, {mem_total_gib():.1f} GiB RAM, {platform.machine()}, Python {platform.python_version()}, "
           f"torch {torch.__version__}" + (f", deepspeed from {args.deepspeed}" if args.deepspeed else ""))
-    print(f"dsrun/DeepSpeed zero_optimization: {ZERO_KNOBS}; stage 3 also {STAGE3_KNOBS}")
-    print(f"example config (stage 3): {json.dumps(ds_config(3, args.precision))}")
+    if args.knobs == "small":
+        print(f"dsrun/DeepSpeed zero_optimization: {ZERO_KNOBS}; stage 3 also {STAGE3_KNOBS}")
+    else:
+        print("dsrun/DeepSpeed zero_optimization: no knobs given (the libraries' defaults)")
+    print(f"example config (stage 3): {json.dumps(ds_config(3, args.precision, args.knobs))}")
     if args.precision == "bf16":
         print(f"bf16 formulas assume 2-byte params, {GRAD_BYTES}-byte gradients (dsrun's grad_accum_dtype "
               f"default, fp32), 12 bytes fp32 master + Adam")
@@ -406,7 +433,7 @@ def main() -> None:
         text, per_psi = run_formula(run, args.precision)
         form_mib = per_psi * psi / MIB
         fw, stage, _ = parse_run(run)
-        est = f"{dsrun_estimate_mib(stage, args.precision, args.layers, args.width):.0f}" if fw == "dsrun" else "-"
+        est = f"{dsrun_estimate_mib(stage, args.precision, args.layers, args.width, args.knobs):.0f}" if fw == "dsrun" else "-"
         good = [r for r in results[run] if not isinstance(r, str)]
         failed = [r for r in results[run] if isinstance(r, str)]
         if not good:
@@ -423,6 +450,10 @@ def main() -> None:
     print(format_table(header, rows))
     for note in notes:
         print(f"  {note}")
+    for run in runs:
+        last = [r for r in results[run] if not isinstance(r, str)]
+        if last and last[-1][0].get("profile"):
+            print(f"\n{run}, rank 0 (last repeat):\n{last[-1][0]['profile']}")
     print(f"\nN = {WORLD}; peak/formula uses the larger rank's median; MiB = 2^20 bytes; "
           "'dsrun est.' = dsrun.estimate_zero_memory (persistent buffers, with bucket padding)")
 

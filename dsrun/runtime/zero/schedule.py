@@ -11,14 +11,32 @@ triggers it is for backward (as DeepSpeed) or the trace says its use is
 gathers a unit for backward from its node (unit.py). That trace drives three of
 DeepSpeed's stage-3 knobs, all in elements:
 
-- stage3_prefetch_bucket_size: when unit trace[i] is fetched, the next units
-  of the trace are gathered ahead (async) while their total stays within it;
+- stage3_prefetch_bucket_size (P): the prefetch window. When unit trace[i]
+  is fetched, the units of the trace's next P elements (trace[i+1:], each
+  counted once, gathered or not) are gathered ahead (async);
 - stage3_max_live_parameters: prefetching never takes the gathered total
   above it, and a fetch that would evicts units kept for reuse (farthest
   next use first) before gathering;
 - stage3_max_reuse_distance: after use, a unit whose next use in the trace
   comes within fewer than this many elements of other fetches is kept gathered
-  instead of being freed and gathered again.
+  instead of being freed and gathered again -- when those elements are at
+  most P too, i.e. when its next use lies in the prefetch window (it would
+  be gathered right back).
+
+[Note: the gathered working set]
+So every gathered unit that is not in use right now has its next use
+within the next P elements of the trace: beyond the units in use, at most P
+elements plus one unit are gathered (and never more than
+stage3_max_live_parameters in all), whatever the depth of the model. The
+window is counted over units gathered already, not only over those it
+gathers: a fetch that gave P to new gathers only, skipping the units
+gathered by the fetches before it, would slide the window P further at
+every fetch, and with DeepSpeed's default max_live (1e9 elements) the whole
+model ended up gathered (48 x Linear(2048, 2048) on 2 ranks: 768 MiB more
+per rank than the fp32 model states' 1537, 1.55x; bench/memory/README.md).
+Nor may a unit be kept for a reuse farther than the window: with the
+default reuse distance (1e9) the forward then kept every unit for its
+backward, the same 768 MiB.
 
 Every decision depends only on the trace and sizes, which are the same on
 every rank, so all ranks issue the same gathers in the same order. A fetch
@@ -109,16 +127,23 @@ class GatherSchedule:
         self.kept.clear()
 
     def _prefetch(self, phase: str) -> None:
-        budget = self.prefetch_numel
+        """Gather the units of the window ahead (see [Note: the gathered working set])."""
+        window = 0
         live = self.live_numel()
         in_backward = phase.startswith("backward")
+        seen: set[int] = set()
         for index, traced in zip(self.trace[self.pos:], self.trace_phases[self.pos:]):
+            if index in seen:
+                continue
+            seen.add(index)
             unit = self.units[index]
+            window += unit.numel
+            if window > self.prefetch_numel:
+                break
             if unit.state is not UnitState.SHARDED:
                 continue
-            if unit.numel > budget or live + unit.numel > self.max_live_numel:
+            if live + unit.numel > self.max_live_numel:
                 break
-            budget -= unit.numel
             live += unit.numel
             unit.gather(("backward" if in_backward else traced) + " prefetch")
         self._prefetch_partitions()
@@ -148,8 +173,10 @@ class GatherSchedule:
         return None
 
     def _reused_soon(self, unit: Unit) -> bool:
+        """Next use within max_reuse_distance and within the prefetch window
+        (see [Note: the gathered working set])."""
         distance = self._next_use_distance(unit)
-        return distance is not None and distance < self.max_reuse_distance
+        return distance is not None and distance < self.max_reuse_distance and distance <= self.prefetch_numel
 
     def _make_room(self, numel: int) -> None:
         """Free kept units, farthest next use first, until `numel` more fits."""
