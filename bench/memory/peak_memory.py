@@ -55,7 +55,7 @@ defaults: reduce_bucket_size 5e8, stage3_prefetch_bucket_size 5e7,
 stage3_max_live_parameters and stage3_max_reuse_distance 1e9), as a new
 user's config; the default, small, sets those below. --profile has dsrun's
 rank 0 measure each phase of every step (engine.enable_memory_profile) and
-prints its table of the last step (dsrun.runtime.memory_profile): where the
+prints its table of every step (dsrun.runtime.memory_profile): where the
 peak's bytes are, per phase and per category.
 
 A guard polls both ranks' RSS and stops a launch whose sum passes
@@ -201,6 +201,8 @@ def worker(args: argparse.Namespace) -> None:
         dist.init_process_group("gloo")
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     cfg = ds_config(stage, args.precision, args.knobs)
+    profiling = args.profile and fw == "dsrun" and rank == 0
+    phase_peak = 0  # with profiling: the largest VmHWM before a phase reset it (KiB)
     g = torch.Generator().manual_seed(1000 + rank)
     x, y = torch.randn(MICRO, args.width, generator=g), torch.randn(MICRO, args.width, generator=g)
     dist.barrier()
@@ -217,7 +219,8 @@ def worker(args: argparse.Namespace) -> None:
 
     if fw in ("dsrun", "deepspeed"):
         engine, *_ = lib.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-        if args.profile and fw == "dsrun" and rank == 0:
+        if profiling:
+            phase_peak = status_kib("VmHWM")
             engine.enable_memory_profile()
 
         def step() -> float:
@@ -242,12 +245,16 @@ def worker(args: argparse.Namespace) -> None:
             opt.step()
             opt.zero_grad(set_to_none=True)
             return loss.item()
-    losses = [step() for _ in range(args.steps)]
-    peak = status_kib("VmHWM")
-    profile = None
-    if args.profile and fw == "dsrun" and rank == 0:
-        from dsrun.runtime.memory_profile import format_memory_profile
-        profile = format_memory_profile(engine.memory_profile())
+    losses, profiles = [], []
+    for _ in range(args.steps):
+        losses.append(step())
+        if profiling:  # each phase resets VmHWM: the run's peak is the largest phase peak
+            from dsrun.runtime.memory_profile import format_memory_profile
+            prof = engine.memory_profile()
+            profiles.append(format_memory_profile(prof))
+            phase_peak = max([phase_peak] + [r["rss_peak"] // 1024 for r in prof["phases"].values()])
+    peak = max(status_kib("VmHWM"), phase_peak)
+    profile = "\n".join(profiles) or None
     dist.barrier()
     print("RESULT " + json.dumps({"rank": rank, "before_kib": before, "after_build_kib": after_build,
                                   "peak_kib": peak, "losses": losses, "profile": profile}), flush=True)
@@ -382,7 +389,7 @@ def main() -> None:
     ap.add_argument("--knobs", choices=("small", "default"), default="small",
                     help="small: the bucket and stage-3 knobs above (default); default: none given")
     ap.add_argument("--profile", action="store_true",
-                    help="print dsrun rank 0's memory profile per phase of the last step")
+                    help="print dsrun rank 0's memory profile per phase of every step")
     ap.add_argument("--rss-limit-gib", type=float, default=10.0,
                     help="stop a launch whose ranks together pass this RSS (default 10)")
     ap.add_argument("--worker", metavar="RUN", help=argparse.SUPPRESS)

@@ -32,8 +32,9 @@ window is counted over units gathered already, not only over those it
 gathers: a fetch that gave P to new gathers only, skipping the units
 gathered by the fetches before it, would slide the window P further at
 every fetch, and with DeepSpeed's default max_live (1e9 elements) the whole
-model ended up gathered (48 x Linear(2048, 2048) on 2 ranks: 768 MiB more
-per rank than the fp32 model states' 1537, 1.55x; bench/memory/README.md).
+model ended up gathered (48 x Linear(2048, 2048), fp32, 2 ranks: all 768
+MiB of it per rank, a peak of 2436 MiB against the model states' 1537;
+1876 with the window; bench/memory/README.md).
 Nor may a unit be kept for a reuse farther than the window: with the
 default reuse distance (1e9) the forward then kept every unit for its
 backward, the same 768 MiB.
