@@ -36,7 +36,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 FIRST_LOSS_TOLERANCE = 0.05  # nats; bf16 weights against fp32 ones move the first loss by ~1e-3
 
-# (label, gpt_case.py arguments); every model runs the rows of its list.
+# (label, gpt_case.py arguments): the 1.2B model runs the "large" rows, any other the "small" ones.
 CASES = {
     "small": [
         ("plain PyTorch", ["--run", "plain"]),
@@ -151,8 +151,10 @@ def extra_checks(device: str, timeout: float) -> list[tuple[str, int, str]]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", default="82m,1.2b", help="comma-separated: the first runs the 'small' rows, "
-                   "any further one the 'large' rows (tiny, 82m, 1.2b)")
+    p.add_argument("--models", default="82m,1.2b", help="comma-separated, run in this order: 1.2b runs the "
+                   "'large' rows, tiny and 82m the 'small' ones")
+    p.add_argument("--steps", type=int, default=8, help="timed steps per configuration")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps before them")
     p.add_argument("--device", default=None, help="cuda (default when a GPU is visible) or cpu")
     p.add_argument("--timeout", type=float, default=240.0, help="seconds per configuration")
     p.add_argument("--out", default=None, help="also write the table (markdown) here")
@@ -176,18 +178,21 @@ def main() -> int:
     except ImportError:
         ds_cases = []
     rows = []
-    models = args.models.split(",")
-    for i, model in enumerate(models):
-        cases = CASES["small" if i == 0 else "large"] + ds_cases
+    for model in args.models.split(","):
+        cases = CASES["large" if model == "1.2b" else "small"] + ds_cases
         for label, argv in cases:
             if args.only and not any(f in label for f in args.only.split(",")):
                 continue
-            r = run_case(label, model, argv, device, args.timeout)
+            r = run_case(label, model, [*argv, "--steps", str(args.steps), "--warmup", str(args.warmup)],
+                          device, args.timeout)
             rows.append(r)
+            losses = r.get("losses") or [float("nan")]
             print(f"{model:5} {label:40} rc={r['rc']} {r['wall_s']:.0f} s "
-                  f"{r.get('step_ms_median', float('nan')):.1f} ms {r.get('peak_mib', float('nan')):,.0f} MiB"
-                  + (f"\n{r['error']}" if r["rc"] else ""), flush=True)
-    judge(rows)
+                  f"{r.get('step_ms_median', float('nan')):.1f} ms {r.get('peak_mib', float('nan')):,.0f} MiB "
+                  f"loss {losses[0]:.4f} -> {losses[-1]:.4f}" + (f"\n{r['error']}" if r["rc"] else ""), flush=True)
+            judge(rows)
+            if args.out:  # the table so far: a run stopped by a time limit still leaves its rows
+                Path(args.out).write_text(table(rows) + "\n")
     text = table(rows)
     checks = [] if args.no_extra else extra_checks(device, args.timeout)
     for name, rc, tail in checks:
