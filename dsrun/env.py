@@ -174,10 +174,11 @@ CKPT_TIMEOUT = Seconds("DSRUN_CKPT_TIMEOUT", 1800.0,
                        "(read when dsrun.runtime.checkpoint is imported)")
 COMM_OVERLAP = Choice("DSRUN_COMM_OVERLAP", "thread",
                       "how overlapped all-reduces run on a shared-memory group: on a communication thread, "
-                      "on the caller's thread (sync), or with torch.distributed", choices=("sync", "thread", "torch"))
+                      "on the caller's thread (sync), or with torch.distributed",
+                      choices=("sync", "thread", "torch"))  # ordered: ranks that differ agree on the first
 CPU_ISA = Choice("DSRUN_CPU_ISA", None,
                  "instruction set of the CPU ops (Adam, quantizer); unset: the best this CPU has",
-                 choices=("scalar", "avx2", "avx512"))
+                 choices=("scalar", "avx2", "avx512"))  # ordered: the native ops' index of each
 HOST_CACHE_MB = Count("DSRUN_HOST_CACHE_MB", None,
                       "cap of the caching host allocator in MiB; 0 turns it off; unset: bounded by the peak "
                       "of live host tensors alone", unit="MiB")
@@ -191,7 +192,7 @@ OPS_CACHE = PathVar("DSRUN_OPS_CACHE", None,
                     "directory of the native-op build cache; unset: $XDG_CACHE_HOME/dsrun/ops "
                     "(~/.cache/dsrun/ops)")
 OPS_DISABLE = Names("DSRUN_OPS_DISABLE", frozenset(),
-                    "native ops not to build or load (their PyTorch fallbacks run); `all` disables every one")
+                    "native ops not to build or load (their PyTorch fallbacks run); \"all\" disables every one")
 PROGRESS = Flag("DSRUN_PROGRESS", False,
                 "1 (set by the launcher): rank 0's engine prints progress records for the launcher's progress bar")
 PROGRESS_INTERVAL = Seconds("DSRUN_PROGRESS_INTERVAL", 10.0,
