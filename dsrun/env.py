@@ -25,7 +25,8 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 _NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
