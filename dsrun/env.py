@@ -23,9 +23,9 @@ from __future__ import annotations
 import math
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Mapping
 from typing import Any
 
 _NAME = re.compile(r"[A-Za-z0-9_.-]+")
