@@ -37,26 +37,50 @@ def test_every_dsrun_name_in_the_package_is_declared():
     assert not undeclared, f"declare these in dsrun/env.py: {undeclared}"
 
 
-def _env_names(tree: ast.Module) -> dict[str, str]:
-    """Module-level `NAME = "DSRUN_..."` constants of a module."""
+DECLARED = {name: var.name for name, var in vars(env).items() if isinstance(var, env.EnvVar)}
+
+
+def _constants(tree: ast.Module) -> dict[str, str]:
+    """Module-level `NAME = "DSRUN_..."` (or `NAME = <declaration>.name`) constants of a module."""
     out = {}
     for node in tree.body:
-        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
-            out.update({t.id: node.value.value for t in node.targets if isinstance(t, ast.Name)})
+        if not isinstance(node, ast.Assign):
+            continue
+        value = node.value
+        if isinstance(value, ast.Attribute) and value.attr == "name" and isinstance(value.value, ast.Name):
+            value = ast.Constant(DECLARED.get(value.value.id))
+        if isinstance(value, ast.Constant) and isinstance(value.value, str):
+            out.update({t.id: value.value for t in node.targets if isinstance(t, ast.Name)})
     return out
 
 
-def environment_reads(source: str) -> list[tuple[int, str]]:
+def _package_constants() -> dict[str, str]:
+    """Every dsrun module's DSRUN_ constants by name (a constant may be imported elsewhere, as
+    STRICT_ENV is), and each dsrun.env declaration's name (`PROGRESS.name` names DSRUN_PROGRESS)."""
+    out = dict(DECLARED)
+    for path, text in _sources().items():
+        if path.suffix == ".py":
+            out.update(_constants(ast.parse(text)))
+    return out
+
+
+def environment_reads(source: str, known: dict[str, str] | None = None) -> list[tuple[int, str]]:
     """(line, name) of every read of a DSRUN_ variable in `source` that bypasses dsrun.env.
 
     A read is `<mapping>.get(K)`, `getenv(K)`, `<mapping>[K]` (not assigned
-    to) or `K in <mapping>`, where K is a DSRUN_ string or a module constant
-    holding one; writing `os.environ[K] = v` or building an env dict is not a read."""
+    to) or `K in <mapping>`, where K is a DSRUN_ string, a constant holding
+    one (this module's or, by name, `known`'s) or `<declaration>.name`;
+    writing `os.environ[K] = v` or building an env dict is not a read."""
     tree = ast.parse(source)
-    consts = _env_names(tree)
+    consts = {**(known or {}), **_constants(tree)}
 
     def dsrun_name(node: ast.AST) -> str | None:
-        value = node.value if isinstance(node, ast.Constant) else consts.get(getattr(node, "id", None))
+        if isinstance(node, ast.Constant):
+            value = node.value
+        elif isinstance(node, ast.Attribute) and node.attr == "name" and isinstance(node.value, ast.Name):
+            value = consts.get(node.value.id)
+        else:
+            value = consts.get(getattr(node, "id", None))
         return value if isinstance(value, str) and value.startswith("DSRUN_") else None
 
     reads = []
@@ -76,8 +100,9 @@ def environment_reads(source: str) -> list[tuple[int, str]]:
 
 
 def test_no_module_but_dsrun_env_reads_a_dsrun_variable():
+    known = _package_constants()
     found = {f"{path.relative_to(ROOT)}:{line}": name for path, text in _sources().items()
-             if path.suffix == ".py" and path != ENV_MODULE for line, name in environment_reads(text)}
+             if path.suffix == ".py" and path != ENV_MODULE for line, name in environment_reads(text, known)}
     assert not found, f"read these through dsrun.env: {found}"
 
 
@@ -93,8 +118,12 @@ if "DSRUN_C" in os.environ:
     pass
 os.environ["DSRUN_D"] = "1"
 child = {"DSRUN_E": "1"}
+os.environ.get(STRICT_ENV)
+os.environ.get(PROGRESS.name)
 '''
-    assert environment_reads(source) == [(4, "DSRUN_A"), (5, "DSRUN_X"), (7, "DSRUN_B"), (8, "DSRUN_C")]
+    known = {"STRICT_ENV": "DSRUN_STRICT_CONFIG", "PROGRESS": "DSRUN_PROGRESS"}
+    assert environment_reads(source, known) == [(4, "DSRUN_A"), (5, "DSRUN_X"), (7, "DSRUN_B"), (8, "DSRUN_C"),
+                                                (12, "DSRUN_STRICT_CONFIG"), (13, "DSRUN_PROGRESS")]
 
 
 def test_the_module_imports_without_torch():
