@@ -4,7 +4,8 @@ A page containing `<!-- generated: config-reference -->` gets the config
 reference (every key of dsrun.runtime.config.DsConfig with its type,
 default and description), `<!-- generated: not-yet-supported -->` the keys
 that are rejected, `<!-- generated: no-effect -->` the keys accepted without
-effect. Used by mkdocs.yml (`hooks:`); tests/docs imports it too.
+effect, `<!-- generated: environment-variables -->` the table of DSRUN_*
+variables (dsrun.env). Used by mkdocs.yml (`hooks:`); tests/docs imports it too.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typing import Any, Iterator
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
+from dsrun import env
 from dsrun.runtime import config as config_module
 from dsrun.runtime.config import NO_EFFECT_YET, NOT_YET_SUPPORTED, DsConfig
 
@@ -93,7 +95,7 @@ def no_effect() -> str:
 
 
 GENERATORS = {"config-reference": config_reference, "not-yet-supported": not_yet_supported,
-              "no-effect": no_effect}
+              "no-effect": no_effect, "environment-variables": env.markdown_table}
 
 
 def on_page_markdown(markdown: str, **kwargs: Any) -> str:

@@ -19,7 +19,6 @@ This module must not import torch: the head and the agents import it.
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from typing import Any, BinaryIO
@@ -27,17 +26,17 @@ from typing import Any, BinaryIO
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-PROGRESS_ENV = "DSRUN_PROGRESS"
+from dsrun.env import PROGRESS, PROGRESS_INTERVAL
+
+PROGRESS_ENV = PROGRESS.name  # set to "1" by the launcher (dsrun/launcher/env.py)
 # Printable on purpose: Python's str.splitlines() breaks lines at control characters such as \x1e.
 RECORD_MARK = "@@dsrun-progress@@ "
 _MARK_BYTES = RECORD_MARK.encode()
-PLAIN_INTERVAL_ENV = "DSRUN_PROGRESS_INTERVAL"
-DEFAULT_PLAIN_INTERVAL_S = 10.0
 
 
 def progress_enabled() -> bool:
     """True in a rank started by dsrun's launcher (DSRUN_PROGRESS=1)."""
-    return os.environ.get(PROGRESS_ENV) == "1"
+    return PROGRESS.read()
 
 
 def encode_record(record: dict[str, Any]) -> str:
@@ -100,7 +99,7 @@ class ProgressDisplay:
         self._console = console
         self.live = console.is_terminal if console is not None else _isatty(out)
         if plain_interval is None:
-            plain_interval = float(os.environ.get(PLAIN_INTERVAL_ENV) or DEFAULT_PLAIN_INTERVAL_S)
+            plain_interval = PROGRESS_INTERVAL.read()
         self._interval = plain_interval
         self._lock = threading.RLock()
         self._progress: Progress | None = None

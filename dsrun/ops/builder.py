@@ -58,6 +58,8 @@ from pathlib import Path
 
 import torch
 
+from dsrun.env import OPS_CACHE, OPS_DISABLE
+
 log = logging.getLogger("dsrun.ops")
 
 _PKG_DIR = Path(__file__).resolve().parent
@@ -170,9 +172,9 @@ def csrc_dir() -> Path:
 
 def cache_root() -> Path:
     """Per-user build cache root (see [Note: build cache])."""
-    env = os.environ.get("DSRUN_OPS_CACHE")
-    if env:
-        return Path(env)
+    chosen = OPS_CACHE.read()
+    if chosen is not None:
+        return chosen
     xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(xdg) / "dsrun" / "ops"
 
@@ -236,8 +238,7 @@ def cache_key(spec: OpSpec) -> str:
 
 
 def _disabled(name: str) -> bool:
-    value = os.environ.get("DSRUN_OPS_DISABLE", "")
-    names = {v.strip() for v in value.split(",") if v.strip()}
+    names = OPS_DISABLE.read()
     return "all" in names or name in names
 
 

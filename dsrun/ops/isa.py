@@ -2,9 +2,9 @@
 `DSRUN_CPU_ISA` asks for (shared by dsrun.ops.adam and dsrun.ops.quantizer)."""
 from __future__ import annotations
 
-import os
+from dsrun.env import CPU_ISA
 
-ISA_NAMES = ("scalar", "avx2", "avx512")
+ISA_NAMES = CPU_ISA.choices  # scalar, avx2, avx512: the native ops' index of each
 
 
 def choose_isa(best: int) -> str:
@@ -14,11 +14,9 @@ def choose_isa(best: int) -> str:
     Raises:
         ValueError: DSRUN_CPU_ISA names no instruction set, or one this CPU lacks.
     """
-    want = os.environ.get("DSRUN_CPU_ISA")
-    if not want:
+    want = CPU_ISA.read()
+    if want is None:
         return ISA_NAMES[best]
-    if want not in ISA_NAMES:
-        raise ValueError(f"DSRUN_CPU_ISA={want!r}: expected one of {', '.join(ISA_NAMES)}")
     if ISA_NAMES.index(want) > best:
         raise ValueError(f"DSRUN_CPU_ISA={want}: this CPU supports at most {ISA_NAMES[best]}")
     return want

@@ -29,6 +29,7 @@ from typing import Callable
 
 import torch
 
+from dsrun.env import JOB_ID, SHM_TIMEOUT
 from dsrun.ops.builder import get_op
 
 REDUCE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -113,7 +114,7 @@ class ShmGroup:
         if lib is None:
             raise RuntimeError(f"shared-memory collectives unavailable: {get_op('shm_comm').reason}")
         self._lib, self.rank, self.world_size, self.name = lib, rank, world_size, name
-        timeout_s = float(os.environ.get("DSRUN_SHM_TIMEOUT", 300)) if timeout_s is None else timeout_s
+        timeout_s = SHM_TIMEOUT.read() if timeout_s is None else timeout_s
         slot_bytes = max(64, slot_bytes // 64 * 64)
         err = ctypes.create_string_buffer(_ERRLEN)
         self._h = None
@@ -211,9 +212,9 @@ def world_group_from_env(barrier: Callable[[], None], group: str = "world",
     keeps gloo) when ranks span nodes, LOCAL_WORLD_SIZE is unset, or the op is
     unavailable. Every rank must call it (it runs `barrier` twice).
     """
-    env = os.environ
-    world = int(env.get("WORLD_SIZE", "1"))
-    if not available() or env.get("LOCAL_WORLD_SIZE") != str(world):
+    environ = os.environ
+    world = int(environ.get("WORLD_SIZE", "1"))
+    if not available() or environ.get("LOCAL_WORLD_SIZE") != str(world):
         return None
-    job = env.get("DSRUN_JOB_ID") or f"{env.get('MASTER_ADDR', 'local')}_{env.get('MASTER_PORT', '0')}"
-    return ShmGroup(segment_name(job, group), int(env.get("RANK", "0")), world, barrier, slot_bytes=slot_bytes)
+    job = JOB_ID.read() or f"{environ.get('MASTER_ADDR', 'local')}_{environ.get('MASTER_PORT', '0')}"
+    return ShmGroup(segment_name(job, group), int(environ.get("RANK", "0")), world, barrier, slot_bytes=slot_bytes)

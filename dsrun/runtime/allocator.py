@@ -62,6 +62,8 @@ import ctypes.util
 import logging
 import os
 
+from dsrun.env import HOST_CACHE_MB, HOST_HUGEPAGES, MALLOC
+
 M_MMAP_THRESHOLD = -3  # mallopt parameter number (malloc.h)
 THRESHOLD_BYTES = 1 << 20
 HUGE_BYTES = 2 << 20  # blocks from this size on are advised to use huge pages
@@ -86,7 +88,7 @@ def _glibc():
 
 def _user_chose() -> bool:
     return ("MALLOC_MMAP_THRESHOLD_" in os.environ or "mmap_threshold" in os.environ.get("GLIBC_TUNABLES", "")
-            or os.environ.get("DSRUN_MALLOC", "1").strip() == "0")
+            or not MALLOC.read())
 
 
 def use_returning_allocator() -> bool:
@@ -114,22 +116,13 @@ def use_returning_allocator() -> bool:
 
 def _cache_cap_bytes() -> int | None:
     """DSRUN_HOST_CACHE_MB in bytes; None when unset (the peak rule alone)."""
-    raw = os.environ.get("DSRUN_HOST_CACHE_MB", "").strip()
-    if not raw:
-        return None
-    if not raw.isdigit():
-        raise ValueError(f"DSRUN_HOST_CACHE_MB={raw!r}: expected a whole number of MiB >= 0 "
-                         "(0 turns the caching host allocator off)")
-    return int(raw) << 20
+    mib = HOST_CACHE_MB.read()
+    return None if mib is None else mib << 20
 
 
 def _huge_bytes() -> int:
     """HUGE_BYTES, or 0 when DSRUN_HOST_HUGEPAGES is 0."""
-    raw = os.environ.get("DSRUN_HOST_HUGEPAGES", "1").strip()
-    if raw not in ("0", "1"):
-        raise ValueError(f"DSRUN_HOST_HUGEPAGES={raw!r}: expected 1 (large host blocks on transparent huge "
-                         "pages, the default) or 0 (4 KiB pages)")
-    return HUGE_BYTES if raw == "1" else 0
+    return HUGE_BYTES if HOST_HUGEPAGES.read() else 0
 
 
 def _install_cache() -> None:

@@ -21,8 +21,8 @@ import time
 
 import torch.distributed as dist
 
-# Environment variable set by the dsrun launcher: seconds to wait for every rank.
-TIMEOUT_VAR = "DSRUN_RENDEZVOUS_TIMEOUT"
+from dsrun.env import RENDEZVOUS_TIMEOUT, EnvVarError
+
 _POLL_S = 0.05
 
 
@@ -36,16 +36,11 @@ def rendezvous_timeout(default: datetime.timedelta) -> float:
     Raises:
         RendezvousError: DSRUN_RENDEZVOUS_TIMEOUT is not a positive number.
     """
-    raw = os.environ.get(TIMEOUT_VAR)
-    if not raw:
-        return default.total_seconds()
     try:
-        value = float(raw)
-    except ValueError:
-        value = float("nan")
-    if not value > 0 or value == float("inf"):
-        raise RendezvousError(f"{TIMEOUT_VAR}={raw!r} is not a number of seconds; set it to a positive number")
-    return value
+        value = RENDEZVOUS_TIMEOUT.read()
+    except EnvVarError as e:
+        raise RendezvousError(str(e)) from None
+    return default.total_seconds() if value is None else value
 
 
 def _names(ranks: list[int]) -> str:

@@ -11,6 +11,7 @@ import logging
 import os
 import time
 
+from dsrun.env import CKPT_BARRIER_TIMEOUT, CKPT_TIMEOUT, STRICT_CONFIG
 from dsrun.runtime import comm
 from dsrun.runtime.checkpoint.store import CheckpointError
 from dsrun.runtime.config import STRICT_ENV, DsConfig
@@ -20,10 +21,10 @@ log = logging.getLogger("dsrun.checkpoint")
 
 # Seconds a save/load waits for every rank to arrive before it fails (instead
 # of hanging when called on some ranks only). DSRUN_CKPT_BARRIER_TIMEOUT overrides.
-ARRIVAL_TIMEOUT_S = float(os.environ.get("DSRUN_CKPT_BARRIER_TIMEOUT", "120"))
+ARRIVAL_TIMEOUT_S = CKPT_BARRIER_TIMEOUT.read()
 # Seconds a rank waits for the others to finish writing (a dead rank makes the
 # others fail after this). DSRUN_CKPT_TIMEOUT overrides.
-COMMIT_TIMEOUT_S = float(os.environ.get("DSRUN_CKPT_TIMEOUT", "1800"))
+COMMIT_TIMEOUT_S = CKPT_TIMEOUT.read()
 
 _generations: dict[str, int] = {}
 
@@ -144,7 +145,7 @@ def _handling(config: DsConfig) -> dict[str, str]:
     under DSRUN_STRICT_CONFIG=1 or `checkpoint.strict_paths`; a tag also
     follows DeepSpeed's `checkpoint.tag_validation` ("Fail": error,
     "Ignore": no warning); otherwise "warn"."""
-    strict = config.checkpoint.strict_paths or os.environ.get(STRICT_ENV, "") == "1"
+    strict = config.checkpoint.strict_paths or STRICT_CONFIG.read()
     tag = {"Fail": "error", "Ignore": "ignore"}.get(config.checkpoint.tag_validation, "warn")
     return {"dir": "error" if strict else "warn", "tag": "error" if strict else tag}
 

@@ -111,6 +111,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
+from dsrun.env import COMM_OVERLAP, SHM_COMM
 from dsrun.ops import shm_comm
 from dsrun.runtime import nodes
 from dsrun.runtime.comm import comm_thread
@@ -124,8 +125,7 @@ Handle = dist.Work
 SHM = "shm"
 TORCH = "torch"
 _SHM_REDUCE_OPS = {ReduceOp.SUM: "sum", ReduceOp.MAX: "max", ReduceOp.MIN: "min"}
-OVERLAP_MODES = ("sync", "thread", "torch")  # see [Note: overlap on a communication thread]
-DEFAULT_OVERLAP = "thread"
+OVERLAP_MODES = COMM_OVERLAP.choices  # sync, thread, torch; see [Note: overlap on a communication thread]
 
 
 class CompletedWork(dist.Work):
@@ -180,21 +180,13 @@ class _WorldShm:
 
 
 def _shm_enabled_by_env() -> bool:
-    raw = os.environ.get("DSRUN_SHM_COMM", "1").strip()
-    if raw not in ("0", "1", ""):
-        raise ValueError(f"DSRUN_SHM_COMM={raw!r}: set it to 0 to use torch.distributed for every "
-                         "collective, or 1 (the default) to use shared memory where it applies")
-    return raw != "0"
+    return SHM_COMM.read()
 
 
 def overlap_mode() -> str:
     """How `overlapped_all_reduce` runs on a shm-served group: DSRUN_COMM_OVERLAP
     (see [Note: overlap on a communication thread])."""
-    raw = os.environ.get("DSRUN_COMM_OVERLAP", "").strip() or DEFAULT_OVERLAP
-    if raw not in OVERLAP_MODES:
-        raise ValueError(f"DSRUN_COMM_OVERLAP={raw!r}: set it to one of {', '.join(OVERLAP_MODES)} "
-                         f"(default {DEFAULT_OVERLAP})")
-    return raw
+    return COMM_OVERLAP.read()
 
 
 def _all_ranks_agree(ok: bool) -> bool:

@@ -10,6 +10,7 @@ from pydantic import (
     BaseModel,
 )
 
+from dsrun.env import STRICT_CONFIG
 from dsrun.runtime.config.errors import ConfigWarning
 from dsrun.runtime.config.messages import _model_of
 from dsrun.runtime.config.schema import _DEEPSPEED_ONLY_KEYS
@@ -47,7 +48,7 @@ def _auto_problem(path: str) -> str:
 # ---------------------------------------------------------------------------
 # DeepSpeed's forms and foreign keys
 
-STRICT_ENV = "DSRUN_STRICT_CONFIG"
+STRICT_ENV = STRICT_CONFIG.name
 
 # Keys a section accepts besides its fields and _ALIASES (read by its "before" validators).
 _LEGACY_KEYS: dict[str, set[str]] = {"ZeroConfig": {"cpu_offload", "cpu_offload_param",

@@ -10,14 +10,16 @@ from pydantic import (
     ValidationError,
 )
 
+from dsrun.env import STRICT_CONFIG
 from dsrun.runtime.config.batch import BATCH_KEYS, resolve_batch_triple
 from dsrun.runtime.config.errors import ConfigError
-from dsrun.runtime.config.legacy import _auto_problem, _deepspeed_forms, _drop_foreign_keys, _pop_auto, STRICT_ENV
+from dsrun.runtime.config.legacy import _auto_problem, _deepspeed_forms, _drop_foreign_keys, _pop_auto
 from dsrun.runtime.config.messages import _translate
 from dsrun.runtime.config.reading import _read_file
 from dsrun.runtime.config.registries import _unsupported, _unsupported_raw, _warn_no_effect
 from dsrun.runtime.config.schema import _BatchTriple, DsConfig, _set_values
 from dsrun.runtime.config.sections import _fill, OffloadParamConfig
+
 
 def offload_param_of(source: Mapping | str | os.PathLike | DsConfig) -> OffloadParamConfig:
     """`zero_optimization.offload_param` of a ds_config, validated on its own.
@@ -100,7 +102,7 @@ def load_config(source: Mapping | str | os.PathLike | DsConfig, world_size: int 
     autos = _pop_auto(data, "")
     problems = [_auto_problem(p) for p in autos]
     if strict is None:
-        strict = os.environ.get(STRICT_ENV, "") == "1"
+        strict = STRICT_CONFIG.read()
     _deepspeed_forms(data)
     _drop_foreign_keys(data, DsConfig, "", strict, name)
     cfg = None

@@ -16,6 +16,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from dsrun.env import JOB_ID
+
 
 def registry_dir(job_id: str) -> Path:
     """The per-job registry directory on this node."""
@@ -24,7 +26,7 @@ def registry_dir(job_id: str) -> Path:
 
 
 def _entry(path: Path) -> Path | None:
-    job = os.environ.get("DSRUN_JOB_ID")
+    job = JOB_ID.read()
     if not job:
         return None
     return registry_dir(job) / hashlib.sha1(str(path).encode()).hexdigest()

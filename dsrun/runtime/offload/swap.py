@@ -32,6 +32,7 @@ import os
 import shutil
 from pathlib import Path
 
+from dsrun.env import JOB_ID
 from dsrun.runtime.offload import registry
 
 log = logging.getLogger("dsrun.offload")
@@ -43,8 +44,7 @@ class SwapError(RuntimeError):
 
 def job_name(env: dict | None = None) -> str:
     """`dsrun-<DSRUN_JOB_ID>`, or `dsrun-pid<pid>` outside the dsrun launcher."""
-    env = os.environ if env is None else env
-    job = env.get("DSRUN_JOB_ID") or f"pid{os.getpid()}"
+    job = JOB_ID.read(env) or f"pid{os.getpid()}"
     job = job.removeprefix("dsrun-")  # the launcher's ids already start with it
     return "dsrun-" + "".join(c if c.isalnum() or c in "_.-" else "_" for c in job)
 

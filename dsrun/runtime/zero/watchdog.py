@@ -15,13 +15,12 @@ DSRUN_ZERO_WATCHDOG_TIMEOUT (seconds), else 300 s; 0 disables it.
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 import threading
 import time
 from typing import Iterator
 
-DEFAULT_TIMEOUT_S = 300.0
+from dsrun.env import ZERO_WATCHDOG_TIMEOUT
 
 
 class Watchdog:
@@ -33,11 +32,7 @@ class Watchdog:
 
     def __init__(self, rank: int, timeout: float | None = None):
         if timeout is None:
-            raw = os.environ.get("DSRUN_ZERO_WATCHDOG_TIMEOUT", str(DEFAULT_TIMEOUT_S))
-            try:
-                timeout = float(raw)
-            except ValueError:
-                raise ValueError(f"DSRUN_ZERO_WATCHDOG_TIMEOUT={raw!r} is not a number of seconds") from None
+            timeout = ZERO_WATCHDOG_TIMEOUT.read()
         if timeout < 0:
             raise ValueError(f"watchdog timeout must be >= 0 seconds (0 = off), got {timeout}")
         self.rank = rank
