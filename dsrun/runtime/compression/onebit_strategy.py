@@ -98,7 +98,7 @@ class CompressedCommStrategy(PartitionedOptimizerStrategy):
         if self._owner is not None:
             self._owner.comm_group = self.groups.replicate.group
         if isinstance(optimizer, Segmented):
-            for fset, span, view in self._views:
+            for fset, span, view in self.master_views:
                 optimizer.set_segments(view, [(piece.shard_offset - span.lo, piece.shard_offset - span.lo
                                                + piece.hi - piece.lo)
                                               for piece in fset.layout.local_pieces(fset.rank)

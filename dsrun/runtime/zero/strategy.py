@@ -75,6 +75,14 @@ class ZeroStrategy(GradientStrategy):
         optimizer_tier: where masters and optimizer states live (None: with
             the parameters); see dsrun/runtime/offload/optimizer_tier.py.
 
+    Attributes the optimizer tiers read (offload/optimizer_tier.py):
+        sets: the FlatParamSets, in step order.
+        master_views: (set, span, master view) per span, in step order; the
+            view (span.hi - span.lo elements, fp32) is the tensor the
+            optimizer's param group holds and its state is keyed by.
+        fused: the optimizer is one of dsrun's Adam classes, stepped by the
+            native kernel (see [Note: fused step]).
+
     Raises:
         ValueError: the optimizer already holds state.
     """
@@ -96,8 +104,8 @@ class ZeroStrategy(GradientStrategy):
         self.watchdog = Watchdog(topology.rank, watchdog_timeout)
         self.sets: list[FlatParamSet] = []
         self.last_overflow_param: str | None = None
-        self._views: list[tuple[FlatParamSet, Span, torch.Tensor]] = []
-        self._fused = isinstance(optimizer, native_adam.NativeAdam)
+        self.master_views: list[tuple[FlatParamSet, Span, torch.Tensor]] = []
+        self.fused = isinstance(optimizer, native_adam.NativeAdam)
         self.optimizer_tier = optimizer_tier or OptimizerTier(sub_group_size=self.sub_group_size)
         self.param_tier = ParamTier()  # stage 3 may offload its partitions (offload/param_tier.py)
 
@@ -125,7 +133,7 @@ class ZeroStrategy(GradientStrategy):
         for fset in self.sets:
             for span in fset.spans:
                 view = fset.master_view(span)
-                self._views.append((fset, span, view))
+                self.master_views.append((fset, span, view))
                 per_group[span.group].append(view)
         for group, views in zip(self.optimizer.param_groups, per_group):
             group["params"] = views
@@ -343,7 +351,7 @@ class ZeroStrategy(GradientStrategy):
     def full_optimizer_state(self, param, key: str):
         """Full optimizer state `key` (e.g. "exp_avg") of `param` (collective)."""
         self._materialize()
-        views = {(id(f), s): v for f, s, v in self._views}
+        views = {(id(f), s): v for f, s, v in self.master_views}
 
         def read(fset, span):
             st = self.optimizer.state.get(views[(id(fset), span)], {})
@@ -362,7 +370,7 @@ class ZeroStrategy(GradientStrategy):
         rep = self.groups.replicate
         pieces = []
         for fset in self.sets:
-            views = [(span, view) for f, span, view in self._views if f is fset]
+            views = [(span, view) for f, span, view in self.master_views if f is fset]
             for piece in fset.layout.local_pieces(fset.rank):
                 slot, n, so = piece.slot, piece.hi - piece.lo, piece.shard_offset
                 trainable = fset.key_of_bucket[slot.bucket] is not None
