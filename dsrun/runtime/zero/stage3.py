@@ -31,6 +31,8 @@ once its last run is launched. Per step: Ψ gathered
 in forward, Ψ in backward, Ψ reduce-scattered = 3Ψ logical elements. With ZeRO++ hpZ
 the backward Ψ is gathered within each hpZ group (a node) from a secondary
 partition (unit.py, [Note: hpZ secondary partition]): Ψ + Ψ across nodes.
+`_register_hooks` registers them all, labelled for profiles, and `close()`
+(engine.destroy()) removes them: [Note: strategy hooks] in dsrun/runtime/hooks.py.
 """
 from __future__ import annotations
 
@@ -43,6 +45,7 @@ from torch.utils._pytree import tree_flatten
 from dsrun.runtime import nodes
 from dsrun.runtime.config import ConfigError
 from dsrun.runtime.dist import Topology
+from dsrun.runtime.hooks import HookSet, labelled
 from dsrun.runtime.precision import PrecisionPolicy
 from dsrun.runtime.zero.collectives import GradientQuantization
 from dsrun.runtime.zero.flat_params import FlatParamSet
@@ -207,21 +210,33 @@ class PartitionedParamStrategy(ZeroStrategy):
         self.reducer = OrderedReducer(regions, groups, on_launched=self._on_reduced, watchdog=self.watchdog,
                                       quantize=_gradient_quantization(groups) if zeropp.quantized_gradients else None,
                                       host_grads=self.optimizer_tier.host_grads)
-        # First pre-hook of the root: a new forward follows the trace from its start
-        # (registered before the units' hooks, so it runs before the root unit's fetch).
-        self._hooks = [module.register_forward_pre_hook(lambda mod, a: self.schedule.start_step())]
-        for unit in self.units:
-            for m in unit.modules:
-                self._hooks.append(m.register_forward_pre_hook(
-                    lambda mod, a, unit=unit: self._pre_forward(unit)))
-                self._hooks.append(m.register_forward_hook(
-                    lambda mod, a, out, unit=unit: self._post_forward(unit, out)))
-            for p, key in zip(unit.fset.params, [unit.fset.key_of_bucket[s.bucket] for s in unit.fset.layout.slots]):
-                if key is not None:
-                    self._hooks.append(p.register_post_accumulate_grad_hook(self.reducer.accumulate))
+        self._register_hooks()
         self._gather_persistent()
 
     # ---- hooks ---------------------------------------------------------------
+    def _register_hooks(self) -> None:
+        """Every hook of [Note: hooks], kept in `self.hooks`. The root's first
+        pre-hook starts a new step of the schedule: registered before the
+        units' hooks, it runs before the root unit's fetch."""
+        self.hooks = hooks = HookSet()
+        hooks.on_forward_pre(self.module, "dsrun::stage3_start_step", lambda mod, a: self.schedule.start_step())
+        for unit in self.units:
+            for m in unit.modules:
+                hooks.on_forward_pre(m, "dsrun::stage3_pre_forward", lambda mod, a, unit=unit: self._pre_forward(unit))
+                hooks.on_forward(m, "dsrun::stage3_post_forward",
+                                 lambda mod, a, out, unit=unit: self._post_forward(unit, out))
+            for p, slot in zip(unit.fset.params, unit.fset.layout.slots):
+                if unit.fset.key_of_bucket[slot.bucket] is not None:
+                    hooks.on_grad_accumulated(p, "dsrun::reduce_grad", self.reducer.accumulate)
+
+    def close(self) -> None:
+        """Release every gathered non-persistent unit (kept or prefetched
+        ones too), then as ZeroStrategy.close: the hooks go, the tiers and
+        the watchdog stop. The parameters are left partitioned, persistent
+        ones gathered."""
+        self.schedule.release_all()
+        super().close()
+
     def _pre_forward(self, unit: Unit) -> None:
         self.schedule.fetch(unit, "forward")
 
@@ -232,7 +247,9 @@ class PartitionedParamStrategy(ZeroStrategy):
         tensors = [t for t in tree_flatten(output)[0]
                    if isinstance(t, torch.Tensor) and t.requires_grad]
         if tensors:
-            register_multi_grad_hook(tensors, lambda grads, unit=unit: self._pre_backward(unit),
+            # Lives with this forward's graph (not in self.hooks; see [Note: strategy hooks] in hooks.py).
+            register_multi_grad_hook(tensors, labelled("dsrun::stage3_pre_backward",
+                                                       lambda grads, unit=unit: self._pre_backward(unit)),
                                      mode="any")
 
     def _pre_backward(self, unit: Unit) -> None:

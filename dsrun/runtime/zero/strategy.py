@@ -229,6 +229,18 @@ class ZeroStrategy(GradientStrategy):
     def _after_step(self) -> None:
         raise NotImplementedError
 
+    def close(self) -> None:
+        """Remove the hooks (see [Note: strategy hooks] in dsrun/runtime/hooks.py),
+        then close the optimizer and parameter tiers (threads, aio handles,
+        swap files) and stop the watchdog. Parameters keep what they hold
+        now: full values at stages 0-2, their partitions at stage 3
+        (gather what you need before, e.g. with GatheredParameters or
+        save_16bit_model). Calling it again does nothing."""
+        super().close()
+        self.optimizer_tier.close()
+        self.param_tier.close()
+        self.watchdog.close()
+
     def zero_grad(self) -> None:
         host = self.optimizer_tier.host_grads
         for fset in self.sets:
