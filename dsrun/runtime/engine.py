@@ -43,7 +43,7 @@ def build_strategy(cfg: DsConfig, module: torch.nn.Module, optimizer: torch.opti
             or cfg.communication_data_type not in (None, "fp32")):
         return build_zero_strategy(cfg, module, optimizer, topology)
     return AllReduceStrategy(module, optimizer, topology,
-                             bucket_size=int(cfg.zero_optimization.reduce_bucket_size))
+                             bucket_size=cfg.zero_optimization.reduce_bucket_size)
 
 
 class NonFiniteStepsError(RuntimeError):

@@ -81,8 +81,8 @@ class PartitionedOptimizerStrategy(ZeroStrategy):
             device = home_device(members[0][0])
             grad_device = self.optimizer_tier.grad_device(device)
             # Gradients leaving the device (optimizer offload): buckets of at most OFFLOAD_BUCKET_NUMEL.
-            bucket = int(reduce_bucket_size) if grad_device == device or stage in (0, 1) \
-                else min(int(reduce_bucket_size), OFFLOAD_BUCKET_NUMEL)
+            bucket = reduce_bucket_size if grad_device == device or stage in (0, 1) \
+                else min(reduce_bucket_size, OFFLOAD_BUCKET_NUMEL)
             fset = FlatParamSet(f"group{g}", members, groups.shard, precision, bucket,
                                 partition_params=False, grad_in_full=stage in (0, 1),
                                 master_device=self._master_device(members[0][0]),
@@ -101,7 +101,7 @@ class PartitionedOptimizerStrategy(ZeroStrategy):
         self.reducer = OrderedReducer(regions, groups, watchdog=self.watchdog,
                                       host_grads=self.optimizer_tier.host_grads)
         self._register_hooks()
-        self._gather_plan = [(fset, _runs(fset, int(allgather_bucket_size))) for fset in self.sets]
+        self._gather_plan = [(fset, _runs(fset, allgather_bucket_size)) for fset in self.sets]
         self._gathers: list = []  # handles of this step's gathers, in plan order
         self._next_gather = 0  # index of the next run to issue, over every set's runs in order
         self._plan = [(fset, buckets) for fset, runs in self._gather_plan for buckets in runs]

@@ -100,7 +100,7 @@ class ZeroStrategy(GradientStrategy):
         self.precision = precision
         self.groups = groups
         self.rank = groups.shard.rank
-        self.sub_group_size = int(sub_group_size)
+        self.sub_group_size = sub_group_size
         self.watchdog = Watchdog(topology.rank, watchdog_timeout)
         self.sets: list[FlatParamSet] = []
         self.last_overflow_param: str | None = None
