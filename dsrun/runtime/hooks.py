@@ -8,9 +8,11 @@ them all and leaves a module that runs as if dsrun had never touched it.
 Each hook body runs inside `torch.profiler.record_function("dsrun::<what>")`
 so that a profile shows where the hooks' time goes (the gathers of stage 3,
 the reductions launched from backward). Entering a record_function costs
-about 10 us even with no profiler running, once per parameter and
+about 6 us even with no profiler running, once per parameter and
 micro-step for the gradient hooks, so the label is only entered while a
-profiler is recording (`torch.autograd._profiler_enabled()`, below 1 us).
+profiler is recording (`torch.autograd._profiler_enabled()`): a labelled
+hook then costs 0.2 us more than the bare function (CPU, torch 2.13,
+timed by a loop of calls: 0.25 against 0.05 us; 5.9 us always entering).
 Hooks registered per forward on that forward's output tensors (stage 3's
 pre-backward hook) live and die with the autograd graph and are not kept.
 """
