@@ -135,6 +135,13 @@ class PartitionedParamStrategy(ZeroStrategy):
         group: the data-parallel process group (None = all ranks).
         optimizer_tier: where masters and optimizer states live (offload/optimizer_tier.py).
         param_tier: where the compute partitions live (offload/param_tier.py).
+
+    Attributes:
+        gather_policy, zeropp: the two policies it was built with.
+        hpz: this rank's hpZ group (None: off). units: the gather units,
+            root first, the persistent one last. schedule: their
+            GatherSchedule. reducer: the OrderedReducer of the gradients.
+        hooks: the HookSet of [Note: hooks].
     """
 
     stage = 3
