@@ -24,6 +24,7 @@ from dsrun.runtime import allocator, comm
 from dsrun.runtime.checkpoint.pieces import HeldPiece
 from dsrun.runtime.comm.collectives import overlapped_all_reduce
 from dsrun.runtime.dist import Topology
+from dsrun.runtime.hooks import HookSet
 from dsrun.runtime.memory import tensor_breakdown
 
 
@@ -87,6 +88,7 @@ class GradientStrategy(abc.ABC):
 
     optimizer: torch.optim.Optimizer
     topology: Topology
+    hooks: HookSet | None = None  # what `_register_hooks` registered (see [Note: strategy hooks] in hooks.py)
 
     @abc.abstractmethod
     def backward(self, loss: torch.Tensor, *, sync: bool, retain_graph: bool) -> None:
@@ -160,6 +162,14 @@ class GradientStrategy(abc.ABC):
         dsrun/runtime/offload/transfer.py); empty when nothing is offloaded
         from an accelerator (the default)."""
         return {}
+
+    def close(self) -> None:
+        """Remove every hook the strategy registered on the model (its
+        `hooks`, see [Note: strategy hooks] in hooks.py) and stop what it
+        started (threads, swap files); the strategy cannot train afterwards.
+        Calling it again does nothing. Default: remove `hooks`."""
+        if self.hooks is not None:
+            self.hooks.remove()
 
     def state_dict(self) -> dict:
         """Strategy state to checkpoint (default: the optimizer's state_dict)."""
@@ -261,8 +271,13 @@ class AllReduceStrategy(GradientStrategy):
         self._bucket_of = {id(p): i for i, b in enumerate(self._buckets) for p in b.params}
         self._next_bucket = 0
         self._syncing = False
-        self._hook_handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
-                              for p in self._params]
+        self._register_hooks()
+
+    def _register_hooks(self) -> None:
+        """The gradient hook of every trainable parameter (see [Note: bucket order])."""
+        self.hooks = HookSet()
+        for p in self._params:
+            self.hooks.on_grad_accumulated(p, "dsrun::reduce_grad", self._on_grad_ready)
 
     def _attach_grads(self) -> None:
         """Make every parameter's .grad its view of the bucket (again, if a

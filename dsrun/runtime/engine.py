@@ -43,7 +43,7 @@ def build_strategy(cfg: DsConfig, module: torch.nn.Module, optimizer: torch.opti
             or cfg.communication_data_type not in (None, "fp32")):
         return build_zero_strategy(cfg, module, optimizer, topology)
     return AllReduceStrategy(module, optimizer, topology,
-                             bucket_size=int(cfg.zero_optimization.reduce_bucket_size))
+                             bucket_size=cfg.zero_optimization.reduce_bucket_size)
 
 
 class NonFiniteStepsError(RuntimeError):
@@ -115,6 +115,7 @@ class Engine(DeepSpeedEngineCompat, torch.nn.Module):
         self._step_applied = False
         self._consecutive_nonfinite = 0
         self._backward_since_step = False
+        self._destroyed = False
         self._progress = ProgressLog(topology, config.steps_per_print)
         # monitors, timers, progress records and the flops profile (dsrun/runtime/telemetry.py)
         self.monitor = MonitorMaster(config, topology.rank)
@@ -488,6 +489,25 @@ class Engine(DeepSpeedEngineCompat, torch.nn.Module):
         is committed. Raises CheckpointError if it failed (save, load and
         save_16bit_model call this first)."""
         self.checkpointer.wait_pending()
+
+    def destroy(self) -> None:
+        """Undo what the engine did to the model: wait for an asynchronous
+        save (raising its CheckpointError, as `wait_checkpoint`), then remove
+        every hook the strategy registered and stop its threads and swap
+        files (`GradientStrategy.close`; [Note: strategy hooks] in
+        dsrun/runtime/hooks.py). The engine cannot train afterwards. At
+        stages 0-2 the module then runs as a plain module with the trained
+        weights; at stage 3 its parameters stay partitioned (DeepSpeed's
+        `destroy` leaves them so too): gather what you need first
+        (`save_16bit_model`, `GatheredParameters`). Calling it again does nothing.
+        """
+        if self._destroyed:
+            return
+        self._destroyed = True
+        try:
+            self.checkpointer.wait_pending()
+        finally:
+            self.strategy.close()
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "model.safetensors",
                          exclude_frozen_parameters: bool = False) -> bool:

@@ -9,8 +9,6 @@ stage3_prefetch_bucket_size plus one unit for a stack of any depth, even
 with DeepSpeed's default max_live and reuse distance (1e9 elements), while
 prefetching and keeping for reuse still take place.
 """
-from types import SimpleNamespace
-
 import pytest
 
 from dsrun.runtime.zero.schedule import GatherSchedule
@@ -25,7 +23,6 @@ class FakeUnit:
     def __init__(self, index: int, numel: int):
         self.index, self.numel, self.persistent = index, numel, False
         self.state = UnitState.SHARDED
-        self.owner = SimpleNamespace(param_tier=None)
         self.gathers: list[str] = []
 
     def gather(self, phase: str) -> None:

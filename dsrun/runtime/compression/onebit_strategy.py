@@ -67,8 +67,8 @@ def build_compression_strategy(cfg, module: torch.nn.Module, optimizer: torch.op
                           "zero_optimization.stage 0 (bf16 and fp16 work there), or pick Adam/AdamW for ZeRO")
     zero = cfg.zero_optimization
     return CompressedCommStrategy(module, optimizer, topology, PrecisionPolicy.from_config(cfg),
-                                  reduce_bucket_size=int(zero.reduce_bucket_size),
-                                  sub_group_size=int(zero.sub_group_size))
+                                  reduce_bucket_size=zero.reduce_bucket_size,
+                                  sub_group_size=zero.sub_group_size)
 
 
 class CompressedCommStrategy(PartitionedOptimizerStrategy):
@@ -98,7 +98,7 @@ class CompressedCommStrategy(PartitionedOptimizerStrategy):
         if self._owner is not None:
             self._owner.comm_group = self.groups.replicate.group
         if isinstance(optimizer, Segmented):
-            for fset, span, view in self._views:
+            for fset, span, view in self.master_views:
                 optimizer.set_segments(view, [(piece.shard_offset - span.lo, piece.shard_offset - span.lo
                                                + piece.hi - piece.lo)
                                               for piece in fset.layout.local_pieces(fset.rank)

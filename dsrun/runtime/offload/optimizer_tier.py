@@ -127,7 +127,7 @@ class OptimizerTier:
         """Before any FlatParamSet exists: the full element counts of the
         trainable parameters (NVMe reserves its files from them). Raises
         ValueError for an optimizer the tier cannot step."""
-        if self.host and self.force_native and not strategy._fused:
+        if self.host and self.force_native and not strategy.fused:
             raise ValueError(f"offload_optimizer.device {self.device_kind} with a client optimizer "
                              f"({type(strategy.optimizer).__name__}): set \"optimizer\" in ds_config (Adam/AdamW "
                              "run dsrun's CPU Adam) or pass dsrun.ops.adam.DeepSpeedCPUAdam, or set "
@@ -162,7 +162,7 @@ class OptimizerTier:
         (call `settle` first). Returns once the new compute values are where
         the next forward reads them."""
         self.timeline.begin(strategy.topology.device)
-        if strategy._fused:
+        if strategy.fused:
             self._fused_step(strategy, factor)
         else:
             self._torch_step(strategy, factor)
@@ -184,7 +184,7 @@ class OptimizerTier:
     def _fused_step(self, s, factor: float) -> None:
         """See [Note: fused step] in zero/strategy.py."""
         with s.param_tier.stepping() as resident:
-            for fset, span, master in s._views:
+            for fset, span, master in s.master_views:
                 resident(fset)
                 self._fused_span(s, fset, span, master, factor)
                 s.span_stepped(fset, span)  # stages 1-2 start gathering it (see stage12.py)
@@ -245,14 +245,14 @@ class OptimizerTier:
 
     def _torch_step(self, s, factor: float) -> None:
         """Any torch optimizer: scaled gradient shards as the masters' .grad."""
-        for fset, span, master in s._views:
+        for fset, span, master in s.master_views:
             grad = fset.grad_view(span)
             if factor != 1.0:
                 grad.mul_(factor)  # in place: the buffer is zeroed after the step anyway
             master.grad = grad.to(master.device, master.dtype)  # no copy when both match
         s.param_tier.materialize(s)  # every compute partition resident for the write-back
         s.optimizer.step()
-        for fset, span, master in s._views:
+        for fset, span, master in s.master_views:
             master.grad = None
         for fset in s.sets:
             fset.write_back_master()
@@ -336,7 +336,7 @@ class NvmeOptimizerTier(OptimizerTier):
 
     # ---- construction -------------------------------------------------------------------
     def prepare(self, strategy, param_numels: list[int], world_size: int) -> None:
-        if not strategy._fused:
+        if not strategy.fused:
             raise ValueError(f"offload_optimizer.device nvme streams Adam states through dsrun's CPU Adam; "
                              f"{type(strategy.optimizer).__name__} cannot be streamed: set \"optimizer\" in "
                              "ds_config (Adam/AdamW) or pass dsrun.ops.adam.DeepSpeedCPUAdam")
@@ -374,7 +374,7 @@ class NvmeOptimizerTier(OptimizerTier):
     def bind(self, strategy) -> None:
         super().bind(strategy)
         groups = [_SubGroup(fset, span, key, lo, hi, self._base[(id(fset), span.lo)] + lo)
-                  for fset, span, key in strategy._views
+                  for fset, span, key in strategy.master_views
                   for lo, hi in _chunks(span.hi - span.lo, self.sub_group_size)]
         keep = round((1.0 - self.ratio) * sum(g.hi - g.lo for g in groups))
         while groups and groups[0].hi - groups[0].lo <= keep:  # the first (1 - ratio) stays in memory
@@ -436,7 +436,7 @@ class NvmeOptimizerTier(OptimizerTier):
         for key in ("read_bytes", "write_bytes", "io_wait_s", "compute_s"):
             self.stats[key] = 0 if key.endswith("bytes") else 0.0
         args = {}
-        for fset, span, key in s._views:
+        for fset, span, key in s.master_views:
             state = s.optimizer.state[key]
             if "step" not in state:
                 state["step"] = torch.zeros((), dtype=torch.float32)
@@ -491,7 +491,7 @@ class NvmeOptimizerTier(OptimizerTier):
             for fset in s.sets:
                 if "master" in self._names and fset.trainable_shard_numel:
                     fset.master = torch.empty(fset.trainable_shard_numel, dtype=torch.float32)
-            for fset, span, key in s._views:
+            for fset, span, key in s.master_views:
                 base = self._base[(id(fset), span.lo)]
                 state = s.optimizer.state[key]
                 state.setdefault("step", torch.zeros((), dtype=torch.float32))
@@ -507,7 +507,7 @@ class NvmeOptimizerTier(OptimizerTier):
         if not self._materialized:
             return
         with self._handle() as h:
-            for fset, span, key in s._views:
+            for fset, span, key in s.master_views:
                 base = self._base[(id(fset), span.lo)]
                 state = s.optimizer.state[key]
                 if fset.master is not None:
@@ -515,7 +515,7 @@ class NvmeOptimizerTier(OptimizerTier):
                 for name in ("exp_avg", "exp_avg_sq"):
                     self._io(h, True, name, state[name].reshape(-1), base)
             self._wait(h)
-        for fset, span, key in s._views:
+        for fset, span, key in s.master_views:
             for name in ("exp_avg", "exp_avg_sq"):
                 s.optimizer.state[key].pop(name, None)
         for fset in s.sets:

@@ -16,6 +16,7 @@ from dsrun.runtime.zero.api import (GatheredParameters, safe_get_full_fp32_param
                                     safe_get_full_optimizer_state)
 from dsrun.runtime.zero.init import Init
 from dsrun.runtime.zero.module_hints import register_external_parameter, unregister_external_parameter
+from dsrun.runtime.zero.policies import GatherPolicy, ZeroPPPolicy
 from dsrun.runtime.zero.stage12 import PartitionedOptimizerStrategy
 from dsrun.runtime.zero.stage3 import PartitionedParamStrategy
 from dsrun.runtime.zero.strategy import ZeroStrategy
@@ -24,7 +25,7 @@ from dsrun.runtime.zero.tiling import TiledLinear
 __all__ = ["Init", "GatheredParameters", "safe_get_full_fp32_param", "safe_get_full_grad",
            "safe_get_full_optimizer_state", "register_external_parameter", "unregister_external_parameter",
            "build_zero_strategy", "ZeroStrategy", "TiledLinear",
-           "PartitionedOptimizerStrategy", "PartitionedParamStrategy"]
+           "PartitionedOptimizerStrategy", "PartitionedParamStrategy", "GatherPolicy", "ZeroPPPolicy"]
 
 
 def build_zero_strategy(cfg, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -39,23 +40,12 @@ def build_zero_strategy(cfg, module: torch.nn.Module, optimizer: torch.optim.Opt
     tier = build_optimizer_tier(cfg, topology)
     if zero.stage in (0, 1, 2):
         return PartitionedOptimizerStrategy(
-            module, optimizer, topology, precision, zero.stage,
-            reduce_bucket_size=int(zero.reduce_bucket_size),
-            allgather_bucket_size=int(zero.allgather_bucket_size),
-            sub_group_size=int(zero.sub_group_size), optimizer_tier=tier)
+            module, optimizer, topology, precision, zero.stage, reduce_bucket_size=zero.reduce_bucket_size,
+            allgather_bucket_size=zero.allgather_bucket_size, sub_group_size=zero.sub_group_size,
+            optimizer_tier=tier)
     if zero.stage == 3:
         return PartitionedParamStrategy(
-            module, optimizer, topology, precision,
-            persistence_threshold=int(zero.stage3_param_persistence_threshold),
-            prefetch_numel=int(zero.stage3_prefetch_bucket_size),
-            model_persistence_threshold=int(zero.stage3_model_persistence_threshold),
-            max_live_numel=int(zero.stage3_max_live_parameters),
-            max_reuse_distance=int(zero.stage3_max_reuse_distance),
-            reduce_bucket_size=int(zero.reduce_bucket_size),
-            sub_group_size=int(zero.sub_group_size),
-            unit_patterns=zero.stage3_unit_modules, optimizer_tier=tier,
-            param_tier=build_param_tier(cfg, topology), quantized_weights=zero.zero_quantized_weights,
-            quantized_gradients=zero.zero_quantized_gradients,
-            hpz_partition_size=int(zero.zero_hpz_partition_size),
-            quantized_nontrainable_weights=zero.zero_quantized_nontrainable_weights)
+            module, optimizer, topology, precision, GatherPolicy.from_config(zero), ZeroPPPolicy.from_config(zero),
+            reduce_bucket_size=zero.reduce_bucket_size, sub_group_size=zero.sub_group_size,
+            optimizer_tier=tier, param_tier=build_param_tier(cfg, topology))
     raise ValueError(f"zero_optimization.stage={zero.stage} is not available")

@@ -9,6 +9,11 @@ parameter to ZeRO state. There are no global tables keyed by id(param): a
 record lives and dies with its parameter. (FSDP2 keeps the same per-parameter
 record, `FSDPParam`.)
 
+The records are the bottom of zero/: flat_params.py, strategy.py and unit.py
+build on them, so this module imports none of them, not even for type
+checking, and types its links to their objects as `Any` (each attribute's
+documentation names the class).
+
 DeepSpeed's attributes that scripts and Hugging Face read are set on the
 parameter too: `ds_id` (int, unique per process), `ds_numel` (elements of the
 full parameter), `ds_shape` (its torch.Size), `ds_persist` (stays gathered at
@@ -21,14 +26,9 @@ from __future__ import annotations
 import enum
 import itertools
 import weakref
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
-
-if TYPE_CHECKING:
-    from dsrun.runtime.zero.flat_params import FlatParamSet
-    from dsrun.runtime.zero.strategy import ZeroStrategy
-    from dsrun.runtime.zero.unit import Unit
 
 _IDS = itertools.count()
 
@@ -57,8 +57,10 @@ class ZeroParam:
         init_full: True while `.data` holds the full value during zero.Init
             (see [Note: writes under zero.Init] in init_writes.py) or inside
             GatheredParameters; the shard is then possibly stale.
-        fset, slot: the FlatParamSet and slot index holding it (once adopted).
-        unit: the stage-3 gather unit (None at stages 0-2).
+        fset, slot: the FlatParamSet (flat_params.py) and slot index holding
+            it (once adopted).
+        unit: the stage-3 gather `Unit` (unit.py); None at stages 0-2.
+        strategy: the ZeroStrategy (strategy.py) managing it, held weakly.
     """
 
     def __init__(self, param: torch.nn.Parameter, shape: torch.Size):
@@ -71,9 +73,9 @@ class ZeroParam:
         self.init_world_size = 0
         self.init_device: torch.device | None = None
         self.init_full = False
-        self.fset: FlatParamSet | None = None
+        self.fset: Any = None
         self.slot = -1
-        self.unit: Unit | None = None
+        self.unit: Any = None
         self._strategy: weakref.ref | None = None
         param._dsrun_zero = self
         param.ds_id = self.id
@@ -87,11 +89,10 @@ class ZeroParam:
         return self._param()
 
     @property
-    def strategy(self) -> "ZeroStrategy | None":
+    def strategy(self) -> Any:
         return self._strategy() if self._strategy is not None else None
 
-    def adopt(self, strategy: "ZeroStrategy", fset: "FlatParamSet", slot: int, name: str,
-              unit: "Unit | None" = None) -> None:
+    def adopt(self, strategy: Any, fset: Any, slot: int, name: str, unit: Any = None) -> None:
         """A strategy takes over the parameter: record where it lives now."""
         self._strategy = weakref.ref(strategy)
         self.fset, self.slot, self.name, self.unit = fset, slot, name, unit

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from dsrun.runtime.offload.param_tier import ParamTier
 from dsrun.runtime.zero.unit import Unit, UnitState
 
 
@@ -55,12 +56,17 @@ class GatherSchedule:
     """Prefetch / keep / evict decisions over `units` (see [Note: the fetch trace]).
 
     prefetch_numel, max_live_numel, max_reuse_distance: the three knobs, in
-    elements. Units marked persistent are never counted, kept or evicted.
+    elements (GatherPolicy's fields of those names, policies.py). Units
+    marked persistent are never counted, kept or evicted. param_tier: where
+    the units' partitions live (offload/param_tier.py); a tier with
+    `lookahead` has the next units' partitions read in ahead of their
+    gathers. None: nothing to read ahead.
     """
 
     def __init__(self, units: Sequence[Unit], prefetch_numel: int, max_live_numel: int,
-                 max_reuse_distance: int):
+                 max_reuse_distance: int, param_tier: ParamTier | None = None):
         self.units = units
+        self.param_tier = param_tier
         self.prefetch_numel = prefetch_numel
         self.max_live_numel = max_live_numel
         self.max_reuse_distance = max_reuse_distance
@@ -152,7 +158,7 @@ class GatherSchedule:
     def _prefetch_partitions(self) -> None:
         """Start reading the offloaded partitions of the next units of the
         trace not gathered yet (see [Note: parameter tiers])."""
-        tier = self.units[0].owner.param_tier if self.units else None
+        tier = self.param_tier
         if tier is None or not tier.lookahead:
             return
         ahead = 0

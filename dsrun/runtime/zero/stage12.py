@@ -34,6 +34,7 @@ from __future__ import annotations
 import torch
 
 from dsrun.runtime.dist import Topology
+from dsrun.runtime.hooks import HookSet
 from dsrun.runtime.offload.transfer import OFFLOAD_BUCKET_NUMEL
 from dsrun.runtime.precision import PrecisionPolicy
 from dsrun.runtime.zero.collectives import all_gather_region
@@ -80,8 +81,8 @@ class PartitionedOptimizerStrategy(ZeroStrategy):
             device = home_device(members[0][0])
             grad_device = self.optimizer_tier.grad_device(device)
             # Gradients leaving the device (optimizer offload): buckets of at most OFFLOAD_BUCKET_NUMEL.
-            bucket = int(reduce_bucket_size) if grad_device == device or stage in (0, 1) \
-                else min(int(reduce_bucket_size), OFFLOAD_BUCKET_NUMEL)
+            bucket = reduce_bucket_size if grad_device == device or stage in (0, 1) \
+                else min(reduce_bucket_size, OFFLOAD_BUCKET_NUMEL)
             fset = FlatParamSet(f"group{g}", members, groups.shard, precision, bucket,
                                 partition_params=False, grad_in_full=stage in (0, 1),
                                 master_device=self._master_device(members[0][0]),
@@ -99,12 +100,18 @@ class PartitionedOptimizerStrategy(ZeroStrategy):
         regions.sort(key=lambda r: (-self.sets.index(r.fset), -r.buckets[0].index))
         self.reducer = OrderedReducer(regions, groups, watchdog=self.watchdog,
                                       host_grads=self.optimizer_tier.host_grads)
-        self._hooks = [p.register_post_accumulate_grad_hook(self.reducer.accumulate)
-                       for fset in self.sets for p in fset.params]
-        self._gather_plan = [(fset, _runs(fset, int(allgather_bucket_size))) for fset in self.sets]
+        self._register_hooks()
+        self._gather_plan = [(fset, _runs(fset, allgather_bucket_size)) for fset in self.sets]
         self._gathers: list = []  # handles of this step's gathers, in plan order
         self._next_gather = 0  # index of the next run to issue, over every set's runs in order
         self._plan = [(fset, buckets) for fset, runs in self._gather_plan for buckets in runs]
+
+    def _register_hooks(self) -> None:
+        """The gradient hook of every managed parameter: hands it to the reducer."""
+        self.hooks = HookSet()
+        for fset in self.sets:
+            for p in fset.params:
+                self.hooks.on_grad_accumulated(p, "dsrun::reduce_grad", self.reducer.accumulate)
 
     def backward(self, loss: torch.Tensor, *, sync: bool, retain_graph: bool) -> None:
         reduce_now = sync or self.stage == 2

@@ -31,6 +31,8 @@ once its last run is launched. Per step: Ψ gathered
 in forward, Ψ in backward, Ψ reduce-scattered = 3Ψ logical elements. With ZeRO++ hpZ
 the backward Ψ is gathered within each hpZ group (a node) from a secondary
 partition (unit.py, [Note: hpZ secondary partition]): Ψ + Ψ across nodes.
+`_register_hooks` registers them all, labelled for profiles, and `close()`
+(engine.destroy()) removes them: [Note: strategy hooks] in dsrun/runtime/hooks.py.
 """
 from __future__ import annotations
 
@@ -43,16 +45,18 @@ from torch.utils._pytree import tree_flatten
 from dsrun.runtime import nodes
 from dsrun.runtime.config import ConfigError
 from dsrun.runtime.dist import Topology
+from dsrun.runtime.hooks import HookSet, labelled
 from dsrun.runtime.precision import PrecisionPolicy
 from dsrun.runtime.zero.collectives import GradientQuantization
 from dsrun.runtime.zero.flat_params import FlatParamSet
 from dsrun.runtime.zero.groups import RankGroup, ZeroGroups, block_group, node_groups
 from dsrun.runtime.zero.module_hints import external_parameters, z3_leaf_module
 from dsrun.runtime.zero.params import home_device, record_of
+from dsrun.runtime.zero.policies import QGZ_BLOCK, GatherPolicy, ZeroPPPolicy
 from dsrun.runtime.zero.reducer import OrderedReducer, Region
 from dsrun.runtime.zero.schedule import GatherSchedule
 from dsrun.runtime.zero.strategy import ZeroStrategy
-from dsrun.runtime.zero.unit import Unit, UnitState
+from dsrun.runtime.zero.unit import Unit, UnitContext, UnitState
 
 PERSISTENT = "<persistent>"
 
@@ -111,66 +115,48 @@ def _assign(module: torch.nn.Module, unit_names: list[str], members) -> dict[str
     return out
 
 
-QWZ_BLOCK = 256  # elements per int8 block of ZeRO++ qwZ (4 bytes of scale per 256 values)
-QGZ_BLOCK = 128  # elements per int4 block of ZeRO++ qgZ: 64 bytes of codes + 4 of scale (0.53 B/element)
-
-
 class PartitionedParamStrategy(ZeroStrategy):
     """ZeRO stage 3 (see the module docstring).
 
     Args:
         module, optimizer, topology, precision: as for every strategy.
-        persistence_threshold: parameters with fewer elements are persistent
-            (stage3_param_persistence_threshold) ...
-        model_persistence_threshold: ... while their total stays within this.
-        prefetch_numel, max_live_numel, max_reuse_distance: the schedule's
-            knobs (see schedule.py), in elements.
+        gather: the unit plan's and the gather schedule's settings
+            (persistence thresholds, unit patterns, prefetch, live and reuse
+            limits; see policies.py).
+        zeropp: ZeRO++ qwZ, qgZ, hpZ and int8 frozen weights (policies.py).
+            qgZ raises as `_gradient_quantization` says; hpZ raises
+            ConfigError when a block of hpz_partition_size ranks would span
+            nodes (see `_hpz_group`), NodeMapError when the node map is unknown.
         reduce_bucket_size: most elements per gradient reduction (a unit's
             gradients go in runs of parameters up to this size).
         sub_group_size: elements per fused optimizer chunk.
-        unit_patterns: user-named units (see [Note: units]); None = default.
         watchdog_timeout: seconds a rank may wait on one collective before it
             reports what it is waiting on (see watchdog.py).
         group: the data-parallel process group (None = all ranks).
         optimizer_tier: where masters and optimizer states live (offload/optimizer_tier.py).
         param_tier: where the compute partitions live (offload/param_tier.py).
-        quantized_weights: ZeRO++ qwZ (zero_quantized_weights): forward and
-            backward all-gathers send block-wise int8 (QWZ_BLOCK elements
-            per fp32 scale; collectives.py `_all_gather_quantized`); with
-            hpZ the backward ones come exact from the secondary partition.
-        quantized_gradients: ZeRO++ qgZ (zero_quantized_gradients): gradients
-            reduce-scattered by the hierarchical int4 all-to-all over the
-            node groups (QGZ_BLOCK elements per fp32 scale;
-            comm/hierarchical.py; see `_gradient_quantization` for what
-            it raises).
-        hpz_partition_size: ZeRO++ hpZ (zero_hpz_partition_size): 1 = off;
-            h > 1 keeps a secondary partition over blocks of h consecutive
-            ranks and gathers backward from it (see `_hpz_group`; raises
-            ConfigError when such a block would span nodes, NodeMapError
-            when the node map is unknown).
-        quantized_nontrainable_weights: ZeRO++ zero_quantized_nontrainable_weights:
-            frozen parameters' shards are kept as int8 (QWZ_BLOCK elements
-            per fp32 scale), quantized once here, and gathered as that int8
-            (flat_params.py [Note: int8 frozen shards]; unit.py).
+
+    Attributes:
+        gather_policy, zeropp: the two policies it was built with.
+        hpz: this rank's hpZ group (None: off). units: the gather units,
+            root first, the persistent one last. schedule: their
+            GatherSchedule. reducer: the OrderedReducer of the gradients.
+        hooks: the HookSet of [Note: hooks].
     """
 
     stage = 3
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 topology: Topology, precision: PrecisionPolicy, persistence_threshold: int,
-                 prefetch_numel: int, model_persistence_threshold: int = 2**63 - 1,
-                 max_live_numel: int = 1_000_000_000, max_reuse_distance: int = 1_000_000_000,
-                 reduce_bucket_size: int = 500_000_000, sub_group_size: int = 1_000_000_000,
-                 unit_patterns: list[str] | None = None,
-                 watchdog_timeout: float | None = None, group=None, optimizer_tier=None, param_tier=None,
-                 quantized_weights: bool = False, quantized_gradients: bool = False,
-                 hpz_partition_size: int = 1, quantized_nontrainable_weights: bool = False):
+                 topology: Topology, precision: PrecisionPolicy, gather: GatherPolicy = GatherPolicy(),
+                 zeropp: ZeroPPPolicy = ZeroPPPolicy(), reduce_bucket_size: int = 500_000_000,
+                 sub_group_size: int = 1_000_000_000, watchdog_timeout: float | None = None, group=None,
+                 optimizer_tier=None, param_tier=None):
         groups = ZeroGroups.sharded(group)
         super().__init__(optimizer, topology, precision, groups, sub_group_size, watchdog_timeout,
                          optimizer_tier=optimizer_tier)
         self.module = module
-        self.hpz = _hpz_group(hpz_partition_size, groups) if hpz_partition_size > 1 else None
-        self.quantized_weights_block = QWZ_BLOCK if quantized_weights else 0
+        self.gather_policy, self.zeropp = gather, zeropp
+        self.hpz = _hpz_group(zeropp.hpz_partition_size, groups) if zeropp.hpz_partition_size > 1 else None
         trainable = self.trainable_groups(optimizer, module)
         self._prepare_tier(trainable)
         seen = {id(p) for p, _, _ in trainable}
@@ -179,21 +165,22 @@ class PartitionedParamStrategy(ZeroStrategy):
         if param_tier is not None:
             self.param_tier = param_tier
             self.param_tier.prepare(self, [_numel(p) for p, _, _ in trainable + frozen], groups.shard.size)
-        unit_mods = find_units(module, unit_patterns)
+        unit_mods = find_units(module, None if gather.unit_patterns is None else list(gather.unit_patterns))
         unit_names = [n for n, _ in unit_mods]
         by_unit = _assign(module, unit_names, trainable + frozen)
-        persistent, budget = [], int(model_persistence_threshold)
+        persistent, budget = [], gather.model_persistence_threshold
         for name in unit_names:
             keep = []
             for member in by_unit[name]:
                 numel = _numel(member[0])
-                if numel < persistence_threshold and numel <= budget:
+                if numel < gather.persistence_threshold and numel <= budget:
                     persistent.append(member)
                     budget -= numel
                 else:
                     keep.append(member)
             by_unit[name] = keep
         self.units: list[Unit] = []
+        context = UnitContext(groups.shard, self.hpz, self.param_tier, self.watchdog, zeropp.weight_block)
         plan = [(n or "<root>", [m], by_unit[n]) for n, m in unit_mods] + [(PERSISTENT, [], persistent)]
         for uname, modules, members in plan:
             if not members:
@@ -203,10 +190,10 @@ class PartitionedParamStrategy(ZeroStrategy):
                                 master_device=self._master_device(members[0][0]),
                                 pin_memory=self.optimizer_tier.pin_memory or self.param_tier.pin_memory,
                                 partition_device=self.param_tier.partition_device(self._param_device(members)),
-                                frozen_block=QWZ_BLOCK if quantized_nontrainable_weights else 0,
+                                frozen_block=zeropp.frozen_block,
                                 grad_device=self.optimizer_tier.grad_device(self._param_device(members)))
             self.sets.append(fset)
-            unit = Unit(len(self.units), uname, modules, fset, uname == PERSISTENT, self)
+            unit = Unit(len(self.units), uname, modules, fset, uname == PERSISTENT, context)
             self.units.append(unit)
             self._adopt(fset, unit)
             unit.drop_values()
@@ -214,37 +201,49 @@ class PartitionedParamStrategy(ZeroStrategy):
         self._bind_optimizer()
         for fset in self.sets:  # after the optimizer holds its views: offloaded partitions go now
             self.param_tier.adopt(fset)
-        self.schedule = GatherSchedule(self.units, int(prefetch_numel), int(max_live_numel),
-                                       int(max_reuse_distance))
+        self.schedule = GatherSchedule(self.units, gather.prefetch_numel, gather.max_live_numel,
+                                       gather.max_reuse_distance, param_tier=self.param_tier)
         # Reduction order: units in reverse (backward runs them so), the persistent one last;
         # within a unit, runs of at most reduce_bucket_size elements, last buckets first.
         order = [u for u in reversed(self.units) if not u.persistent] + [u for u in self.units if u.persistent]
         regions: list[Region] = []
         self._last_region: dict[int, Unit] = {}  # id(region) -> the unit it completes
         for unit in order:
-            runs = _runs(unit.fset, int(reduce_bucket_size))
+            runs = _runs(unit.fset, reduce_bucket_size)
             for run in reversed(runs):
                 regions.append(Region(unit.fset, run))
             if runs:
                 self._last_region[id(regions[-1])] = unit
         self.reducer = OrderedReducer(regions, groups, on_launched=self._on_reduced, watchdog=self.watchdog,
-                                      quantize=_gradient_quantization(groups) if quantized_gradients else None,
+                                      quantize=_gradient_quantization(groups) if zeropp.quantized_gradients else None,
                                       host_grads=self.optimizer_tier.host_grads)
-        # First pre-hook of the root: a new forward follows the trace from its start
-        # (registered before the units' hooks, so it runs before the root unit's fetch).
-        self._hooks = [module.register_forward_pre_hook(lambda mod, a: self.schedule.start_step())]
-        for unit in self.units:
-            for m in unit.modules:
-                self._hooks.append(m.register_forward_pre_hook(
-                    lambda mod, a, unit=unit: self._pre_forward(unit)))
-                self._hooks.append(m.register_forward_hook(
-                    lambda mod, a, out, unit=unit: self._post_forward(unit, out)))
-            for p, key in zip(unit.fset.params, [unit.fset.key_of_bucket[s.bucket] for s in unit.fset.layout.slots]):
-                if key is not None:
-                    self._hooks.append(p.register_post_accumulate_grad_hook(self.reducer.accumulate))
+        self._register_hooks()
         self._gather_persistent()
 
     # ---- hooks ---------------------------------------------------------------
+    def _register_hooks(self) -> None:
+        """Every hook of [Note: hooks], kept in `self.hooks`. The root's first
+        pre-hook starts a new step of the schedule: registered before the
+        units' hooks, it runs before the root unit's fetch."""
+        self.hooks = hooks = HookSet()
+        hooks.on_forward_pre(self.module, "dsrun::stage3_start_step", lambda mod, a: self.schedule.start_step())
+        for unit in self.units:
+            for m in unit.modules:
+                hooks.on_forward_pre(m, "dsrun::stage3_pre_forward", lambda mod, a, unit=unit: self._pre_forward(unit))
+                hooks.on_forward(m, "dsrun::stage3_post_forward",
+                                 lambda mod, a, out, unit=unit: self._post_forward(unit, out))
+            for p, slot in zip(unit.fset.params, unit.fset.layout.slots):
+                if unit.fset.key_of_bucket[slot.bucket] is not None:
+                    hooks.on_grad_accumulated(p, "dsrun::reduce_grad", self.reducer.accumulate)
+
+    def close(self) -> None:
+        """Release every gathered non-persistent unit (kept or prefetched
+        ones too), then as ZeroStrategy.close: the hooks go, the tiers and
+        the watchdog stop. The parameters are left partitioned, persistent
+        ones gathered."""
+        self.schedule.release_all()
+        super().close()
+
     def _pre_forward(self, unit: Unit) -> None:
         self.schedule.fetch(unit, "forward")
 
@@ -255,7 +254,9 @@ class PartitionedParamStrategy(ZeroStrategy):
         tensors = [t for t in tree_flatten(output)[0]
                    if isinstance(t, torch.Tensor) and t.requires_grad]
         if tensors:
-            register_multi_grad_hook(tensors, lambda grads, unit=unit: self._pre_backward(unit),
+            # Lives with this forward's graph (not in self.hooks; see [Note: strategy hooks] in hooks.py).
+            register_multi_grad_hook(tensors, labelled("dsrun::stage3_pre_backward",
+                                                       lambda grads, unit=unit: self._pre_backward(unit)),
                                      mode="any")
 
     def _pre_backward(self, unit: Unit) -> None:

@@ -75,6 +75,14 @@ class ZeroStrategy(GradientStrategy):
         optimizer_tier: where masters and optimizer states live (None: with
             the parameters); see dsrun/runtime/offload/optimizer_tier.py.
 
+    Attributes the optimizer tiers read (offload/optimizer_tier.py):
+        sets: the FlatParamSets, in step order.
+        master_views: (set, span, master view) per span, in step order; the
+            view (span.hi - span.lo elements, fp32) is the tensor the
+            optimizer's param group holds and its state is keyed by.
+        fused: the optimizer is one of dsrun's Adam classes, stepped by the
+            native kernel (see [Note: fused step]).
+
     Raises:
         ValueError: the optimizer already holds state.
     """
@@ -92,12 +100,12 @@ class ZeroStrategy(GradientStrategy):
         self.precision = precision
         self.groups = groups
         self.rank = groups.shard.rank
-        self.sub_group_size = int(sub_group_size)
+        self.sub_group_size = sub_group_size
         self.watchdog = Watchdog(topology.rank, watchdog_timeout)
         self.sets: list[FlatParamSet] = []
         self.last_overflow_param: str | None = None
-        self._views: list[tuple[FlatParamSet, Span, torch.Tensor]] = []
-        self._fused = isinstance(optimizer, native_adam.NativeAdam)
+        self.master_views: list[tuple[FlatParamSet, Span, torch.Tensor]] = []
+        self.fused = isinstance(optimizer, native_adam.NativeAdam)
         self.optimizer_tier = optimizer_tier or OptimizerTier(sub_group_size=self.sub_group_size)
         self.param_tier = ParamTier()  # stage 3 may offload its partitions (offload/param_tier.py)
 
@@ -125,7 +133,7 @@ class ZeroStrategy(GradientStrategy):
         for fset in self.sets:
             for span in fset.spans:
                 view = fset.master_view(span)
-                self._views.append((fset, span, view))
+                self.master_views.append((fset, span, view))
                 per_group[span.group].append(view)
         for group, views in zip(self.optimizer.param_groups, per_group):
             group["params"] = views
@@ -220,6 +228,18 @@ class ZeroStrategy(GradientStrategy):
 
     def _after_step(self) -> None:
         raise NotImplementedError
+
+    def close(self) -> None:
+        """Remove the hooks (see [Note: strategy hooks] in dsrun/runtime/hooks.py),
+        then close the optimizer and parameter tiers (threads, aio handles,
+        swap files) and stop the watchdog. Parameters keep what they hold
+        now: full values at stages 0-2, their partitions at stage 3
+        (gather what you need before, e.g. with GatheredParameters or
+        save_16bit_model). Calling it again does nothing."""
+        super().close()
+        self.optimizer_tier.close()
+        self.param_tier.close()
+        self.watchdog.close()
 
     def zero_grad(self) -> None:
         host = self.optimizer_tier.host_grads
@@ -343,7 +363,7 @@ class ZeroStrategy(GradientStrategy):
     def full_optimizer_state(self, param, key: str):
         """Full optimizer state `key` (e.g. "exp_avg") of `param` (collective)."""
         self._materialize()
-        views = {(id(f), s): v for f, s, v in self._views}
+        views = {(id(f), s): v for f, s, v in self.master_views}
 
         def read(fset, span):
             st = self.optimizer.state.get(views[(id(fset), span)], {})
@@ -362,7 +382,7 @@ class ZeroStrategy(GradientStrategy):
         rep = self.groups.replicate
         pieces = []
         for fset in self.sets:
-            views = [(span, view) for f, span, view in self._views if f is fset]
+            views = [(span, view) for f, span, view in self.master_views if f is fset]
             for piece in fset.layout.local_pieces(fset.rank):
                 slot, n, so = piece.slot, piece.hi - piece.lo, piece.shard_offset
                 trainable = fset.key_of_bucket[slot.bucket] is not None

@@ -58,17 +58,17 @@ from __future__ import annotations
 
 import contextlib
 import enum
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 
+from dsrun.runtime.offload.param_tier import ParamTier
 from dsrun.runtime.zero.collectives import RegionHandle, all_gather_region, own_shard_views
 from dsrun.runtime.zero.flat_params import FlatParamSet
+from dsrun.runtime.zero.groups import RankGroup
 from dsrun.runtime.zero.params import ZeroParamStatus, record_of
 from dsrun.runtime.zero.partition import FlatLayout
-
-if TYPE_CHECKING:
-    from dsrun.runtime.zero.stage3 import PartitionedParamStrategy
+from dsrun.runtime.zero.watchdog import Watchdog
 
 
 class UnitState(enum.Enum):
@@ -77,24 +77,59 @@ class UnitState(enum.Enum):
     GATHERED = "gathered"      # `full` holds every value; parameters are views of it
 
 
+@dataclass(frozen=True)
+class UnitContext:
+    """What every unit of one stage-3 strategy shares, and all a unit sees of it.
+
+    Attributes:
+        shard: the group the primary partitions are sharded over (its
+            all-gathers run there; `fset.layout` has shard.size ranks).
+        hpz: this rank's ZeRO++ hpZ group, or None when hpZ is off (see
+            [Note: hpZ secondary partition]).
+        param_tier: where the partitions live (offload/param_tier.py); a
+            gather reads an offloaded partition in through it.
+        watchdog: reports a gather that waits too long (watchdog.py).
+        weight_block: elements per int8 block of ZeRO++ qwZ for the
+            training gathers; 0 = exact.
+    """
+
+    shard: RankGroup
+    hpz: RankGroup | None
+    param_tier: ParamTier
+    watchdog: Watchdog
+    weight_block: int = 0
+
+
 class Unit:
     """One gather unit of stage 3 (see [Note: unit storage], [Note: unit life cycle]).
 
     index: position in the strategy's unit list. name: module name.
     modules: the modules whose forward needs it (hooks go there). fset: its
-    parameters' FlatParamSet. persistent: never released. With the owner's
-    `hpz` group set, a non-persistent unit keeps a secondary partition
-    (see [Note: hpZ secondary partition]).
+    parameters' FlatParamSet, partitioned over `context.shard` (built with
+    partition_params=True). persistent: never released. context: the
+    groups, tier, watchdog and qwZ block (UnitContext). With `context.hpz`
+    set, a non-persistent unit keeps a secondary partition (see
+    [Note: hpZ secondary partition]).
+
+    Raises:
+        ValueError: fset has no partition (a stage 0-2 set), or its layout
+            is not over `context.shard`'s ranks.
     """
 
     def __init__(self, index: int, name: str, modules: list[torch.nn.Module], fset: FlatParamSet,
-                 persistent: bool, owner: "PartitionedParamStrategy"):
+                 persistent: bool, context: UnitContext):
+        if fset.partition is None:
+            raise ValueError(f"unit {name!r}: its FlatParamSet keeps full parameters; a stage-3 unit needs "
+                             "one built with partition_params=True")
+        if fset.layout.world_size != context.shard.size:
+            raise ValueError(f"unit {name!r}: its FlatParamSet is sharded over {fset.layout.world_size} ranks, "
+                             f"the context's shard group has {context.shard.size}")
         self.index = index
         self.name = name
         self.modules = modules
         self.fset = fset
         self.persistent = persistent
-        self.owner = owner
+        self.context = context
         self.state = UnitState.SHARDED
         self.handle: RegionHandle | None = None
         self._uploaded = None  # event of the copy from an offloaded partition (param_tier.uploading)
@@ -107,7 +142,7 @@ class Unit:
         buckets = fset.layout.buckets
         self._exact = [b for b, k in zip(buckets, fset.key_of_bucket) if k is not None or not fset.frozen_block]
         self._exact_numel = sum(b.padded_numel for b in self._exact)
-        hpz = owner.hpz
+        hpz = context.hpz
         slots = [s for s in fset.layout.slots if s.bucket < len(self._exact)]
         self._secondary_layout = (FlatLayout(slots, self._exact, hpz.size)
                                   if hpz is not None and not persistent and self._exact else None)
@@ -148,16 +183,16 @@ class Unit:
         the shard group (see [Note: int8 frozen shards in a gather])."""
         if self.state is not UnitState.SHARDED:
             return
-        fset, shard = self.fset, self.owner.groups.shard
+        fset, shard = self.fset, self.context.shard
         secondary = self.secondary_valid and phase.startswith("backward")
         if secondary:
-            layout, group, block = self._secondary_layout, self.owner.hpz, 0
+            layout, group, block = self._secondary_layout, self.context.hpz, 0
             reading, what = contextlib.nullcontext(), "hpZ all-gather"
         else:
             layout, group, block = fset.layout, shard, self._quantize_block(phase)
-            reading, what = self.owner.param_tier.resident(fset), "all-gather"  # NVMe: read it in
+            reading, what = self.context.param_tier.resident(fset), "all-gather"  # NVMe: read it in
         exact, handles = self._exact, []
-        uploading = contextlib.nullcontext() if secondary else self.owner.param_tier.uploading(fset)
+        uploading = contextlib.nullcontext() if secondary else self.context.param_tier.uploading(fset)
         self.full.untyped_storage().resize_(self._nbytes)  # allocated on the compute stream, before `uploading`
         with torch.no_grad(), uploading as self._uploaded:
             if exact:
@@ -166,7 +201,7 @@ class Unit:
                     for view, dst in own_shard_views(layout, exact, self.full, group.rank):
                         view.copy_(source[dst:dst + view.numel()], non_blocking=True)
             # Issuing may block too (synchronous transports such as shm).
-            with self.owner.watchdog.waiting(f"{what} of unit '{self.name}' ({phase})"):
+            with self.context.watchdog.waiting(f"{what} of unit '{self.name}' ({phase})"):
                 if exact:
                     handles.append(all_gather_region(layout, exact, self.full[:self._exact_numel], group,
                                                      async_op=True, quantize_block=block))
@@ -183,7 +218,7 @@ class Unit:
     def _keep_secondary(self) -> None:
         """Copy this rank's hpZ slice of the just gathered `full` into the
         secondary partition (see [Note: hpZ secondary partition])."""
-        layout, hpz = self._secondary_layout, self.owner.hpz
+        layout, hpz = self._secondary_layout, self.context.hpz
         with torch.no_grad():
             for view, dst in own_shard_views(layout, layout.buckets, self.full, hpz.rank):
                 self.secondary[dst:dst + view.numel()].copy_(view)
@@ -199,17 +234,17 @@ class Unit:
         training gathers (forward, backward, their prefetches) are quantized;
         persistent units and GatheredParameters get exact values."""
         training = phase.startswith(("forward", "backward")) and not self.persistent
-        return self.owner.quantized_weights_block if training else 0
+        return self.context.weight_block if training else 0
 
     def wait(self, phase: str) -> None:
         """Any state -> GATHERED (gathers first when SHARDED)."""
         if self.state is UnitState.SHARDED:
             self.gather(phase)
         if self.state is UnitState.GATHERING:
-            with self.owner.watchdog.waiting(f"all-gather of unit '{self.name}' ({phase})"):
+            with self.context.watchdog.waiting(f"all-gather of unit '{self.name}' ({phase})"):
                 self.handle.wait()  # blocks until every rank's shard arrived
             self.handle = None
-            self.owner.param_tier.wait_uploaded(self._uploaded)
+            self.context.param_tier.wait_uploaded(self._uploaded)
             self._uploaded = None
             if self._fill_secondary:
                 self._keep_secondary()

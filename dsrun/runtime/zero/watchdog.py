@@ -42,11 +42,12 @@ class Watchdog:
         self._reported = False
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
 
     @contextlib.contextmanager
     def waiting(self, what: str) -> Iterator[None]:
         """Mark the enclosed block as a wait on `what` (e.g. "all-gather of unit 'h.3' (forward)")."""
-        if self.timeout == 0:
+        if self.timeout == 0 or self._stop.is_set():
             yield
             return
         self._start()
@@ -58,6 +59,14 @@ class Watchdog:
             with self._lock:
                 self._current = None
 
+    def close(self) -> None:
+        """Stop the watching thread (waits for it: at most one period); later
+        waits are not watched. Calling it again does nothing."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
     def _start(self) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._watch, name="dsrun-zero-watchdog", daemon=True)
@@ -65,8 +74,7 @@ class Watchdog:
 
     def _watch(self) -> None:
         period = min(1.0, self.timeout / 4)
-        while True:
-            time.sleep(period)
+        while not self._stop.wait(period):
             with self._lock:
                 if self._current is None or self._reported:
                     continue
