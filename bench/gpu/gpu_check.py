@@ -153,8 +153,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="82m,1.2b", help="comma-separated, run in this order: 1.2b runs the "
                    "'large' rows, tiny and 82m the 'small' ones")
-    p.add_argument("--steps", type=int, default=8, help="timed steps per configuration")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps before them")
+    p.add_argument("--steps", type=int, default=6, help="timed steps per configuration")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
     p.add_argument("--device", default=None, help="cuda (default when a GPU is visible) or cpu")
     p.add_argument("--timeout", type=float, default=240.0, help="seconds per configuration")
     p.add_argument("--out", default=None, help="also write the table (markdown) here")

@@ -1,6 +1,6 @@
 """ZeRO-Offload and parameter offload on one GPU: step time, peak GPU memory, losses, the offload timeline.
 
-    python bench/gpu/offload_check.py                       # 1.2B GPT, every config
+    python bench/gpu/offload_check.py                       # 1.2B GPT: s2 and s2-offload (gpu_check.py has the rest)
     python bench/gpu/offload_check.py --small               # 4 x 256 GPT, a quick check
     python bench/gpu/offload_check.py --configs s2-offload --steps 8
     python bench/gpu/offload_check.py --device cpu --small  # smoke test without a GPU
@@ -185,7 +185,7 @@ def main(argv=None) -> int:
 
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--configs", default="s2,s2-offload,s3-param-cpu",
+    p.add_argument("--configs", default="s2,s2-offload",
                    help=f"comma-separated, from {', '.join(CONFIGS)} (s3-param-nvme needs --nvme_path)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
     p.add_argument("--n_layer", type=int, default=24)
