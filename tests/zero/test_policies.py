@@ -9,25 +9,25 @@ from dsrun.runtime.config import load_config
 from dsrun.runtime.zero.policies import QWZ_BLOCK, GatherPolicy, ZeroPPPolicy
 
 
-def _zero(**keys):
+def _config(**keys):
     return load_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3, **keys}},
-                       world_size=1).zero_optimization
+                       world_size=1)
 
 
 def test_defaults_are_deepspeeds():
-    assert GatherPolicy.from_config(_zero()) == GatherPolicy()
+    assert GatherPolicy.from_config(_config()) == GatherPolicy()
     assert GatherPolicy() == GatherPolicy(50_000_000, 1_000_000_000, 1_000_000_000, 100_000, 2**63 - 1, None)
-    assert ZeroPPPolicy.from_config(_zero()) == ZeroPPPolicy()
+    assert ZeroPPPolicy.from_config(_config()) == ZeroPPPolicy()
 
 
 def test_from_config_reads_every_key_and_its_aliases():
-    zero = _zero(prefetch_bucket_size=11, stage3_max_live_parameters=22, max_reuse_distance=33,
+    cfg = _config(prefetch_bucket_size=11, stage3_max_live_parameters=22, max_reuse_distance=33,
                  stage3_param_persistence_threshold=44, model_persistence_threshold=55,
                  stage3_unit_modules=["h.*", "Block"])
-    assert GatherPolicy.from_config(zero) == GatherPolicy(11, 22, 33, 44, 55, ("h.*", "Block"))
-    zero = _zero(zero_quantized_weights=True, zero_quantized_gradients=True, zero_hpz_partition_size=1,
+    assert GatherPolicy.from_config(cfg) == GatherPolicy(11, 22, 33, 44, 55, ("h.*", "Block"))
+    cfg = _config(zero_quantized_weights=True, zero_quantized_gradients=True, zero_hpz_partition_size=1,
                  zero_quantized_nontrainable_weights=True)
-    assert ZeroPPPolicy.from_config(zero) == ZeroPPPolicy(True, True, 1, True)
+    assert ZeroPPPolicy.from_config(cfg) == ZeroPPPolicy(True, True, 1, True)
 
 
 def test_policies_are_frozen_and_hold_patterns_immutably():

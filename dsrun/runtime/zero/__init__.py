@@ -45,7 +45,7 @@ def build_zero_strategy(cfg, module: torch.nn.Module, optimizer: torch.optim.Opt
             optimizer_tier=tier)
     if zero.stage == 3:
         return PartitionedParamStrategy(
-            module, optimizer, topology, precision, GatherPolicy.from_config(zero), ZeroPPPolicy.from_config(zero),
+            module, optimizer, topology, precision, GatherPolicy.from_config(cfg), ZeroPPPolicy.from_config(cfg),
             reduce_bucket_size=zero.reduce_bucket_size, sub_group_size=zero.sub_group_size,
             optimizer_tier=tier, param_tier=build_param_tier(cfg, topology))
     raise ValueError(f"zero_optimization.stage={zero.stage} is not available")

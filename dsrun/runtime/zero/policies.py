@@ -81,8 +81,9 @@ class GatherPolicy:
             object.__setattr__(self, "unit_patterns", patterns)  # a list from the config: held immutable
 
     @classmethod
-    def from_config(cls, zero: Any) -> GatherPolicy:
-        """From a `zero_optimization` section (dsrun.runtime.config.ZeroConfig)."""
+    def from_config(cls, config: Any) -> GatherPolicy:
+        """From a DsConfig's `zero_optimization` section."""
+        zero = config.zero_optimization
         return cls(prefetch_numel=zero.stage3_prefetch_bucket_size,
                    max_live_numel=zero.stage3_max_live_parameters,
                    max_reuse_distance=zero.stage3_max_reuse_distance,
@@ -135,8 +136,9 @@ class ZeroPPPolicy:
         return QWZ_BLOCK if self.quantized_nontrainable_weights else 0
 
     @classmethod
-    def from_config(cls, zero: Any) -> ZeroPPPolicy:
-        """From a `zero_optimization` section (dsrun.runtime.config.ZeroConfig)."""
+    def from_config(cls, config: Any) -> ZeroPPPolicy:
+        """From a DsConfig's `zero_optimization` section."""
+        zero = config.zero_optimization
         return cls(quantized_weights=zero.zero_quantized_weights,
                    quantized_gradients=zero.zero_quantized_gradients,
                    hpz_partition_size=zero.zero_hpz_partition_size,
