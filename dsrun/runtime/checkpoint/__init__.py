@@ -1,9 +1,10 @@
 """Checkpoints: atomic, parallel, resharding on load, no pickle.
 
-checkpointer.py: `save(engine, ...)` / `load(engine, ...)`, what
-engine.save_checkpoint / load_checkpoint call; store.py: the format;
-pieces.py: what a rank holds. (This package imports only the format here, so
-that the ZeRO strategies can import pieces.py without a cycle.)
+checkpointer.py: the engine's `Checkpointer` (engine.save_checkpoint /
+load_checkpoint / save_16bit_model call it) over rendezvous.py, save.py,
+load.py and export.py; store.py: the format; pieces.py: what a rank
+holds. (This package imports only the format here, so that the ZeRO
+strategies can import pieces.py without a cycle.)
 """
 from dsrun.runtime.checkpoint.store import CheckpointError, Index, resolve_tag
 

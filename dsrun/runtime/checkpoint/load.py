@@ -182,18 +182,17 @@ def _restore_rng(topology: Topology, index: Index, states: dict[str, torch.Tenso
 def load(parts: TrainingParts, rdv: Rendezvous, load_dir: str, tag: str | None, load_module_strict: bool,
          load_optimizer_states: bool, load_lr_scheduler_states: bool, load_module_only: bool,
          lr_scheduler: Any, dataloader: Any) -> tuple[str | None, Any]:
-    """Load a checkpoint into the engine, on any world size, stage and precision
-    (collective: every rank). Returns (tag directory, client_state), or
-    (None, None) when load_dir holds no complete checkpoint. load_dir and
-    tag are rank 0's when ranks pass different ones (one warning; see
-    `agree_on_location`).
+    """Load the checkpoint load_dir/<tag> (tag None: the latest complete one)
+    into `parts` and the given lr_scheduler and dataloader (None: skipped),
+    on any world size, stage and precision (collective: every rank, after
+    `rdv` was made and the ranks agreed on load_dir and tag, see
+    `Checkpointer.load`). Returns (tag directory, client_state), or
+    (None, None) when load_dir holds no complete checkpoint.
 
     Raises CheckpointError (on every rank) naming the file or key: missing
     tag, incomplete tag, corrupted/truncated file, a checkpoint of another
     model (missing/unexpected keys under load_module_strict, shape mismatch
-    always); or naming the ranks, when they passed different load_dir/tag
-    under strict checking (then before any file is read). A failure while
-    reading may leave some tensors loaded.
+    always). A failure while reading may leave some tensors loaded.
     """
     topo = parts.topology
     tag, skipped = resolve_tag(load_dir, tag)
