@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.dist_helpers import run_ranks
-from tests.zero.models import TinyGPT, base_config, batches, param_groups
+from tests.zero.models import TinyGPT, base_config, batches, mean_loss_step, param_groups
 
 
 def _engine(seed=0, checkpoint=None):
@@ -28,17 +28,7 @@ def _engine(seed=0, checkpoint=None):
 
 def _train(engine, data):
     """The mean loss over ranks of each step."""
-    from dsrun.runtime import comm
-
-    losses = []
-    for idx, tgt in data:
-        loss = engine(idx, tgt)
-        engine.backward(loss)
-        engine.step()
-        t = loss.detach().float().clone()
-        comm.all_reduce(t)
-        losses.append(t.item())
-    return losses
+    return [mean_loss_step(engine, idx, tgt) for idx, tgt in data]
 
 
 def _params(engine):
