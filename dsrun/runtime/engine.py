@@ -51,6 +51,14 @@ class NonFiniteStepsError(RuntimeError):
     (config `max_consecutive_nonfinite_steps`); raised on every rank at once."""
 
 
+def _train_state_counter(name: str) -> property:
+    """An engine attribute that reads and writes `engine.train_state.<name>`
+    (DeepSpeed's engine has these counters as plain attributes)."""
+    return property(lambda self: getattr(self.train_state, name),
+                    lambda self, value: setattr(self.train_state, name, value),
+                    doc=f"TrainState.{name} of this engine.")
+
+
 def _describe_loss(loss: Any) -> str:
     if isinstance(loss, (tuple, list)):
         return f"a {type(loss).__name__} of {len(loss)} elements"
@@ -147,37 +155,10 @@ class Engine(DeepSpeedEngineCompat, torch.nn.Module):
         return self.topology.world_size
 
     # -- DeepSpeed's counter attributes, kept in self.train_state ---------------------------
-    @property
-    def global_steps(self) -> int:
-        return self.train_state.global_steps
-
-    @global_steps.setter
-    def global_steps(self, value: int) -> None:
-        self.train_state.global_steps = value
-
-    @property
-    def global_samples(self) -> int:
-        return self.train_state.global_samples
-
-    @global_samples.setter
-    def global_samples(self, value: int) -> None:
-        self.train_state.global_samples = value
-
-    @property
-    def skipped_steps(self) -> int:
-        return self.train_state.skipped_steps
-
-    @skipped_steps.setter
-    def skipped_steps(self, value: int) -> None:
-        self.train_state.skipped_steps = value
-
-    @property
-    def micro_steps(self) -> int:
-        return self.train_state.micro_steps
-
-    @micro_steps.setter
-    def micro_steps(self, value: int) -> None:
-        self.train_state.micro_steps = value
+    global_steps = _train_state_counter("global_steps")
+    global_samples = _train_state_counter("global_samples")
+    skipped_steps = _train_state_counter("skipped_steps")
+    micro_steps = _train_state_counter("micro_steps")
 
     # -- batch arithmetic ------------------------------------------------------------------
     def train_batch_size(self) -> int:
