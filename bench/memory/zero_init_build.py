@@ -6,8 +6,8 @@
 Builds examples/gpt_model.py's GPT (vocab 256, seq 1024) from seed 0 on
 each of 2 gloo ranks (1 torch thread each), eagerly and under
 `dsrun.zero.Init()`, each in a fresh pair of processes. Prints per rank the
-construction wall time (s) and peak RSS (VmHWM after clear_refs, minus the
-RSS before the build, MiB), and the model's fp32 size. Under zero.Init the
+construction wall time (s) and peak RSS (a dsrun.runtime.memory_profile
+phase: VmHWM after clear_refs, minus the RSS before the build, MiB), and the model's fp32 size. Under zero.Init the
 model's own initialisation (apply(_init_weights), the scaled proj.weight
 loop, the tied head) is kept bit for bit (see [Note: writes under
 zero.Init] in dsrun/runtime/zero/init_writes.py); its price is the
@@ -29,37 +29,25 @@ from tests.dist_helpers import run_ranks  # noqa: E402
 MiB = 1 << 20
 
 
-def _rss(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(key)
-
-
 def build(init: bool, layers: int, width: int) -> dict:
     """One rank: (seconds, peak MiB, model MiB) of building the GPT."""
     import torch
 
     import dsrun
+    from dsrun.runtime import memory_profile
     sys.path.insert(0, str(ROOT / "examples"))
     from gpt_model import GPT, GPTConfig
 
     dsrun.init_distributed()
     cfg = GPTConfig(vocab_size=256, seq_len=1024, n_layer=layers, n_head=max(1, width // 64), n_embd=width)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM restarts from the current RSS
-    base = _rss("VmRSS")
     torch.manual_seed(0)
     t0 = time.perf_counter()
-    if init:
-        with dsrun.zero.Init():
-            model = GPT(cfg)
-    else:
+    with memory_profile.phase("construction"), dsrun.zero.Init(enabled=init):
         model = GPT(cfg)
     seconds = time.perf_counter() - t0
+    record = memory_profile.recorded_phases()["construction"]
     numel = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
-    return {"s": seconds, "peak": (_rss("VmHWM") - base) / MiB, "model": 4 * numel / MiB}
+    return {"s": seconds, "peak": (record["rss_peak"] - record["rss_start"]) / MiB, "model": 4 * numel / MiB}
 
 
 def main() -> None:

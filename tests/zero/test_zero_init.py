@@ -250,26 +250,19 @@ class Wide(nn.Module):
             nn.init.zeros_(module.bias)
 
 
-def _rss(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(key)
-
-
 def _construction_peak() -> dict:
     import dsrun
+    from dsrun.runtime import memory_profile
 
     topo = dsrun.init_distributed()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM restarts from the current RSS
-    base = _rss("VmRSS")
-    with dsrun.zero.Init():
-        model = Wide()
+    with memory_profile.phase("construction"):  # resets the kernel's peak RSS at its start
+        with dsrun.zero.Init():
+            model = Wide()
+    record = memory_profile.recorded_phases()["construction"]
+    assert record["rss_peak_reset"], memory_profile.rss_source()  # the peak is this phase's own
     numels = [p.ds_numel for p in model.parameters()]
-    return {"peak": _rss("VmHWM") - base, "model": 4 * sum(numels), "largest": 4 * max(numels),
-            "world": topo.world_size}
+    return {"peak": record["rss_peak"] - record["rss_start"], "model": 4 * sum(numels),
+            "largest": 4 * max(numels), "world": topo.world_size}
 
 
 @pytest.mark.slow
