@@ -23,15 +23,15 @@ __version__ = "0.1.0"
 # `deepspeed.initialize(...)` and `from dsrun import initialize` work as before.
 _LAZY_API = {
     "comm": ("dsrun.comm", None),
-    "Topology": ("dsrun.runtime.dist", "Topology"),
+    "Topology": ("dsrun.runtime.distributed.dist", "Topology"),
     "init_distributed": ("dsrun.runtime.comm.deepspeed_api", "init_distributed"),
-    "Engine": ("dsrun.runtime.engine", "Engine"),
-    "DeepSpeedEngine": ("dsrun.runtime.engine", "Engine"),
-    "add_config_arguments": ("dsrun.runtime.entry", "add_config_arguments"),
-    "initialize": ("dsrun.runtime.entry", "initialize"),
+    "Engine": ("dsrun.runtime.engine.engine", "Engine"),
+    "DeepSpeedEngine": ("dsrun.runtime.engine.engine", "Engine"),
+    "add_config_arguments": ("dsrun.runtime.engine.entry", "add_config_arguments"),
+    "initialize": ("dsrun.runtime.engine.entry", "initialize"),
     "zero": ("dsrun.runtime.zero", None),
     "ops": ("dsrun.ops", None),
-    "estimate_zero_memory": ("dsrun.runtime.memory", "estimate_zero_memory"),
+    "estimate_zero_memory": ("dsrun.runtime.memory.accounting", "estimate_zero_memory"),
     # DeepSpeed's other top-level names and subpackages (mirrored module paths).
     "accelerator": ("dsrun.accelerator", None),
     "get_accelerator": ("dsrun.accelerator", "get_accelerator"),

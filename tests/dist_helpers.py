@@ -125,7 +125,7 @@ def as_nodes(ranks_per_node: int) -> None:
     """Inside a rank of `run_ranks`, before init_distributed: make the ranks
     nodes of `ranks_per_node` consecutive ranks through the rank environment
     (LOCAL_RANK = RANK mod n, LOCAL_WORLD_SIZE = n), as a launcher would on
-    several hosts (see dsrun/runtime/nodes.py)."""
+    several hosts (see dsrun/runtime/distributed/nodes.py)."""
     os.environ.update(LOCAL_RANK=str(int(os.environ["RANK"]) % ranks_per_node),
                       LOCAL_WORLD_SIZE=str(ranks_per_node))
 

@@ -174,7 +174,7 @@ def test_call_sites_raise_the_readers_errors(monkeypatch):
     """Three callers: the message is the reader's, the exception type the caller's own."""
     import datetime
 
-    from dsrun.runtime import rendezvous
+    from dsrun.runtime.distributed import rendezvous
     from dsrun.runtime.comm import collectives
     from dsrun.runtime.zero.watchdog import Watchdog
 

@@ -5,7 +5,7 @@
 Model: the GPT of bench/step_time/gpt_step.py (`small`: 5.2M parameters,
 `48m`: 48.0M), ZeRO stage 3, dsrun's AdamW (lr 1e-4), the same data on
 every run. The 4 ranks run on this machine; LOCAL_RANK = rank mod 2 and
-LOCAL_WORLD_SIZE = 2 make them 2 nodes of 2 ranks (dsrun/runtime/nodes.py),
+LOCAL_WORLD_SIZE = 2 make them 2 nodes of 2 ranks (dsrun/runtime/distributed/nodes.py),
 so the world group spans nodes and shared memory carries nothing.
 
 Per precision, "plain" (zero_quantized_gradients false) and "qgz" (true)

@@ -8,7 +8,7 @@ Model: the GPT of bench/step_time/gpt_step.py (`small`: 5.2M parameters,
 first half of its blocks frozen, as when fine-tuning the top of a
 pretrained model; ZeRO stage 3, dsrun's AdamW (lr 1e-4), the same data on
 every run. LOCAL_RANK = rank mod 2 and LOCAL_WORLD_SIZE = 2 make the 4
-local ranks 2 nodes of 2 (dsrun/runtime/nodes.py).
+local ranks 2 nodes of 2 (dsrun/runtime/distributed/nodes.py).
 
 Per precision, "plain" and "qnw" each run one uncounted step, then --steps
 counted ones. Reported per rank: the parameter bytes `memory_breakdown()`

@@ -4,7 +4,7 @@
         [--runs stage3,hpz,hpz-qwz,qwz]
 
 4 ranks on this machine made 2 nodes of 2 through the rank environment
-(LOCAL_RANK = RANK mod 2, LOCAL_WORLD_SIZE = 2; dsrun/runtime/nodes.py), gloo.
+(LOCAL_RANK = RANK mod 2, LOCAL_WORLD_SIZE = 2; dsrun/runtime/distributed/nodes.py), gloo.
 The bytes are the comms logger's (dsrun/runtime/comm/logger.py): bus bytes
 each rank sends per step (nccl-tests' convention), split into intra-node
 and inter-node by the group of each collective ([Note: intra-node and

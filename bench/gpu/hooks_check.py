@@ -13,7 +13,7 @@ the dsrun:: labels of the profile, the hooks dsrun had added and how many
 are left after destroy(), the dsrun threads still alive, and whether the
 plain module's forward (stage 3: inside GatheredParameters) gives the
 engine's loss. Exits 1 when a label is missing, a hook or thread is left,
-or the plain forward differs. See [Note: strategy hooks] in dsrun/runtime/hooks.py.
+or the plain forward differs. See [Note: strategy hooks] in dsrun/runtime/strategy/hooks.py.
 """
 from __future__ import annotations
 

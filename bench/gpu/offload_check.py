@@ -156,7 +156,7 @@ def _one(name: str, args) -> int:
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1"),
                        ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(_free_port()))):
         os.environ.setdefault(key, value)
-    from dsrun.runtime.dist import init_distributed
+    from dsrun.runtime.distributed.dist import init_distributed
 
     device = init_distributed("nccl" if args.device == "cuda" else "gloo").device
     try:

@@ -55,7 +55,7 @@ defaults: reduce_bucket_size 5e8, stage3_prefetch_bucket_size 5e7,
 stage3_max_live_parameters and stage3_max_reuse_distance 1e9), as a new
 user's config; the default, small, sets those below. --profile has dsrun's
 rank 0 measure each phase of every step (engine.enable_memory_profile) and
-prints its table of every step (dsrun.runtime.memory_profile): where the
+prints its table of every step (dsrun.runtime.memory.profile): where the
 peak's bytes are, per phase and per category.
 
 A guard polls both ranks' RSS and stops a launch whose sum passes
@@ -249,7 +249,7 @@ def worker(args: argparse.Namespace) -> None:
     for _ in range(args.steps):
         losses.append(step())
         if profiling:  # each phase resets VmHWM: the run's peak is the largest phase peak
-            from dsrun.runtime.memory_profile import format_memory_profile
+            from dsrun.runtime.memory.profile import format_memory_profile
             prof = engine.memory_profile()
             profiles.append(format_memory_profile(prof))
             phase_peak = max([phase_peak] + [r["rss_peak"] // 1024 for r in prof["phases"].values()])

@@ -6,7 +6,7 @@
 Builds examples/gpt_model.py's GPT (vocab 256, seq 1024) from seed 0 on
 each of 2 gloo ranks (1 torch thread each), eagerly and under
 `dsrun.zero.Init()`, each in a fresh pair of processes. Prints per rank the
-construction wall time (s) and peak RSS (a dsrun.runtime.memory_profile
+construction wall time (s) and peak RSS (a dsrun.runtime.memory.profile
 phase: VmHWM after clear_refs, minus the RSS before the build, MiB), and the model's fp32 size. Under zero.Init the
 model's own initialisation (apply(_init_weights), the scaled proj.weight
 loop, the tied head) is kept bit for bit (see [Note: writes under
@@ -34,7 +34,7 @@ def build(init: bool, layers: int, width: int) -> dict:
     import torch
 
     import dsrun
-    from dsrun.runtime import memory_profile
+    from dsrun.runtime.memory import profile as memory_profile
     sys.path.insert(0, str(ROOT / "examples"))
     from gpt_model import GPT, GPTConfig
 

@@ -58,7 +58,7 @@ and CPU), how often it beat DDP in the same cycle, the CPU seconds of all
 threads of both ranks per step (a figure the machine's load moves far
 less than wall time) and the load average before and after. All modes of
 one process share its allocator: dsrun's policy (glibc's mmap threshold
-fixed at 1 MiB and the caching host allocator, dsrun/runtime/allocator.py)
+fixed at 1 MiB and the caching host allocator, dsrun/runtime/memory/allocator.py)
 is in effect for the floor, DDP and FSDP2 steps here too, so --paired
 compares the collectives and the step's code, not the allocators.
 Separate launches (--runs) give each configuration its own: the floor,

@@ -12,7 +12,7 @@ import psutil
 import torch
 
 from dsrun.accelerator.abstract_accelerator import DeepSpeedAccelerator, local_rank
-from dsrun.runtime import memory_profile
+from dsrun.runtime.memory import profile as memory_profile
 
 
 class CPU_Accelerator(DeepSpeedAccelerator):  # noqa: N801 - DeepSpeed's class name

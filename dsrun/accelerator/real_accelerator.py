@@ -2,7 +2,7 @@
 
 DS_ACCELERATOR ("cpu" or "cuda") forces the choice, as in DeepSpeed;
 otherwise CUDA when torch sees a GPU, else the CPU. The choice agrees with
-the runtime's (dsrun.runtime.dist: nccl on CUDA, gloo on CPU).
+the runtime's (dsrun.runtime.distributed.dist: nccl on CUDA, gloo on CPU).
 """
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ import uuid
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-# Seconds the ranks of a dsrun job wait for each other at start-up (see dsrun.runtime.rendezvous).
+# Seconds the ranks of a dsrun job wait for each other at start-up (see dsrun.runtime.distributed.rendezvous).
 DEFAULT_RENDEZVOUS_TIMEOUT = 300.0
 
 

@@ -8,7 +8,7 @@ from rich.table import Table
 from rich.text import Text
 
 from dsrun.launcher.failure import AgentFailure, RankFailure
-from dsrun.runtime.exit_report import CONFIG_ERROR_EXIT_CODE
+from dsrun.runtime.observability.exit_report import CONFIG_ERROR_EXIT_CODE
 
 # What a signal usually means for a training rank.
 _SIGNAL_HINTS = {

@@ -14,7 +14,7 @@ import torch
 
 from dsrun.accelerator import get_accelerator
 from dsrun.runtime import comm
-from dsrun.runtime.logging import logger
+from dsrun.runtime.observability.logging import logger
 
 _GiB = 2 ** 30
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 
 from dsrun.runtime import comm
-from dsrun.runtime.logging import logger
+from dsrun.runtime.observability.logging import logger
 
 
 def log_dist(message: str, ranks: list[int] | None = None, level: int = logging.INFO) -> None:

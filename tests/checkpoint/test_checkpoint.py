@@ -175,7 +175,7 @@ def _api_cases(root, data):
     # The engine's data loader resumes at the next micro-batch.
     from torch.utils.data import TensorDataset
 
-    from dsrun.runtime.dataloader import DistributedDataLoader
+    from dsrun.runtime.engine.dataloader import DistributedDataLoader
     dataset = TensorDataset(torch.arange(40.0))
     engine.training_dataloader = DistributedDataLoader(dataset, 2, engine.topology, seed=4)
     next(iter(engine.training_dataloader))  # epoch 0 done (only its first batch used)
@@ -506,8 +506,8 @@ def test_cli_inspect_verify_export(saved, tmp_path):
 def test_dataloader_position_round_trip():
     from torch.utils.data import TensorDataset
 
-    from dsrun.runtime.dataloader import DistributedDataLoader
-    from dsrun.runtime.dist import Topology
+    from dsrun.runtime.engine.dataloader import DistributedDataLoader
+    from dsrun.runtime.distributed.dist import Topology
     topo = Topology(0, 1, 0, 1, torch.device("cpu"), "gloo")
     data = TensorDataset(torch.arange(10.0))
     a = DistributedDataLoader(data, 3, topo, seed=1)

@@ -116,7 +116,7 @@ def test_op_builder_names_dsrun_ops(fresh):
 
 
 def test_runtime_backend_follows_the_accelerator(fresh, monkeypatch):
-    from dsrun.runtime import dist as runtime_dist
+    from dsrun.runtime.distributed import dist as runtime_dist
 
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # gloo even where a GPU is visible
     assert runtime_dist._pick_backend(None) == "gloo"

@@ -8,7 +8,7 @@ import torch
 
 from dsrun.ops.lamb import FusedLamb
 from dsrun.runtime.config import load_config
-from dsrun.runtime.optimizers import build_optimizer
+from dsrun.runtime.optim.optimizers import build_optimizer
 
 
 def reference_lamb(weights, grads_per_step, lr, betas, eps, wd, bias_correction, min_coeff, max_coeff,

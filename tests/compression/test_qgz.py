@@ -207,7 +207,7 @@ def test_stage3_losses_close_to_plain_and_gradient_bytes_fall(nodes, precision):
     # gradient bytes: exactly the int4 rows, and far below the full-precision reduce-scatter
     assert qgz[3] == plain[3]
     calls, sent, bus, inter = qgz[2]["all_to_all_single"]
-    # only the second all-to-all crosses nodes (comms logger split, dsrun/runtime/nodes.py)
+    # only the second all-to-all crosses nodes (comms logger split, dsrun/runtime/distributed/nodes.py)
     assert (sent, bus, inter) == _expected_qgz_bytes(qgz[3], steps * gas, nodes, local)
     assert calls == (1 + (nodes > 1)) * len(qgz[3]) * steps * gas
     assert "all_to_all_single" not in plain[2]

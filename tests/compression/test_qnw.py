@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from dsrun.runtime.comm.quantized import dequantize_blockwise, message_numel, quantize_blockwise
-from dsrun.runtime.memory import estimate_zero_memory
+from dsrun.runtime.memory.accounting import estimate_zero_memory
 from tests.dist_helpers import run_ranks
 from tests.zero.models import TinyGPT, base_config, batches, full_param, mean_loss_step, param_groups
 

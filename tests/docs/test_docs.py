@@ -48,7 +48,7 @@ def test_the_site_builds_strictly_and_a_broken_link_fails_it(tmp_path):
     config_page = (tmp_path / "site" / "config" / "index.html").read_text()
     assert "flops_profiler.recompute_fwd_factor" in config_page  # generated from the schema
     api = (tmp_path / "site" / "api" / "index.html").read_text()
-    assert 'id="dsrun.runtime.engine.Engine.backward"' in api  # from the docstrings
+    assert 'id="dsrun.runtime.engine.engine.Engine.backward"' in api  # from the docstrings
     assert not (tmp_path / "site" / "hooks.py").exists()
 
     copy = tmp_path / "copy"

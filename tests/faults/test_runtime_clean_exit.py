@@ -20,7 +20,7 @@ _RANK = """\
 import sys
 import torch
 import torch.distributed as dist
-from dsrun.runtime.dist import init_distributed
+from dsrun.runtime.distributed.dist import init_distributed
 
 real_destroy = dist.destroy_process_group
 def destroy(*args, **kwargs):

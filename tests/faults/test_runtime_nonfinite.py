@@ -25,7 +25,7 @@ class _Records(logging.Handler):
 def _poisoned_steps(stage: int, precision: str, steps: int, limit: int | None):
     """Train a Linear on 2 ranks; rank 1's gradient of `1.weight` is nan at every step."""
     import dsrun
-    from dsrun.runtime.engine import NonFiniteStepsError
+    from dsrun.runtime.engine.engine import NonFiniteStepsError
 
     records = _Records()
     logging.getLogger("dsrun").addHandler(records)

@@ -96,7 +96,7 @@ def test_shm_collective_mismatch_fails_on_every_rank_naming_both_calls():
 
 def _initialize(out_features_by_rank, stage: int, config_by_rank=None):
     import dsrun
-    from dsrun.runtime.agreement import RankMismatchError
+    from dsrun.runtime.distributed.agreement import RankMismatchError
     from dsrun.runtime.config import ConfigError
 
     rank = int(os.environ["RANK"])

@@ -20,7 +20,7 @@ LINE = re.compile(r"step (\d+) \| time per step \(ms, mean of (\d+)\): forward [
 
 def breakdown_run(out_dir: str) -> list[str]:
     import dsrun
-    from dsrun.runtime.logging import logger
+    from dsrun.runtime.observability.logging import logger
 
     lines: list[str] = []
     handler = logging.Handler()

@@ -21,7 +21,7 @@ import torch
 from dsrun.runtime.offload.optimizer_tier import OptimizerTier
 from dsrun.runtime.offload.param_tier import NvmeParamTier, ParamTier
 from dsrun.runtime.offload.swap import SwapError, job_name
-from dsrun.runtime.precision import PrecisionPolicy
+from dsrun.runtime.optim.precision import PrecisionPolicy
 from dsrun.runtime.zero.flat_params import FlatParamSet
 from dsrun.runtime.zero.groups import RankGroup
 from tests.dist_helpers import run_ranks

@@ -1,5 +1,5 @@
 """The caching host allocator (csrc/host_alloc, [Note: caching host allocator]
-in dsrun/runtime/allocator.py): freed large CPU blocks are reused without
+in dsrun/runtime/memory/allocator.py): freed large CPU blocks are reused without
 page faults, cached plus live bytes stay under the peak of live bytes
 (and the cap), `trim()` empties it, blocks of 2 MiB or more sit on
 transparent huge pages, and kernels that use torch's raw allocation path
@@ -26,7 +26,7 @@ BLOCK = PAGES * 4096  # bytes: sizes are rounded up to whole pages
 def _run(body: str, **env: str) -> dict:
     code = textwrap.dedent("""
         import json, resource, threading, torch
-        from dsrun.runtime import allocator
+        from dsrun.runtime.memory import allocator
         torch.set_num_threads(1)
         installed = allocator.use_returning_allocator()
         def faults():
@@ -182,7 +182,7 @@ def test_adopt_parameters_moves_only_unaliased_large_ones():
         view = shared[:10]  # another tensor on shared's storage
         values = [p.detach().clone() for p in (big, shared, small)]
         before = [p.data_ptr() for p in (big, shared, small)]
-        from dsrun.runtime import allocator
+        from dsrun.runtime.memory import allocator
         allocator.use_returning_allocator()
         moved = allocator.adopt_parameters([big, shared, small])
         print(json.dumps({"moved": moved, "big_aligned": big.data_ptr() % (2 << 20) == 0,

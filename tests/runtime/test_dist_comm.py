@@ -6,8 +6,8 @@ import torch
 import torch.distributed as dist
 
 import dsrun
-from dsrun.runtime.data_parallel import plan_buckets
-from dsrun.runtime.dist import DistributedSetupError, init_distributed
+from dsrun.runtime.strategy.data_parallel import plan_buckets
+from dsrun.runtime.distributed.dist import DistributedSetupError, init_distributed
 from tests.dist_helpers import run_ranks
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dsrun.runtime.config import ConfigError
-from dsrun.runtime.lr_schedules import build_lr_scheduler
+from dsrun.runtime.optim.lr_schedules import build_lr_scheduler
 
 
 def _optimizer(kind=torch.optim.SGD, groups: int = 1) -> torch.optim.Optimizer:

@@ -1,4 +1,4 @@
-"""Measured memory per phase (dsrun.runtime.memory_profile) and the engine's wiring of it."""
+"""Measured memory per phase (dsrun.runtime.memory.profile) and the engine's wiring of it."""
 from __future__ import annotations
 
 import json
@@ -11,10 +11,10 @@ from pathlib import Path
 import torch
 
 import dsrun
-from dsrun.runtime import allocator
+from dsrun.runtime.memory import allocator
 from dsrun.runtime import config as config_module
-from dsrun.runtime import memory_profile
-from dsrun.runtime.memory_profile import MemoryProfiler, format_memory_profile, no_phase
+from dsrun.runtime.memory import profile as memory_profile
+from dsrun.runtime.memory.profile import MemoryProfiler, format_memory_profile, no_phase
 from tests.dist_helpers import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,9 +1,9 @@
-"""Which node each rank is on (dsrun/runtime/nodes.py) and the node groups (zero/groups.py)."""
+"""Which node each rank is on (dsrun/runtime/distributed/nodes.py) and the node groups (zero/groups.py)."""
 from __future__ import annotations
 
 import pytest
 
-from dsrun.runtime.nodes import NodeMap, map_from_reports
+from dsrun.runtime.distributed.nodes import NodeMap, map_from_reports
 from tests.dist_helpers import as_nodes, run_ranks
 
 
@@ -31,7 +31,7 @@ def _groups_on_two_nodes():
     import torch.distributed as dist
 
     import dsrun
-    from dsrun.runtime import nodes
+    from dsrun.runtime.distributed import nodes
     from dsrun.runtime.zero.groups import block_group, node_groups
     topo = dsrun.init_distributed()
     groups = node_groups()

@@ -7,7 +7,7 @@ import torch
 from dsrun.ops import lion
 from dsrun.ops.adam import DeepSpeedCPUAdam, FusedAdam, is_native_adam
 from dsrun.runtime.config import ConfigError
-from dsrun.runtime.optimizers import Lion, build_optimizer
+from dsrun.runtime.optim.optimizers import Lion, build_optimizer
 
 
 def _param() -> torch.nn.Parameter:

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from dsrun.runtime.memory import estimate_zero_memory, tensor_breakdown
+from dsrun.runtime.memory.accounting import estimate_zero_memory, tensor_breakdown
 
 
 @pytest.mark.parametrize("n", [1, 4, 64])

@@ -4,7 +4,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dsrun.runtime.precision import (DynamicLossScaler, LossScaler, LossScaleUnderflowError,
+from dsrun.runtime.optim.precision import (DynamicLossScaler, LossScaler, LossScaleUnderflowError,
                                      PrecisionPolicy, first_nonfinite)
 
 

@@ -14,7 +14,7 @@ import itertools
 import pytest
 import torch
 
-from dsrun.runtime.precision import PrecisionPolicy
+from dsrun.runtime.optim.precision import PrecisionPolicy
 from dsrun.runtime.zero.flat_params import FlatParamSet
 from dsrun.runtime.zero.groups import RankGroup, ZeroGroups
 from dsrun.runtime.zero.reducer import OrderedReducer, Region

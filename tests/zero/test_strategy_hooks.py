@@ -1,6 +1,6 @@
 """The strategies' hooks: labelled in profiles, all removed by engine.destroy().
 
-See [Note: strategy hooks] in dsrun/runtime/hooks.py. One rank (a spawned
+See [Note: strategy hooks] in dsrun/runtime/strategy/hooks.py. One rank (a spawned
 process) trains TinyGPT one step under `torch.profiler.profile` at stage 0
 (the all-reduce strategy), 2 and 3, then destroys the engine; the tests
 check the profile's dsrun labels, that the module and its parameters are
@@ -14,7 +14,7 @@ import threading
 import pytest
 import torch
 
-from dsrun.runtime.hooks import HookSet, labelled
+from dsrun.runtime.strategy.hooks import HookSet, labelled
 from tests.dist_helpers import run_ranks
 from tests.zero.models import TinyGPT, base_config, batches
 

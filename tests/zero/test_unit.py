@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from dsrun.runtime.offload.param_tier import ParamTier
-from dsrun.runtime.precision import PrecisionPolicy
+from dsrun.runtime.optim.precision import PrecisionPolicy
 from dsrun.runtime.zero.flat_params import FlatParamSet
 from dsrun.runtime.zero.groups import RankGroup
 from dsrun.runtime.zero.params import ZeroParamStatus, ensure_record

@@ -252,7 +252,7 @@ class Wide(nn.Module):
 
 def _construction_peak() -> dict:
     import dsrun
-    from dsrun.runtime import memory_profile
+    from dsrun.runtime.memory import profile as memory_profile
 
     topo = dsrun.init_distributed()
     with memory_profile.phase("construction"):  # resets the kernel's peak RSS at its start

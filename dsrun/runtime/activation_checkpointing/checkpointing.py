@@ -39,7 +39,7 @@ import torch.utils.checkpoint
 
 from dsrun.accelerator import get_accelerator
 from dsrun.runtime import comm
-from dsrun.runtime.logging import logger
+from dsrun.runtime.observability.logging import logger
 
 __all__ = ["CudaRNGStatesTracker", "checkpoint", "configure", "get_cuda_rng_tracker", "is_configured",
            "model_parallel_cuda_manual_seed", "non_reentrant_checkpoint", "reset"]

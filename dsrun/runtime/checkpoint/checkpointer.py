@@ -55,7 +55,7 @@ from dsrun.runtime.checkpoint import load as loading
 from dsrun.runtime.checkpoint import save as saving
 from dsrun.runtime.checkpoint.rendezvous import ARRIVAL_TIMEOUT_S, COMMIT_TIMEOUT_S, Rendezvous, agree_on_location
 from dsrun.runtime.checkpoint.writer import StagingBuffer
-from dsrun.runtime.train_state import TrainingParts
+from dsrun.runtime.engine.train_state import TrainingParts
 
 # Tests set this to a function called with a point name ("before_shard",
 # "after_shard", "before_index", "before_latest") to inject failures; tests

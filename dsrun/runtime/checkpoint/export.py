@@ -8,7 +8,7 @@ from typing import Callable
 from dsrun.runtime.checkpoint.rendezvous import Rendezvous, raise_unless_all
 from dsrun.runtime.checkpoint.store import atomic_write, fsync_dir, stream_safetensors
 from dsrun.runtime.zero.params import record_of
-from dsrun.runtime.train_state import TrainingParts
+from dsrun.runtime.engine.train_state import TrainingParts
 
 log = logging.getLogger("dsrun.checkpoint")
 

@@ -18,9 +18,9 @@ from dsrun.runtime.checkpoint.pieces import HeldPiece, even_part
 from dsrun.runtime.checkpoint.reader import SliceReader
 from dsrun.runtime.checkpoint.rendezvous import Rendezvous, raise_unless_all
 from dsrun.runtime.checkpoint.store import INDEX, CheckpointError, Index, dtype_of, load_index, resolve_tag
-from dsrun.runtime.dist import Topology
+from dsrun.runtime.distributed.dist import Topology
 from dsrun.runtime.fp16.onebit.base import CompressedCommOptimizer
-from dsrun.runtime.train_state import TrainingParts
+from dsrun.runtime.engine.train_state import TrainingParts
 
 log = logging.getLogger("dsrun.checkpoint")
 

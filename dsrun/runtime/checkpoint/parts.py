@@ -11,7 +11,7 @@ import torch
 
 from dsrun.runtime.checkpoint.pieces import HeldPiece, plain_pieces
 from dsrun.runtime.fp16.onebit.base import CompressedCommOptimizer
-from dsrun.runtime.train_state import TrainingParts
+from dsrun.runtime.engine.train_state import TrainingParts
 from dsrun.runtime.zero.groups import RankGroup
 from dsrun.runtime.zero.params import record_of
 

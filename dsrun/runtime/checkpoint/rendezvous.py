@@ -15,7 +15,7 @@ from dsrun.env import CKPT_BARRIER_TIMEOUT, CKPT_TIMEOUT, STRICT_CONFIG
 from dsrun.runtime import comm
 from dsrun.runtime.checkpoint.store import CheckpointError
 from dsrun.runtime.config import STRICT_ENV, DsConfig
-from dsrun.runtime.dist import Topology
+from dsrun.runtime.distributed.dist import Topology
 
 log = logging.getLogger("dsrun.checkpoint")
 

@@ -21,7 +21,7 @@ from dsrun.runtime.checkpoint.store import (INDEX, LATEST, CheckpointError, File
                                             is_shard_file, read_shard_metadata, shard_name, tag_is_complete,
                                             tag_names, write_json_atomic)
 from dsrun.runtime.checkpoint.writer import ShardWriter, StagingBuffer
-from dsrun.runtime.train_state import TrainingParts
+from dsrun.runtime.engine.train_state import TrainingParts
 
 log = logging.getLogger("dsrun.checkpoint")
 

@@ -8,7 +8,7 @@ from dsrun.runtime.comm.collectives import (Handle, ReduceOp, all_gather_into_te
                                             get_world_size, is_initialized,
                                             reduce_scatter_tensor, uses_shm)
 from dsrun.runtime.comm.logger import CommsLogger, OpStats, comms_logger
-from dsrun.runtime.dist import init_distributed
+from dsrun.runtime.distributed.dist import init_distributed
 
 __all__ = [
     "Handle", "ReduceOp", "all_gather_into_tensor", "all_gather_object", "all_reduce",

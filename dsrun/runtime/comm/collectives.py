@@ -113,10 +113,10 @@ from torch.distributed import ProcessGroup, ReduceOp
 
 from dsrun.env import COMM_OVERLAP, SHM_COMM
 from dsrun.ops import shm_comm
-from dsrun.runtime import nodes
+from dsrun.runtime.distributed import nodes
 from dsrun.runtime.comm import comm_thread
 from dsrun.runtime.comm.logger import comms_logger, timed
-from dsrun.runtime.torch_collectives import all_gather_single, reduce_scatter_single
+from dsrun.runtime.distributed.torch_collectives import all_gather_single, reduce_scatter_single
 
 log = logging.getLogger(__name__)
 

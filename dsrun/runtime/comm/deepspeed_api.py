@@ -23,8 +23,8 @@ from dsrun.runtime.comm.list_collectives import (all_gather, all_to_all, all_to_
                                                  broadcast_object_list, gather, irecv, isend, monitored_barrier,
                                                  recv, reduce, reduce_scatter, scatter, send)
 from dsrun.runtime.comm.logger import CommsLogger, OpStats, comms_logger, log_summary
-from dsrun.runtime.dist import DEFAULT_TIMEOUT, Topology
-from dsrun.runtime.dist import init_distributed as _init_process_group
+from dsrun.runtime.distributed.dist import DEFAULT_TIMEOUT, Topology
+from dsrun.runtime.distributed.dist import init_distributed as _init_process_group
 
 __all__ = [
     "ReduceOp", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_reduce", "all_to_all",
@@ -69,7 +69,7 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     Raises:
         ValueError: an init_method other than env:// or tcp://, or rank
             given without world_size.
-        dsrun.runtime.dist.DistributedSetupError: inconsistent rank variables.
+        dsrun.runtime.distributed.dist.DistributedSetupError: inconsistent rank variables.
     """
     if config is not None and isinstance(config.get("comms_logger"), dict):
         configure(deepspeed_config=config)

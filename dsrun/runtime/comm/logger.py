@@ -20,7 +20,7 @@ against a plain all_reduce).
 
 [Note: intra-node and inter-node bytes]
 Each collective's bus bytes are also attributed to one side of the node
-boundary (dsrun/runtime/nodes.py says which node each rank is on): to
+boundary (dsrun/runtime/distributed/nodes.py says which node each rank is on): to
 *intra-node* when every rank of its group is on one node, else to
 *inter-node*, whole. That is the ZeRO++ paper's accounting (Wang et al.
 2023, Section 2 and Table 1): a ZeRO-3 step moves M in the forward
@@ -43,7 +43,7 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
 
-from dsrun.runtime import nodes
+from dsrun.runtime.distributed import nodes
 
 
 @dataclasses.dataclass

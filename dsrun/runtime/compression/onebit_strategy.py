@@ -34,9 +34,9 @@ import torch
 from dsrun.ops.lamb import Segmented
 from dsrun.runtime import comm
 from dsrun.runtime.config import ConfigError
-from dsrun.runtime.dist import Topology
+from dsrun.runtime.distributed.dist import Topology
 from dsrun.runtime.fp16.onebit.base import CompressedCommOptimizer
-from dsrun.runtime.precision import PrecisionPolicy
+from dsrun.runtime.optim.precision import PrecisionPolicy
 from dsrun.runtime.zero.stage12 import PartitionedOptimizerStrategy
 
 

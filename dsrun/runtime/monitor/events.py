@@ -14,7 +14,7 @@ events. Names marked DeepSpeed are DeepSpeed's; the others are dsrun's.
     Train/Samples/step_time_ms    wall time since the previous step ended
     Train/Samples/peak_memory_bytes  the highest of every rank's peak memory (see telemetry.py)
     Train/Samples/comm_bytes      message bytes of this rank's collectives in the step
-    Train/Samples/comm_time_ms    this rank's time in collectives in the step (dsrun.runtime.timers)
+    Train/Samples/comm_time_ms    this rank's time in collectives in the step (dsrun.runtime.observability.timers)
     Train/Samples/comm_inter_node_bytes  ranks on several nodes: bus bytes of this rank's collectives
                                   whose group spans nodes (comm/logger.py, intra- and inter-node bytes)
 

@@ -3,15 +3,15 @@ gradients (stage 2) and parameters (stage 3), with bf16/fp16 mixed precision.
 
 `build_zero_strategy` is what the engine calls for any stage > 0 or any
 16-bit precision; the stages are GradientStrategy implementations
-(see dsrun/runtime/data_parallel.py).
+(see dsrun/runtime/strategy/data_parallel.py).
 """
 from __future__ import annotations
 
 import torch
 
-from dsrun.runtime.dist import Topology
+from dsrun.runtime.distributed.dist import Topology
 from dsrun.runtime.offload import build_optimizer_tier, build_param_tier
-from dsrun.runtime.precision import PrecisionPolicy
+from dsrun.runtime.optim.precision import PrecisionPolicy
 from dsrun.runtime.zero.api import (GatheredParameters, safe_get_full_fp32_param, safe_get_full_grad,
                                     safe_get_full_optimizer_state)
 from dsrun.runtime.zero.init import Init

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 import torch
 
 from dsrun.runtime.comm import quantized
-from dsrun.runtime.precision import PrecisionPolicy
+from dsrun.runtime.optim.precision import PrecisionPolicy
 from dsrun.runtime.zero.groups import RankGroup
 from dsrun.runtime.zero.params import home_device, record_of
 from dsrun.runtime.zero.partition import BucketSlot, FlatLayout

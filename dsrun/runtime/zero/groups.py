@@ -17,7 +17,7 @@ nothing in the strategies assumes either group is trivial.
 
 [Note: node groups]
 Node-aware schemes need two more groups, built from the node map
-(dsrun/runtime/nodes.py, learnt by init_distributed):
+(dsrun/runtime/distributed/nodes.py, learnt by init_distributed):
 
     from dsrun.runtime.zero.groups import node_groups
     groups = node_groups()      # NodeGroups(intra=RankGroup, inter=RankGroup)
@@ -42,7 +42,8 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from dsrun.runtime import comm, nodes
+from dsrun.runtime import comm
+from dsrun.runtime.distributed import nodes
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ import torch
 from dsrun.accelerator import get_accelerator
 from dsrun.runtime import comm
 from dsrun.runtime.config import offload_param_of
-from dsrun.runtime.dist import init_distributed
+from dsrun.runtime.distributed.dist import init_distributed
 from dsrun.runtime.zero.init_writes import Residency, WriteThroughMode
 from dsrun.runtime.zero.params import ZeroParam, ZeroParamStatus, record_of
 from dsrun.runtime.zero.partition import FlatLayout

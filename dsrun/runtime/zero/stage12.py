@@ -33,10 +33,10 @@ from __future__ import annotations
 
 import torch
 
-from dsrun.runtime.dist import Topology
-from dsrun.runtime.hooks import HookSet
+from dsrun.runtime.distributed.dist import Topology
+from dsrun.runtime.strategy.hooks import HookSet
 from dsrun.runtime.offload.transfer import OFFLOAD_BUCKET_NUMEL
-from dsrun.runtime.precision import PrecisionPolicy
+from dsrun.runtime.optim.precision import PrecisionPolicy
 from dsrun.runtime.zero.collectives import all_gather_region
 from dsrun.runtime.zero.flat_params import FlatParamSet
 from dsrun.runtime.zero.groups import ZeroGroups

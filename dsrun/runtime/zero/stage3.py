@@ -32,7 +32,7 @@ in forward, Ψ in backward, Ψ reduce-scattered = 3Ψ logical elements. With ZeR
 the backward Ψ is gathered within each hpZ group (a node) from a secondary
 partition (unit.py, [Note: hpZ secondary partition]): Ψ + Ψ across nodes.
 `_register_hooks` registers them all, labelled for profiles, and `close()`
-(engine.destroy()) removes them: [Note: strategy hooks] in dsrun/runtime/hooks.py.
+(engine.destroy()) removes them: [Note: strategy hooks] in dsrun/runtime/strategy/hooks.py.
 """
 from __future__ import annotations
 
@@ -42,11 +42,11 @@ import torch
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
-from dsrun.runtime import nodes
+from dsrun.runtime.distributed import nodes
 from dsrun.runtime.config import ConfigError
-from dsrun.runtime.dist import Topology
-from dsrun.runtime.hooks import HookSet, labelled
-from dsrun.runtime.precision import PrecisionPolicy
+from dsrun.runtime.distributed.dist import Topology
+from dsrun.runtime.strategy.hooks import HookSet, labelled
+from dsrun.runtime.optim.precision import PrecisionPolicy
 from dsrun.runtime.zero.collectives import GradientQuantization
 from dsrun.runtime.zero.flat_params import FlatParamSet
 from dsrun.runtime.zero.groups import RankGroup, ZeroGroups, block_group, node_groups

@@ -38,12 +38,12 @@ import torch
 from dsrun.ops import adam as native_adam
 from dsrun.runtime import comm
 from dsrun.runtime.checkpoint.pieces import HeldPiece, even_part
-from dsrun.runtime.data_parallel import GradientStrategy, StepOutcome
-from dsrun.runtime.dist import Topology
-from dsrun.runtime.memory import tensor_breakdown
+from dsrun.runtime.strategy.data_parallel import GradientStrategy, StepOutcome
+from dsrun.runtime.distributed.dist import Topology
+from dsrun.runtime.memory.accounting import tensor_breakdown
 from dsrun.runtime.offload.optimizer_tier import OptimizerTier
 from dsrun.runtime.offload.param_tier import ParamTier
-from dsrun.runtime.precision import PrecisionPolicy
+from dsrun.runtime.optim.precision import PrecisionPolicy
 from dsrun.runtime.zero.flat_params import FlatParamSet, Span
 from dsrun.runtime.zero.groups import ZeroGroups
 from dsrun.runtime.zero.params import ensure_record, home_device, record_of
@@ -230,7 +230,7 @@ class ZeroStrategy(GradientStrategy):
         raise NotImplementedError
 
     def close(self) -> None:
-        """Remove the hooks (see [Note: strategy hooks] in dsrun/runtime/hooks.py),
+        """Remove the hooks (see [Note: strategy hooks] in dsrun/runtime/strategy/hooks.py),
         then close the optimizer and parameter tiers (threads, aio handles,
         swap files) and stop the watchdog. Parameters keep what they hold
         now: full values at stages 0-2, their partitions at stage 3

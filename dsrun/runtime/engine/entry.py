@@ -15,16 +15,20 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from dsrun.runtime import allocator, comm, exit_report, memory_profile
-from dsrun.runtime.agreement import check_ranks_agree
+from dsrun.runtime.memory import allocator, profile as memory_profile
+from dsrun.runtime import comm
+from dsrun.runtime.observability import exit_report
+from dsrun.runtime.distributed.agreement import check_ranks_agree
 from dsrun.runtime.activation_checkpointing import checkpointing
 from dsrun.runtime.config import ConfigError, DsConfig, load_config
-from dsrun.runtime.dataloader import DistributedDataLoader
-from dsrun.runtime.dist import Topology, init_distributed
-from dsrun.runtime.engine import Engine, build_strategy
-from dsrun.runtime.logging import logger
+from dsrun.runtime.engine.dataloader import DistributedDataLoader
+from dsrun.runtime.distributed.dist import Topology, init_distributed
+from dsrun.runtime.engine.engine import Engine, build_strategy
+from dsrun.runtime.observability.logging import logger
+# Through DeepSpeed's path, so that after initialize `deepspeed.runtime.lr_schedules`
+# is an attribute of `deepspeed.runtime` (Accelerate reads it so, without importing it).
 from dsrun.runtime.lr_schedules import build_lr_scheduler
-from dsrun.runtime.optimizers import build_optimizer
+from dsrun.runtime.optim.optimizers import build_optimizer
 
 ConfigSource = dict | str | Path | DsConfig
 
@@ -174,10 +178,10 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
         ConfigError: no config, two configs,
             an invalid config, or configs that differ between ranks. An
             uncaught ConfigError prints one message without traceback and
-            exits with code 78 (see dsrun.runtime.exit_report).
+            exits with code 78 (see dsrun.runtime.observability.exit_report).
         ValueError: model missing, mpu given, parameters on the meta
             device, no trainable parameters.
-        dsrun.runtime.agreement.RankMismatchError: ranks built different
+        dsrun.runtime.distributed.agreement.RankMismatchError: ranks built different
             models (the first differing parameter is named).
     """
     if model is None:

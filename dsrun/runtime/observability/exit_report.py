@@ -8,7 +8,7 @@ on stderr, without traceback, and the process exits with
 exceptions go to the previous hook unchanged.
 
 [Note: one message per job]
-When every rank has the same problem (see dsrun/runtime/agreement.py),
+When every rank has the same problem (see dsrun/runtime/distributed/agreement.py),
 ranks other than 0 carry `shown_by_rank = 0` and print nothing, and rank
 0's error carries `quiet_ranks`, how many they are. Through the rendezvous
 store (which rank 0 usually hosts) rank 0 says it has printed, each quiet
@@ -84,7 +84,7 @@ def _hook(exc_type, value, tb) -> None:
     except Exception:  # noqa: BLE001 - rank 0 gone or never printing: exit anyway
         pass
     # os._exit: no atexit handlers, so the process group is not torn down
-    # after an error (see dsrun.runtime.dist._leave), and the code is ours.
+    # after an error (see dsrun.runtime.distributed.dist._leave), and the code is ours.
     os._exit(CONFIG_ERROR_EXIT_CODE)
 
 

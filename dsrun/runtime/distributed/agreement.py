@@ -113,7 +113,7 @@ def _differing(texts: list[str], what: str) -> str:
 
 def _shown_by_rank0(error: ConfigError, rank: int, world: int) -> None:
     """Mark an error every rank has identically: rank 0 prints it, the others
-    stay quiet (see [Note: one message per job] in dsrun/runtime/exit_report.py)."""
+    stay quiet (see [Note: one message per job] in dsrun/runtime/observability/exit_report.py)."""
     if rank == 0:
         error.quiet_ranks = world - 1
     else:
@@ -137,7 +137,7 @@ def check_ranks_agree(module: torch.nn.Module, cfg: DsConfig | None,
     Raises:
         ConfigError: some rank's config is invalid (each invalid rank raises
             its own; when every rank has the same problem, ranks other than
-            0 mark theirs as shown by rank 0, see `dsrun.runtime.exit_report`),
+            0 mark theirs as shown by rank 0, see `dsrun.runtime.observability.exit_report`),
             or the resolved configs differ (naming the first differing key).
         RankMismatchError: the models differ (naming the first parameter).
     """

@@ -1,13 +1,13 @@
 """Measured memory per phase of a training step: where the bytes of one rank go.
 
-`dsrun.runtime.memory` predicts and counts the persistent ZeRO buffers; this
+`dsrun.runtime.memory.accounting` predicts and counts the persistent ZeRO buffers; this
 module measures what the process actually used while each phase ran. A
 *phase* is a named stretch of code -- the engine's "forward", "backward"
 (autograd and gradient reduction) and "step" (optimizer step, parameter
 all-gather), "initialize" (all of `dsrun.initialize`), or any stretch a user
 wraps in `phase(name)`, e.g. "construction" of the model:
 
-    from dsrun.runtime import memory_profile
+    from dsrun.runtime.memory import profile as memory_profile
     with memory_profile.phase("construction"):
         model = build_model()
     engine, *_ = dsrun.initialize(model=model, config=cfg)  # "memory_breakdown": true
@@ -76,9 +76,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from dsrun.runtime import allocator
+from dsrun.runtime.memory import allocator
 
-from dsrun.runtime.memory import DTYPE_NAMES
+from dsrun.runtime.memory.accounting import DTYPE_NAMES
 
 __all__ = ["MemoryProfiler", "MemorySnapshot", "PhaseRecord", "format_memory_profile",
            "no_phase", "phase", "recorded_phases"]
@@ -379,7 +379,7 @@ class PhaseRecord:
             new gradients, optimizer state created at the first step).
         host_cached_end: bytes the caching host allocator kept for reuse at
             the end (part of rss_end, in no tensor; see [Note: caching host
-            allocator] in dsrun/runtime/allocator.py); None when it is not
+            allocator] in dsrun/runtime/memory/allocator.py); None when it is not
             in use.
         largest: detailed mode only (else None): the largest tensors
             created in the phase, biggest first, each {"op": "aten::mul",

@@ -4,7 +4,7 @@ torch 2.13 renamed `all_gather_into_tensor` and `reduce_scatter_tensor` to
 `all_gather_single` and `reduce_scatter_single` (same arguments) and warns
 with a FutureWarning at every call of the old names; earlier releases have
 only the old names. dsrun calls these two, so its users see no warning they
-did not cause. (A leaf module: dsrun.runtime.nodes and comm/ both use it.)
+did not cause. (A leaf module: dsrun.runtime.distributed.nodes and comm/ both use it.)
 """
 from __future__ import annotations
 

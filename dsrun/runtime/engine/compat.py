@@ -21,7 +21,7 @@ _PIPELINE_INSTEAD = ("run forward, engine.backward(loss) and engine.step() per m
 
 
 class DeepSpeedEngineCompat:
-    """DeepSpeedEngine's query methods, mixed into dsrun.runtime.engine.Engine.
+    """DeepSpeedEngine's query methods, mixed into dsrun.runtime.engine.engine.Engine.
 
     Expects `self.config` (DsConfig), `self.strategy`, `self.module`,
     `self.topology` and `self.lr_scheduler`, which Engine sets.

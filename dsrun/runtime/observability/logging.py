@@ -7,7 +7,7 @@ import time
 
 from rich.logging import RichHandler
 
-from dsrun.runtime.dist import Topology
+from dsrun.runtime.distributed.dist import Topology
 
 logger = logging.getLogger("dsrun")
 if not logger.handlers:

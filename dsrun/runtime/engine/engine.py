@@ -17,14 +17,14 @@ from dsrun.runtime.checkpoint.checkpointer import Checkpointer
 from dsrun.runtime.comm import OpStats, comms_logger
 from dsrun.runtime.compression import build_compression_strategy, takes_over
 from dsrun.runtime.config import DsConfig
-from dsrun.runtime.data_parallel import AllReduceStrategy, GradientStrategy
-from dsrun.runtime.dist import Topology
-from dsrun.runtime.engine_compat import DeepSpeedEngineCompat
-from dsrun.runtime.logging import ProgressLog, log_rank0, logger
-from dsrun.runtime.memory_profile import MemoryProfiler, format_memory_profile, no_phase, recorded_phases
+from dsrun.runtime.strategy.data_parallel import AllReduceStrategy, GradientStrategy
+from dsrun.runtime.distributed.dist import Topology
+from dsrun.runtime.engine.compat import DeepSpeedEngineCompat
+from dsrun.runtime.observability.logging import ProgressLog, log_rank0, logger
+from dsrun.runtime.memory.profile import MemoryProfiler, format_memory_profile, no_phase, recorded_phases
 from dsrun.runtime.monitor import MonitorMaster
-from dsrun.runtime.telemetry import StepTelemetry
-from dsrun.runtime.train_state import TrainingParts, TrainState
+from dsrun.runtime.engine.telemetry import StepTelemetry
+from dsrun.runtime.engine.train_state import TrainingParts, TrainState
 from dsrun.runtime.zero import build_zero_strategy
 
 
@@ -101,7 +101,7 @@ class Engine(DeepSpeedEngineCompat, torch.nn.Module):
 
     Memory profiling (config "memory_breakdown": true, or
     `enable_memory_profile()`) measures forward, backward and step as
-    phases of dsrun.runtime.memory_profile; `memory_profile()` returns them.
+    phases of dsrun.runtime.memory.profile; `memory_profile()` returns them.
     """
 
     def __init__(self, module: torch.nn.Module, strategy: GradientStrategy,
@@ -125,7 +125,7 @@ class Engine(DeepSpeedEngineCompat, torch.nn.Module):
         self._backward_since_step = False
         self._destroyed = False
         self._progress = ProgressLog(topology, config.steps_per_print)
-        # monitors, timers, progress records and the flops profile (dsrun/runtime/telemetry.py)
+        # monitors, timers, progress records and the flops profile (dsrun/runtime/engine/telemetry.py)
         self.monitor = MonitorMaster(config, topology.rank)
         self._telemetry = StepTelemetry(parts, self.monitor, self.memory_profile)
         # forward/backward/step run their body in self._phase(name): a shared
@@ -341,13 +341,13 @@ class Engine(DeepSpeedEngineCompat, torch.nn.Module):
         Args:
             detailed: also track the tensors each phase creates, to find
                 transient copies (slows every op; see
-                dsrun.runtime.memory_profile [Note: tracking new tensors]).
+                dsrun.runtime.memory.profile [Note: tracking new tensors]).
             log: print the table on rank 0 every `steps_per_print` steps;
                 None: when the config sets "memory_breakdown".
 
         Phases already recorded are dropped. The "initialize" row exists only
         when the config set "memory_breakdown" (or when initialize ran inside
-        `dsrun.runtime.memory_profile.phase("initialize")`).
+        `dsrun.runtime.memory.profile.phase("initialize")`).
         """
         self._memory_profiler = MemoryProfiler(self.device, self.strategy.memory_breakdown,
                                                detailed=detailed)
@@ -368,11 +368,11 @@ class Engine(DeepSpeedEngineCompat, torch.nn.Module):
             phases belong to; None before the first step ends),
             "rss_source", "detailed", "phases": {name: record}}, where the
             phases recorded outside the step by
-            `dsrun.runtime.memory_profile.phase` ("construction",
+            `dsrun.runtime.memory.profile.phase` ("construction",
             "initialize") come first, then "forward", "backward", "step".
             Each record's fields are described by
-            dsrun.runtime.memory_profile.PhaseRecord. Empty when profiling
-            was never enabled. `dsrun.runtime.memory_profile.format_memory_profile`
+            dsrun.runtime.memory.profile.PhaseRecord. Empty when profiling
+            was never enabled. `dsrun.runtime.memory.profile.format_memory_profile`
             renders it as a table.
         """
         if self._memory_profiler is None:
@@ -476,7 +476,7 @@ class Engine(DeepSpeedEngineCompat, torch.nn.Module):
         save (raising its CheckpointError, as `wait_checkpoint`), then remove
         every hook the strategy registered and stop its threads and swap
         files (`GradientStrategy.close`; [Note: strategy hooks] in
-        dsrun/runtime/hooks.py). The engine cannot train afterwards. At
+        dsrun/runtime/strategy/hooks.py). The engine cannot train afterwards. At
         stages 0-2 the module then runs as a plain module with the trained
         weights; at stage 3 its parameters stay partitioned (DeepSpeed's
         `destroy` leaves them so too): gather what you need first

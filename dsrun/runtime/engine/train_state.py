@@ -11,8 +11,8 @@ import dataclasses
 import torch
 
 from dsrun.runtime.config import DsConfig
-from dsrun.runtime.data_parallel import GradientStrategy
-from dsrun.runtime.dist import Topology
+from dsrun.runtime.strategy.data_parallel import GradientStrategy
+from dsrun.runtime.distributed.dist import Topology
 
 
 @dataclasses.dataclass

@@ -26,8 +26,9 @@ import torch.distributed as dist
 
 from dsrun.accelerator import get_accelerator
 from dsrun.launcher.mpi import rank_env_from_scheduler
-from dsrun.runtime import allocator, rendezvous
-from dsrun.runtime import nodes as nodes_mod
+from dsrun.runtime.memory import allocator
+from dsrun.runtime.distributed import rendezvous
+from dsrun.runtime.distributed import nodes as nodes_mod
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 

@@ -33,7 +33,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from dsrun.runtime.torch_collectives import all_gather_single
+from dsrun.runtime.distributed.torch_collectives import all_gather_single
 
 log = logging.getLogger("dsrun.nodes")
 

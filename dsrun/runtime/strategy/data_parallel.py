@@ -20,12 +20,13 @@ import math
 
 import torch
 
-from dsrun.runtime import allocator, comm
+from dsrun.runtime.memory import allocator
+from dsrun.runtime import comm
 from dsrun.runtime.checkpoint.pieces import HeldPiece
 from dsrun.runtime.comm.collectives import overlapped_all_reduce
-from dsrun.runtime.dist import Topology
-from dsrun.runtime.hooks import HookSet
-from dsrun.runtime.memory import tensor_breakdown
+from dsrun.runtime.distributed.dist import Topology
+from dsrun.runtime.strategy.hooks import HookSet
+from dsrun.runtime.memory.accounting import tensor_breakdown
 
 
 @dataclasses.dataclass(frozen=True)

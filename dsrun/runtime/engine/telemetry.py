@@ -15,7 +15,7 @@ step. From these `StepTelemetry` produces, as the config asks:
 by a one-element all_reduce(MAX) after every step while a monitor is on
 (every rank knows the config, so every rank joins it; it is outside the
 timed phases, so it is not in the step's comm figures). A rank's peak is
-what dsrun.runtime.memory_profile measured for the step's phases when
+what dsrun.runtime.memory.profile measured for the step's phases when
 memory profiling is on; otherwise the kernel's peak RSS of the process so
 far (VmHWM), or on CUDA the allocator's peak allocated bytes so far. Rank
 0's own figure would miss the rank that runs out of memory first: ZeRO
@@ -33,12 +33,12 @@ import torch
 
 from dsrun.launcher.progress import encode_record, progress_enabled
 from dsrun.runtime import comm
-from dsrun.runtime.logging import log_rank0
-from dsrun.runtime.memory_profile import MemorySnapshot
+from dsrun.runtime.observability.logging import log_rank0
+from dsrun.runtime.memory.profile import MemorySnapshot
 from dsrun.runtime.monitor import MonitorMaster, events
 from dsrun.runtime.offload.transfer import format_timeline
-from dsrun.runtime.timers import StepTimes, StepTimers, format_breakdown
-from dsrun.runtime.train_state import TrainingParts
+from dsrun.runtime.observability.timers import StepTimes, StepTimers, format_breakdown
+from dsrun.runtime.engine.train_state import TrainingParts
 
 if TYPE_CHECKING:
     from dsrun.profiling.flops_profiler import FlopsProfiler
