@@ -7,9 +7,22 @@ from collections import Counter
 import pytest
 
 from dsrun.runtime.parallel.pipe.schedule import (
-    Backward, BackwardInput, BackwardWeight, Forward, LoadMicroBatch, OptimizerStep, RecvActivation,
-    RecvGrad, ReduceGrads, ReduceTiedGrads, SendActivation, SendGrad, build_schedule,
-    inference_schedule, peer, theoretical_bubble,
+    Backward,
+    BackwardInput,
+    BackwardWeight,
+    Forward,
+    LoadMicroBatch,
+    OptimizerStep,
+    RecvActivation,
+    RecvGrad,
+    ReduceGrads,
+    ReduceTiedGrads,
+    SendActivation,
+    SendGrad,
+    build_schedule,
+    inference_schedule,
+    peer,
+    theoretical_bubble,
 )
 from dsrun.runtime.parallel.pipe.simulate import ScheduleError, simulate
 
@@ -142,7 +155,7 @@ def test_peer_maps_virtual_stages_across_ranks():
         peer(SendGrad(0, 0), 4, 0, 2)
     with pytest.raises(ValueError, match="last pipeline stage"):
         peer(SendActivation(0, 1), 4, 3, 2)
-    with pytest.raises(ValueError, match="Send\\*/Recv\\*"):
+    with pytest.raises(TypeError, match="Send\\*/Recv\\*"):
         peer(Forward(0), 4, 0)
 
 
@@ -155,6 +168,8 @@ def test_inference_schedule_runs_forwards_only():
     result = simulate(schedules)
     assert result.makespan == m + p - 1
     assert [r.peak_in_flight for r in result.ranks] == [0] * p
+    # Each of the p - 1 hops of the last micro-batch adds the latency once.
+    assert simulate(schedules, p2p_latency=0.5).makespan == m + p - 1 + (p - 1) * 0.5
 
 
 @pytest.mark.parametrize("call,match", [
@@ -194,7 +209,8 @@ def test_planted_bad_schedules_make_simulate_raise():
     # which rank 2 needs to produce that gradient.
     bad = list(good)
     bad[1] = _move_before(good[1], RecvGrad(1), RecvActivation(1))
-    with pytest.raises(ScheduleError, match="deadlock: .*rank 1 waits at RecvGrad.*rank 2 waits at RecvActivation"):
+    deadlock = "deadlock: .*rank 1 waits at RecvGrad.*rank 2 waits at RecvActivation"
+    with pytest.raises(ScheduleError, match=deadlock):
         simulate(bad)
 
     # A receive nobody sends: the deadlock names the missing send.

@@ -144,8 +144,8 @@ def peer(action: MicroBatchAction, num_stages: int, stage_id: int,
     Activations go to / come from the next / previous virtual stage, gradients
     the other way (mapping in [Note: the action contract]).
 
-    Raises ValueError for an action that is no send or receive, and for one
-    that has no neighbour (a receive of activations on the first stage, a
+    Raises TypeError for an action that is no send or receive, and
+    ValueError for one that has no neighbour (a receive of activations on the first stage, a
     send of activations on the last, and the like).
     """
     _check_grid(num_stages, stage_id, virtual_stages)
@@ -154,7 +154,7 @@ def peer(action: MicroBatchAction, num_stages: int, stage_id: int,
     elif isinstance(action, (RecvActivation, SendGrad)):
         step = -1
     else:
-        raise ValueError(f"peer() takes a Send*/Recv* action, got {action!r}")
+        raise TypeError(f"peer() takes a Send*/Recv* action, got {action!r}")
     if not 0 <= action.chunk < virtual_stages:
         raise ValueError(f"{action!r}: chunk must be in 0..{virtual_stages - 1}")
     stage = action.chunk * num_stages + stage_id + step
@@ -288,9 +288,11 @@ def _check_grid(num_stages: int, stage_id: int, virtual_stages: int) -> None:
 
 def _check_interleaved(p: int, m: int, v: int) -> None:
     if v < 2:
-        raise ValueError(f"'interleaved' needs virtual_stages >= 2, got {v}; use '1f1b' for one chunk per rank")
+        raise ValueError(f"'interleaved' needs virtual_stages >= 2, got {v}; "
+                         f"use '1f1b' for one chunk per rank")
     if p < 2:
-        raise ValueError("'interleaved' needs num_stages >= 2 (with one rank every chunk would send to itself)")
+        raise ValueError("'interleaved' needs num_stages >= 2 "
+                         "(with one rank every chunk would send to itself)")
     if m % p:
         raise ValueError(f"'interleaved' needs num_micro_batches to be a multiple of num_stages; got "
                          f"m={m}, p={p} (try m={(m // p + 1) * p})")

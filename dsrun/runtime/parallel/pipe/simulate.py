@@ -9,8 +9,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dsrun.runtime.parallel.pipe.schedule import (
-    Action, Backward, BackwardInput, BackwardWeight, Forward, LoadMicroBatch, MicroBatchAction,
-    OptimizerStep, RecvActivation, RecvGrad, ReduceGrads, ReduceTiedGrads, SendActivation, SendGrad,
+    Action,
+    Backward,
+    BackwardInput,
+    BackwardWeight,
+    Forward,
+    LoadMicroBatch,
+    MicroBatchAction,
+    OptimizerStep,
+    RecvActivation,
+    RecvGrad,
+    ReduceGrads,
+    ReduceTiedGrads,
+    SendActivation,
+    SendGrad,
     peer,
 )
 
@@ -107,7 +119,7 @@ def simulate(schedules: list[list[Action]], forward_cost: float = 1.0,
         raise ScheduleError("deadlock: " + "; ".join(_why_blocked(r, ranks) for r in blocked))
     unreceived = set(sent) - received
     if unreceived:
-        kind, mb, rank, chunk = sorted(unreceived, key=repr)[0]
+        kind, mb, rank, chunk = min(unreceived, key=repr)
         raise ScheduleError(f"{kind.__name__}(micro_batch={mb}) to rank {rank} chunk {chunk} is never "
                             f"received ({len(unreceived)} unmatched sends)")
     makespan = max(r.clock for r in ranks)
