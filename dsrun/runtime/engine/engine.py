@@ -29,21 +29,30 @@ from dsrun.runtime.zero import build_zero_strategy
 
 
 def build_strategy(cfg: DsConfig, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                   topology: Topology) -> GradientStrategy:
+                   topology: Topology, data_group=None) -> GradientStrategy:
     """The GradientStrategy for the config: the only switch on ZeRO stage and precision.
 
     Stage 0 in fp32 (fp32 communication) is AllReduceStrategy; everything
     else is built by `dsrun.runtime.zero.build_zero_strategy`, except for
     1-bit optimizers (which own gradient communication) and Lamb on flat
     buffers: `dsrun.runtime.compression.build_compression_strategy`.
+    `data_group` is the process group gradients are averaged over (None:
+    every rank; a pipeline passes its mesh's data axis).
+
+    Raises:
+        ValueError: a data group with a strategy that cannot take one (the
+            1-bit optimizers, ZeRO stage 3).
     """
     if takes_over(cfg, optimizer):
+        if data_group is not None:
+            raise ValueError("the 1-bit optimizers (OneBitAdam, ZeroOneAdam, OneBitLamb) average over "
+                             "every rank and cannot run inside a pipeline yet; use Adam/AdamW")
         return build_compression_strategy(cfg, module, optimizer, topology)
     if (cfg.zero_optimization.stage > 0 or cfg.fp16.enabled or cfg.bf16.enabled
             or cfg.communication_data_type not in (None, "fp32")):
-        return build_zero_strategy(cfg, module, optimizer, topology)
+        return build_zero_strategy(cfg, module, optimizer, topology, group=data_group)
     return AllReduceStrategy(module, optimizer, topology,
-                             bucket_size=cfg.zero_optimization.reduce_bucket_size)
+                             bucket_size=cfg.zero_optimization.reduce_bucket_size, group=data_group)
 
 
 class NonFiniteStepsError(RuntimeError):
@@ -250,28 +259,33 @@ class Engine(DeepSpeedEngineCompat, torch.nn.Module):
                 raise RuntimeError(
                     "engine.step() at a gradient accumulation boundary inside engine.no_sync(): "
                     "gradients were not reduced; leave no_sync() for the last micro-step")
-            self.checkpointer.release_pending()  # an async save stops reading what the step changes
-            with self._phase("step"), self._telemetry.phase("step"):
-                outcome = self.strategy.step(self.config.gradient_clipping)
-                self._grad_norm = outcome.grad_norm
-                self._step_applied = outcome.applied
-                if outcome.applied:
-                    self._consecutive_nonfinite = 0
-                    if self.lr_scheduler is not None:
-                        self.lr_scheduler.step()
-                else:
-                    self.skipped_steps += 1
-                self.strategy.zero_grad()
-            self.global_steps += 1
-            self.global_samples += self.train_batch_size()
-            if outcome.nonfinite:
-                self._on_nonfinite_step(outcome.first_nonfinite)
-            self._progress.after_step(self.global_steps, self.skipped_steps,
-                                      self.global_samples, self.get_lr(), self.get_mom())
-            if self._memory_profiler is not None:
-                self._end_memory_step()
-            self._telemetry.end_step(self._grad_norm)
+            self._optimizer_step()
         self.micro_steps += 1
+
+    def _optimizer_step(self) -> None:
+        """The accumulation boundary: clip, optimizer step, LR step, zero
+        grads, counters, progress and telemetry (see `step`)."""
+        self.checkpointer.release_pending()  # an async save stops reading what the step changes
+        with self._phase("step"), self._telemetry.phase("step"):
+            outcome = self.strategy.step(self.config.gradient_clipping)
+            self._grad_norm = outcome.grad_norm
+            self._step_applied = outcome.applied
+            if outcome.applied:
+                self._consecutive_nonfinite = 0
+                if self.lr_scheduler is not None:
+                    self.lr_scheduler.step()
+            else:
+                self.skipped_steps += 1
+            self.strategy.zero_grad()
+        self.global_steps += 1
+        self.global_samples += self.train_batch_size()
+        if outcome.nonfinite:
+            self._on_nonfinite_step(outcome.first_nonfinite)
+        self._progress.after_step(self.global_steps, self.skipped_steps,
+                                  self.global_samples, self.get_lr(), self.get_mom())
+        if self._memory_profiler is not None:
+            self._end_memory_step()
+        self._telemetry.end_step(self._grad_norm)
 
     def _on_nonfinite_step(self, first: str | None) -> None:
         """Warn about a step skipped for inf/nan gradients; stop after too many in a row.

@@ -54,6 +54,28 @@ class StepOutcome:
     first_nonfinite: str | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class StageSpan:
+    """The ranks holding the other parts of the model when one rank holds
+    only a part (the pipeline stages with this rank's data-parallel
+    coordinate): the gradient norm and the non-finite check of a step are
+    summed over them too, so clipping uses the norm of the whole model and
+    an overflow on any stage skips the step on every stage.
+
+    Attributes:
+        group: the torch process group of those ranks (this one included).
+        size: its number of ranks (> 1).
+        duplicates: ids of this rank's parameters whose gradient another
+            rank of the group also holds in full (weights tied across
+            stages, on every stage but the first that uses them): left out
+            of the norm so that each counts once.
+    """
+
+    group: object
+    size: int
+    duplicates: frozenset[int] = frozenset()
+
+
 class GradientStrategy(abc.ABC):
     """The interface every ZeRO stage implements (stage 0: AllReduceStrategy).
 
@@ -90,6 +112,7 @@ class GradientStrategy(abc.ABC):
     optimizer: torch.optim.Optimizer
     topology: Topology
     hooks: HookSet | None = None  # what `_register_hooks` registered (see [Note: strategy hooks] in hooks.py)
+    stages: StageSpan | None = None  # set by `span_stages` when this rank holds one part of the model
 
     @abc.abstractmethod
     def backward(self, loss: torch.Tensor, *, sync: bool, retain_graph: bool) -> None:
@@ -171,6 +194,34 @@ class GradientStrategy(abc.ABC):
         Calling it again does nothing. Default: remove `hooks`."""
         if self.hooks is not None:
             self.hooks.remove()
+
+    # ---- a model split across ranks (pipeline stages) ------------------------------
+    def span_stages(self, stages: StageSpan) -> None:
+        """Reduce the gradient norm and the non-finite check over `stages`
+        too (see StageSpan); called once, before the first backward."""
+        self.stages = stages
+
+    def _stage_sq_norm(self, sq: torch.Tensor, duplicate_sq: torch.Tensor | float) -> torch.Tensor:
+        """This rank's squared norm `sq` (shape (1,), fp32, already summed over
+        its data-parallel group) minus that of its duplicate gradients, summed
+        over the stages (collective over `stages.group`); `sq` itself when the
+        model is not split."""
+        if self.stages is None:
+            return sq
+        sq = sq - duplicate_sq
+        comm.all_reduce(sq, group=self.stages.group)
+        return sq
+
+    def sum_gradients_across(self, params: list[torch.nn.Parameter], group) -> None:
+        """Add the averaged gradients of `params` over the ranks of `group`
+        that hold the same parameters (weights tied across pipeline stages;
+        every rank of `group` passes its copies in the same order). Called
+        after the accumulation boundary's backward, before `step`.
+        Default: the parameters' `.grad`, which hold the whole averaged
+        gradient here; a strategy that partitions gradients overrides it."""
+        for p in params:
+            if p.grad is not None:
+                comm.all_reduce(p.grad, group=group)
 
     def state_dict(self) -> dict:
         """Strategy state to checkpoint (default: the optimizer's state_dict)."""
@@ -328,8 +379,13 @@ class AllReduceStrategy(GradientStrategy):
     def step(self, max_grad_norm: float) -> StepOutcome:
         params = [p for p in self._params if p.grad is not None]
         # Gradients are identical on every rank after the all-reduce, so the
-        # local norm is the global norm: no communication needed.
+        # local norm is the data-parallel norm: no communication needed
+        # (unless the model is split over stages).
         norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
+        if self.stages is not None:
+            dup = [p.grad for p in params if id(p) in self.stages.duplicates]
+            dup_sq = torch.nn.utils.get_total_norm(dup, norm_type=2.0).square() if dup else 0.0
+            norm = self._stage_sq_norm(norm.float().square().reshape(1), dup_sq).sqrt()[0]
         if not math.isfinite(float(norm)):
             # inf/nan survive the sum, so every rank sees it and skips alike.
             first = next((p for p in params if not bool(torch.isfinite(p.grad).all())), None)

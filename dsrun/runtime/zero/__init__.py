@@ -29,11 +29,15 @@ __all__ = ["Init", "GatheredParameters", "safe_get_full_fp32_param", "safe_get_f
 
 
 def build_zero_strategy(cfg, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                        topology: Topology) -> ZeroStrategy:
+                        topology: Topology, group=None) -> ZeroStrategy:
     """The strategy for `cfg.zero_optimization.stage` and `cfg`'s precision.
 
     Stage 0 with bf16/fp16 uses the stage-1/2 machinery over the (nobody,
-    world) group pair (see groups.py). Raises ValueError for an unknown stage.
+    world) group pair (see groups.py). `group`: the data-parallel process
+    group to partition and average over (None: every rank). Raises
+    ValueError for an unknown stage, and for stage 3 with a `group` (a
+    pipeline: stage 3's gather schedule is recorded over one forward and
+    backward in order, which the pipeline's interleaved micro-batches break).
     """
     zero = cfg.zero_optimization
     precision = PrecisionPolicy.from_config(cfg)
@@ -42,8 +46,12 @@ def build_zero_strategy(cfg, module: torch.nn.Module, optimizer: torch.optim.Opt
         return PartitionedOptimizerStrategy(
             module, optimizer, topology, precision, zero.stage, reduce_bucket_size=zero.reduce_bucket_size,
             allgather_bucket_size=zero.allgather_bucket_size, sub_group_size=zero.sub_group_size,
-            optimizer_tier=tier)
+            group=group, optimizer_tier=tier)
     if zero.stage == 3:
+        if group is not None:
+            raise ValueError("ZeRO stage 3 cannot run with pipeline parallelism: its parameter gathers "
+                             "follow one forward and backward in order, while a pipeline interleaves "
+                             "micro-batches; use stage 1 or 2 (each stage already holds only its layers)")
         return PartitionedParamStrategy(
             module, optimizer, topology, precision, GatherPolicy.from_config(cfg), ZeroPPPolicy.from_config(cfg),
             reduce_bucket_size=zero.reduce_bucket_size, sub_group_size=zero.sub_group_size,

@@ -177,7 +177,43 @@ class ZeroStrategy(GradientStrategy):
         if self.groups.shard.size > 1:
             with self.watchdog.waiting("all-reduce of the gradient norm (optimizer step)"):
                 comm.all_reduce(sq, group=self.groups.shard.group)
+        if self.stages is not None:
+            with self.watchdog.waiting("all-reduce of the gradient norm over the pipeline stages"):
+                sq = self._stage_sq_norm(sq, self._duplicate_sq())
         return float(sq.item())  # the one host sync of the step
+
+    def _duplicate_sq(self) -> torch.Tensor:
+        """Squared norm of the stage duplicates' gradients (see StageSpan),
+        summed over the shard group (collective over it)."""
+        sq = torch.zeros(1, dtype=torch.float32, device=self.topology.device)
+        for p in self.managed_params():
+            if id(p) in self.stages.duplicates:
+                rec = record_of(p)
+                piece = rec.fset.local_piece_tensor(rec.fset.partition_of(rec.fset.grad_view), rec.slot)
+                sq += piece.square().sum()
+        if self.groups.shard.size > 1:
+            comm.all_reduce(sq, group=self.groups.shard.group)
+        return sq
+
+    def sum_gradients_across(self, params: list[torch.nn.Parameter], group) -> None:
+        """Add the averaged gradients of `params` over `group` (weights tied
+        across pipeline stages): each parameter's gradient is assembled over
+        the shard group, summed over `group`, and this rank's pieces written
+        back (collective over both; the shard layouts of the stages may differ)."""
+        for p in params:
+            rec = record_of(p)
+            fset = rec.fset
+            full = self._full_from_partition(p, lambda f: f.partition_of(f.grad_view)).reshape(-1)
+            comm.all_reduce(full, group=group)
+            for piece in fset.layout.local_pieces(fset.rank):
+                if piece.slot.index != rec.slot:
+                    continue
+                so, n = piece.shard_offset, piece.hi - piece.lo
+                for span in fset.spans:
+                    lo, hi = max(so, span.lo), min(so + n, span.hi)
+                    if lo < hi:
+                        src = full[piece.lo + lo - so:piece.lo + hi - so]
+                        fset.grad_view(span)[lo - span.lo:hi - span.lo].copy_(src)
 
     def step(self, max_grad_norm: float) -> StepOutcome:
         scale = self.precision.scaler.scale

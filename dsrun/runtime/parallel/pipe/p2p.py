@@ -1,0 +1,143 @@
+"""Point-to-point transfers between pipeline stages: activations go to the
+next stage, their gradients come back.
+
+[Note: tensor metadata per micro-batch]
+A stage's output is a tensor or a tuple of tensors whose shapes may change
+from one micro-batch to the next (variable sequence lengths). Before each
+activation message the sender sends a header: one int64 `n`, then, when
+`n > 0`, `n` int64s describing every tensor (dtype code, requires_grad,
+ndim, shape...). `n = 0` means "the same tensors as the previous message to
+this rank", so an unchanged shape costs one 8-byte message and a changed one
+is always announced (DeepSpeed sends the shapes once, for the first
+micro-batch only, and breaks on variable lengths). Gradients travel back
+without a header: they have the shapes of the activations that were sent,
+which the sending side kept.
+
+Messages to one rank are matched in the order they were sent; activations
+and gradients use different tags so that the two streams between a pair of
+ranks never match each other (gloo matches by tag; NCCL ignores tags and
+matches by order, which the schedules give for one stream per pair).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from dsrun.runtime.comm.list_collectives import irecv, isend
+
+ACTIVATION_TAG = 1
+GRADIENT_TAG = 2
+
+# dtype <-> code in the header; the order is part of the wire format.
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
+           torch.int16, torch.int8, torch.uint8, torch.bool)
+_CODE = {dtype: i for i, dtype in enumerate(_DTYPES)}
+
+Tensors = tuple[torch.Tensor, ...]
+
+
+def as_tensors(value, what: str) -> Tensors:
+    """`value` (a tensor or a tuple/list of tensors) as a tuple of tensors.
+
+    Raises:
+        TypeError: `value` holds something other than tensors; `what` names
+            the stage output in the message.
+    """
+    items = (value,) if isinstance(value, torch.Tensor) else value
+    if not isinstance(items, (tuple, list)) or not all(isinstance(t, torch.Tensor) for t in items):
+        raise TypeError(f"{what} must be a tensor or a tuple of tensors to travel between pipeline "
+                        f"stages, got {type(value).__name__}; return tensors from the stage's last layer")
+    return tuple(items)
+
+
+def _header(tensors: Tensors) -> list[int]:
+    out = []
+    for t in tensors:
+        if t.dtype not in _CODE:
+            raise TypeError(f"a pipeline stage output has dtype {t.dtype}, which cannot travel between "
+                            f"stages; use one of {[str(d) for d in _DTYPES]}")
+        out += [_CODE[t.dtype], int(t.requires_grad), t.dim(), *t.shape]
+    return out
+
+
+def _parse(header: list[int]) -> list[tuple[torch.dtype, bool, tuple[int, ...]]]:
+    specs, i = [], 0
+    while i < len(header):
+        dtype, grad, ndim = _DTYPES[header[i]], bool(header[i + 1]), header[i + 2]
+        specs.append((dtype, grad, tuple(header[i + 3:i + 3 + ndim])))
+        i += 3 + ndim
+    return specs
+
+
+class StageLink:
+    """This rank's sends and receives to its pipeline neighbours.
+
+    Sends are asynchronous (the tensors are kept until `wait_sends`);
+    receives block. Ranks are global ranks of the default process group.
+
+    Args:
+        device: where received tensors are allocated (this rank's compute device).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._sent_header: dict[int, list[int]] = {}
+        self._recv_specs: dict[int, list] = {}
+        self._pending: list = []  # (handle, tensors kept alive until the send completes)
+
+    def send_activations(self, value, dst: int) -> None:
+        """Send a stage output (tensor or tuple) to rank `dst`, announcing its
+        shapes when they changed (see [Note: tensor metadata per micro-batch])."""
+        outputs = as_tensors(value, "a pipeline stage output")
+        header = _header(outputs)
+        tensors = tuple(t.detach().contiguous() for t in outputs)
+        changed = self._sent_header.get(dst) != header
+        self._sent_header[dst] = header
+        length = torch.tensor([len(header) if changed else 0], dtype=torch.int64, device=self.device)
+        self._isend([length], dst, ACTIVATION_TAG)
+        if changed:
+            self._isend([torch.tensor(header, dtype=torch.int64, device=self.device)], dst, ACTIVATION_TAG)
+        self._isend(list(tensors), dst, ACTIVATION_TAG)
+
+    def recv_activations(self, src: int) -> Tensors:
+        """Receive a stage input from rank `src`: fresh tensors, those whose
+        sender required grad marked `requires_grad` (leaves of this stage's graph)."""
+        length = torch.empty(1, dtype=torch.int64, device=self.device)
+        irecv(length, src, tag=ACTIVATION_TAG).wait()
+        if int(length.item()) > 0:
+            header = torch.empty(int(length.item()), dtype=torch.int64, device=self.device)
+            irecv(header, src, tag=ACTIVATION_TAG).wait()
+            self._recv_specs[src] = _parse(header.tolist())
+        out = []
+        for dtype, grad, shape in self._recv_specs[src]:
+            t = torch.empty(shape, dtype=dtype, device=self.device)
+            irecv(t, src, tag=ACTIVATION_TAG).wait()
+            out.append(t.requires_grad_(grad and dtype.is_floating_point))
+        return tuple(out)
+
+    def send_gradients(self, grads: Sequence[torch.Tensor], dst: int) -> None:
+        """Send the gradients of a received stage input back to rank `dst`
+        (one per input tensor that required grad, in order)."""
+        self._isend([g.contiguous() for g in grads], dst, GRADIENT_TAG)
+
+    def recv_gradients(self, like: Sequence[torch.Tensor], src: int) -> Tensors:
+        """Receive from rank `src` the gradients of the activations `like`
+        that this rank sent it (those that required grad)."""
+        out = []
+        for t in like:
+            g = torch.empty(t.shape, dtype=t.dtype, device=self.device)
+            irecv(g, src, tag=GRADIENT_TAG).wait()
+            out.append(g)
+        return tuple(out)
+
+    def _isend(self, tensors: list[torch.Tensor], dst: int, tag: int) -> None:
+        for t in tensors:
+            self._pending.append((isend(t, dst, tag=tag), t))
+
+    def wait_sends(self) -> None:
+        """Block until every send issued so far has completed (before the
+        tensors may be freed or reused: at the latest at the step's end)."""
+        for handle, _ in self._pending:
+            handle.wait()
+        self._pending.clear()
