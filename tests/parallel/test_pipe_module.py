@@ -109,10 +109,10 @@ def test_partition_balanced_reaches_the_brute_force_optimum():
         weights = [rng.choice([0, 0, 1, 3, 10, 50]) for _ in range(n)]
         parts = partition_balanced(weights, m)
         assert len(parts) == m + 1 and parts[0] == 0 and parts[-1] == n
-        assert all(a < b for a, b in zip(parts, parts[1:])), (weights, m, parts)
+        assert all(a < b for a, b in itertools.pairwise(parts)), (weights, m, parts)
         best = min(max(sum(weights[a:b]) for a, b in zip((0, *cut), (*cut, n)))
                    for cut in itertools.combinations(range(1, n), m - 1))
-        assert max(sum(weights[a:b]) for a, b in zip(parts, parts[1:])) == best, (weights, m, parts)
+        assert max(sum(weights[a:b]) for a, b in itertools.pairwise(parts)) == best, (weights, m, parts)
 
 
 def test_partition_rejects_more_parts_than_items_and_bad_weights():
@@ -183,7 +183,7 @@ def test_type_partitioning_balances_matching_layers_case_insensitively():
     specs = [LayerSpec(nn.Linear, 4, 4)] + [LayerSpec(Block, 4) for _ in range(4)] + [double, double, double]
     parts = PipelineModule(specs, topology=PipeTopology(2, 0), partition_method="type:BLO.K").parts
     assert [sum(isinstance(specs[i], LayerSpec) and specs[i].typename is Block for i in range(a, b))
-            for a, b in zip(parts, parts[1:])] == [2, 2]
+            for a, b in itertools.pairwise(parts)] == [2, 2]
     # functions match by their own name
     assert PipelineModule(specs, topology=PipeTopology(3, 0), partition_method="type:^double$").parts == [0, 6, 7, 8]
     with pytest.raises(ValueError, match="no layer's class name matches"):
@@ -297,7 +297,8 @@ def test_activation_checkpointing_keeps_outputs_and_gradients(interval):
     x = torch.randn(4, 5)
     plain = loss_and_grads(PipelineModule(dropout_specs(), num_stages=1, seed_layers=True), x)
     ckpt_module = PipelineModule(dropout_specs(), num_stages=1, seed_layers=True,
-                                 activation_checkpoint_interval=interval, activation_checkpoint_func=counting_checkpoint)
+                                 activation_checkpoint_interval=interval,
+                                 activation_checkpoint_func=counting_checkpoint)
     ckpt = loss_and_grads(ckpt_module, x)
     assert torch.equal(plain[0], ckpt[0])
     assert plain[1].keys() == ckpt[1].keys() and all(torch.equal(plain[1][k], ckpt[1][k]) for k in plain[1])
@@ -390,3 +391,16 @@ def test_bad_layers_and_chunks_raise_clear_errors():
         PipelineModule([inner], num_stages=1)
     with pytest.raises(ValueError, match="chunks 0..0"):
         inner(torch.randn(1, 2), chunk=1)
+
+
+def test_seed_fn_gets_deepspeeds_seeds_when_building_and_in_forward():
+    seeds = []
+    stage = PipelineModule(mixed_specs(), topology=PipeTopology(2, 1), seed_layers=True, seed_fn=seeds.append,
+                           base_seed=100, partition_method="uniform", activation_checkpoint_interval=2)
+    assert seeds == [104, 105, 106, 107]  # base_seed + global layer index, before each build
+    seeds.clear()
+    stage.train()
+    stage(torch.randn(2, 5))
+    stage(torch.randn(2, 5))
+    # forward call c (1, 2, ...) seeds layer idx with base_seed * (c + 1) + idx, also in checkpointed segments
+    assert seeds == [204, 205, 206, 207, 304, 305, 306, 307]

@@ -7,7 +7,7 @@ Every part holds at least one item.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 __all__ = ["partition_balanced", "partition_uniform"]
 
