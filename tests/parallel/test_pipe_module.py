@@ -326,6 +326,31 @@ def test_checkpointable_layers_limits_which_segments_are_checkpointed():
     assert len(calls) == 3  # Dropout, Block, Dropout; not the Linears nor the function
 
 
+
+class ParallelTransformerLayerPipe(Block):
+    pass
+
+
+class GPTModelPipe(PipelineModule):
+    pass
+
+
+def test_gpt_pipes_with_a_reentrant_function_checkpoint_only_transformer_layers():
+    calls = []
+
+    def reentrant_checkpoint(function, *args):
+        calls.append(None)
+        return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=True)
+
+    specs = [LayerSpec(nn.Linear, 4, 4), LayerSpec(ParallelTransformerLayerPipe, 4), LayerSpec(Block, 4)]
+    for checkpointable, expected in [(None, 1), (["Block"], 2)]:
+        calls.clear()
+        m = GPTModelPipe(specs, num_stages=1, activation_checkpoint_interval=1, checkpointable_layers=checkpointable,
+                         activation_checkpoint_func=reentrant_checkpoint)
+        m.train()
+        m(torch.randn(2, 4, requires_grad=True))
+        assert len(calls) == expected
+
 def test_dropout_draws_the_same_masks_however_the_model_is_split():
     x = torch.randn(4, 5)
     outs = []
