@@ -85,6 +85,9 @@ NO_EFFECT_YET: dict[str, Any] = {
     "zero_optimization.load_from_fp32_weights": True,  # checkpoints always restore the fp32 masters
     "zero_optimization.memory_efficient_linear": True,
     "zero_allow_untested_optimizer": True,
+    "pipeline.pipe_partitioned": True,  # no tensor-parallel axis yet: nothing to split
+    "pipeline.grad_partitioned": True,
+    "pipeline.use_reentrant": True,  # the PipelineModule's activation_checkpoint_func decides
     "activation_checkpointing.contiguous_memory_optimization": False,  # no copy into one buffer
     "activation_checkpointing.number_checkpoints": None,
     "checkpoint.load_universal": True,

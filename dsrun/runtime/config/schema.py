@@ -17,7 +17,7 @@ from pydantic import (
 )
 
 from dsrun.runtime.config.errors import _Problem
-from dsrun.runtime.config.sections import ActivationCheckpointingConfig, AioConfig, Bf16Config, CheckpointConfig, CommsLoggerConfig, Count, DataTypesConfig, FlopsProfilerConfig, Fp16Config, MonitorConfig, NonNegReal, _NUMBER, OptimizerConfig, PosInt, PosReal, SchedulerConfig, _Section, WandbConfig, ZeroConfig
+from dsrun.runtime.config.sections import ActivationCheckpointingConfig, AioConfig, Bf16Config, CheckpointConfig, CommsLoggerConfig, Count, DataTypesConfig, FlopsProfilerConfig, Fp16Config, MonitorConfig, NonNegReal, _NUMBER, OptimizerConfig, PipelineConfig, PosInt, PosReal, SchedulerConfig, _Section, WandbConfig, ZeroConfig
 
 class _BatchTriple(_Section):
     """The three batch keys, validated on their own (see [Note: order of the checks])."""
@@ -45,7 +45,6 @@ def _never_for_inf(value: Any) -> Any:
 # section sets anything but `"enabled": false` (see _deepspeed_forms).
 _DEEPSPEED_ONLY_KEYS = {
     "amp": "NVIDIA Apex AMP",
-    "pipeline": "pipeline parallelism",
     "elasticity": "elastic training",
     "autotuning": "the autotuner",
     "compression_training": "compression training",
@@ -97,6 +96,8 @@ class DsConfig(_BatchTriple):
     aio: AioConfig = Field(default_factory=AioConfig, description="Asynchronous I/O for NVMe offload.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig,
                                          description="Checkpoint saving and loading.")
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig,
+                                     description="Pipeline parallelism (with a PipelineModule).")
     activation_checkpointing: ActivationCheckpointingConfig = Field(
         default_factory=ActivationCheckpointingConfig, description="Activation checkpointing options.")
     steps_per_print: Annotated[int, BeforeValidator(_never_for_inf), _NUMBER, at.Ge(1)] = Field(

@@ -429,6 +429,34 @@ class AioConfig(_Section):
     overlap_events: bool = Field(True, description="Submit new requests while waiting for completions.")
 
 
+class PipelineConfig(_Section):
+    """`pipeline`: pipeline parallelism of a PipelineModule (dsrun.pipe). The module is built
+    before the config is read, so `stages`, `partition` and `seed_layers` are checked against it
+    (a mismatch is an error, where DeepSpeed ignores them); the schedule keys are dsrun's."""
+
+    stages: Union[Literal["auto"], PosInt] = Field(
+        "auto", description="Pipeline stages; auto = the PipelineModule's num_stages (an integer must "
+                            "equal it).")
+    partition: str = Field("best", description="Layer partitioning; best = the PipelineModule's "
+                                               "partition_method (any other value must equal it).")
+    seed_layers: bool = Field(False, description="Seed each layer before building it; true requires "
+                                                 "PipelineModule(seed_layers=True).")
+    activation_checkpoint_interval: Count = Field(
+        0, description="Checkpoint activations every this many layers (0: the PipelineModule's "
+                       "own interval); when set, it replaces the module's, as in DeepSpeed.")
+    pipe_partitioned: bool = Field(True, description="Split activations sent between stages over "
+                                                     "tensor-parallel ranks.")
+    grad_partitioned: bool = Field(True, description="Split gradients sent between stages over "
+                                                     "tensor-parallel ranks.")
+    use_reentrant: bool = Field(True, description="Use reentrant activation checkpointing.")
+    schedule: Literal["1f1b", "interleaved", "zb-h1"] = Field(
+        "1f1b", description="Pipeline schedule: 1f1b (PipeDream-Flush, DeepSpeed's), interleaved "
+                            "(several chunks per rank; needs virtual_stages >= 2) or zb-h1 (zero bubble, "
+                            "backward split into input and weight passes).")
+    virtual_stages: PosInt = Field(1, description="Model chunks per rank for the interleaved schedule; "
+                                                  "must equal PipelineModule(virtual_stages=...).")
+
+
 class ActivationCheckpointingConfig(_Section):
     """`activation_checkpointing`: options of dsrun.checkpointing (applied by initialize() unless the
     script called checkpointing.configure() first; see activation_checkpointing/checkpointing.py)."""

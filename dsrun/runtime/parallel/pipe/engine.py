@@ -1,0 +1,361 @@
+"""The pipeline engine: DeepSpeed's `PipelineEngine` (`train_batch`,
+`eval_batch`) as one executor of the schedules in schedule.py.
+
+[Note: one executor, schedules as data]
+`train_batch` asks schedule.py for this rank's list of actions and runs them
+in order; nothing here knows which schedule it runs. Per micro-batch and
+chunk it keeps the stage input (received, or loaded on the first stage), the
+stage output (kept for the backward) and the gradient received for it; a
+backward frees them. A new schedule is a new list, not new engine code.
+
+[Note: gradients through the strategy]
+Every backward goes through the engine's `GradientStrategy` (ZeRO stage 0, 1
+or 2 over the mesh's data axis), so gradient accumulation, loss scaling and
+the data-parallel reduction are the data-parallel engine's. The last stage
+runs `strategy.backward(loss / m)`. Another stage has no loss: it runs the
+strategy's backward on the scalar sum over its outputs of
+`(output * received_grad).sum() / loss_scale`, whose gradient with respect
+to each output is the received gradient exactly (the received gradients
+already carry the loss scale, which the strategy multiplies back). The
+backward that completes this rank's last micro-batch passes `sync=True`, so
+the data-parallel reduction overlaps it as in data-parallel training; the
+schedule's `ReduceTiedGrads` then sums the gradients of weights tied across
+stages (after the data-parallel average, which gives the same sum), and
+`OptimizerStep` is the data-parallel engine's step, whose norm and overflow
+check span every stage (`StageSpan`).
+
+[Note: zero bubble's split backward]
+`BackwardInput` computes only the gradient of the stage input
+(`torch.autograd.grad` with the graph kept), which is what the previous
+stage waits for; `BackwardWeight` later runs the strategy's backward over
+the kept graph for the weight gradients. Autograd cannot reuse the input
+pass's intermediate gradients through public API, so the weight pass
+recomputes the gradients of the activations inside the stage: the bubble
+shrinks as in ZB-H1 (Qi et al., ICLR 2024), but the stage's backward work
+grows by about one input pass.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+
+from dsrun.runtime import comm
+from dsrun.runtime.engine.engine import Engine
+from dsrun.runtime.parallel.grid import PipelineParallelGrid
+from dsrun.runtime.parallel.mesh import ParallelMesh
+from dsrun.runtime.parallel.pipe import schedule as sched
+from dsrun.runtime.parallel.pipe.module import PipelineModule
+from dsrun.runtime.parallel.pipe.p2p import StageLink, as_tensors
+from dsrun.runtime.strategy.data_parallel import StageSpan
+
+
+@dataclass
+class _Buffers:
+    """What one step keeps per (micro_batch, chunk) between its actions."""
+
+    inputs: dict = field(default_factory=dict)   # stage input tensors (leaves on later stages)
+    labels: dict = field(default_factory=dict)   # micro_batch -> labels (last stage)
+    outputs: dict = field(default_factory=dict)  # stage outputs (or the loss on the last stage)
+    grads: dict = field(default_factory=dict)    # received gradients of the outputs
+    input_grads: dict = field(default_factory=dict)  # gradients of the inputs, to send
+    losses: list = field(default_factory=list)   # detached losses (last stage)
+    logits: list = field(default_factory=list)   # last stage outputs (eval_batch with return_logits)
+
+
+def _tensors_requiring_grad(value) -> tuple[torch.Tensor, ...]:
+    return tuple(t for t in as_tensors(value, "a pipeline stage output") if t.requires_grad)
+
+
+class PipelineEngine(Engine):
+    """Trains a `PipelineModule` over the mesh's pipe x data axes
+    (DeepSpeed's `deepspeed.runtime.pipe.engine.PipelineEngine`).
+
+    Use `train_batch()` (one optimizer step over `gradient_accumulation_steps`
+    micro-batches) and `eval_batch()`; `forward`/`backward`/`step` of the
+    data-parallel engine are not available (DeepSpeed raises too).
+
+    Args:
+        module: the PipelineModule (this rank's layers, on the device).
+        strategy: the GradientStrategy over the mesh's data axis.
+        lr_scheduler, config, topology: as `Engine`.
+        mesh: the job's ParallelMesh (its pipe axis matches the module's stages).
+
+    Attributes:
+        grid: the `PipelineParallelGrid` of the mesh (DeepSpeed's `engine.grid`).
+        num_stages, stage_id, micro_batches, schedule_name, virtual_stages.
+    """
+
+    def __init__(self, module: PipelineModule, strategy, lr_scheduler, config, topology,
+                 mesh: ParallelMesh) -> None:
+        super().__init__(module, strategy, lr_scheduler, config, topology)
+        self.mesh = mesh
+        self.grid = PipelineParallelGrid(mesh=mesh)
+        self.num_stages = module.num_stages
+        self.stage_id = module.stage_id
+        self.virtual_stages = module.virtual_stages
+        self.micro_batches = config.gradient_accumulation_steps
+        self.schedule_name = config.pipeline.schedule
+        self._link = StageLink(topology.device)
+        self._data_iterator: Iterator | None = None
+        self._batch_fn: Callable | None = None
+        self._tied_groups = _tied_groups(module, mesh)
+        if self.num_stages > 1:
+            duplicates = frozenset(id(p) for p in module.parameters() if getattr(p, "ds_pipe_replicated", False))
+            strategy.span_stages(StageSpan(mesh.group("pipe"), self.num_stages, duplicates))
+        self.agg_train_loss: torch.Tensor | None = None
+
+    # -- DeepSpeed's pipeline API ---------------------------------------------------------
+    def is_first_stage(self) -> bool:
+        """Whether this rank holds the first stage (it reads the inputs)."""
+        return self.stage_id == 0
+
+    def is_last_stage(self) -> bool:
+        """Whether this rank holds the last stage (it reads the labels and computes the loss)."""
+        return self.stage_id == self.num_stages - 1
+
+    def set_dataiterator(self, iterator: Iterator) -> None:
+        """The iterator `train_batch`/`eval_batch` read micro-batches from when given none."""
+        self._data_iterator = iterator
+
+    def set_batch_fn(self, fn: Callable) -> None:
+        """A function applied to every micro-batch read from the iterator."""
+        self._batch_fn = fn
+
+    def reset_activation_shape(self) -> None:
+        """Kept for DeepSpeed scripts: shapes are exchanged whenever they
+        change (see p2p.py [Note: tensor metadata per micro-batch])."""
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("a PipelineEngine trains with engine.train_batch() and evaluates with "
+                           "engine.eval_batch(); forward/backward/step are the data-parallel engine's")
+
+    backward = step = forward
+
+    def train_batch(self, data_iter: Iterator | None = None) -> torch.Tensor:
+        """One optimizer step over `gradient_accumulation_steps` micro-batches.
+
+        Only the first stage (inputs) and the last (labels) read from the
+        iterator; each micro-batch is `(inputs, labels)`, inputs a tensor or
+        tuple of tensors.
+
+        Returns:
+            The mean loss of the step's micro-batches, averaged over the
+            data-parallel ranks, on every rank (a 0-dim fp32 tensor).
+
+        Raises:
+            RuntimeError: no data iterator (pass one or call set_dataiterator).
+        """
+        if data_iter is not None:
+            self.set_dataiterator(data_iter)
+        self._require_iterator()
+        self.module.train()
+        actions = sched.build_schedule(self.schedule_name, self.num_stages, self.stage_id,
+                                       self.micro_batches, self.virtual_stages)
+        last_backward = max(i for i, a in enumerate(actions)
+                            if isinstance(a, (sched.Backward, sched.BackwardWeight)))
+        buffers = _Buffers()
+        for i, action in enumerate(actions):
+            self._run(action, buffers, train=True, sync=(i == last_backward))
+        self.micro_steps += self.micro_batches
+        self.agg_train_loss = self._aggregate_loss(buffers.losses, bcast=True, reduce="avg")
+        return self.agg_train_loss
+
+    def eval_batch(self, data_iter: Iterator, return_logits: bool = False, compute_loss: bool = True,
+                   reduce_output: str | None = "avg", bcast_loss: bool = True,
+                   num_micro_batches: int | None = None):
+        """Forward only over `num_micro_batches` (default
+        gradient_accumulation_steps) micro-batches of `data_iter`.
+
+        Returns:
+            The loss reduced per `reduce_output` ("avg": the mean over
+            micro-batches and data-parallel ranks; None: the list of
+            per-micro-batch losses of this rank), broadcast to every stage
+            when `bcast_loss` (else only the last stage's is meaningful);
+            with `return_logits`, `(loss, logits)` where logits are the last
+            stage's outputs of each micro-batch (None on other stages).
+
+        Raises:
+            ValueError: reduce_output is not "avg" or None.
+        """
+        if reduce_output not in ("avg", None):
+            raise ValueError(f"eval_batch(reduce_output={reduce_output!r}): use 'avg' or None")
+        self.set_dataiterator(data_iter)
+        self.module.eval()
+        m = num_micro_batches or self.micro_batches
+        buffers = _Buffers()
+        with torch.no_grad():
+            for action in sched.inference_schedule(self.num_stages, self.stage_id, m, self.virtual_stages):
+                self._run(action, buffers, train=False, compute_loss=compute_loss)
+        self._link.wait_sends()
+        self.module.train()
+        losses = buffers.losses if compute_loss else []
+        loss = self._aggregate_loss(losses, bcast=bcast_loss, reduce=reduce_output) if compute_loss else None
+        if return_logits:
+            return loss, (buffers.logits if self.is_last_stage() else None)
+        return loss
+
+    # -- the executor ----------------------------------------------------------------------
+    def _require_iterator(self) -> None:
+        if self._data_iterator is None and (self.is_first_stage() or self.is_last_stage()):
+            raise RuntimeError("train_batch() has no data: pass an iterator (engine.train_batch(iter(loader))), "
+                               "call engine.set_dataiterator(...), or give initialize(training_data=...)")
+
+    def _run(self, action, buffers: _Buffers, train: bool, sync: bool = False, compute_loss: bool = True) -> None:
+        kind = type(action)
+        if kind in (sched.ReduceTiedGrads, sched.ReduceGrads, sched.OptimizerStep):
+            return self._run_step_end(kind)
+        key = (action.micro_batch, action.chunk)
+        if kind is sched.LoadMicroBatch:
+            self._load(action, buffers)
+        elif kind is sched.RecvActivation:
+            buffers.inputs[key] = self._link.recv_activations(self._peer(action))
+        elif kind is sched.Forward:
+            self._forward(action, buffers, train, compute_loss)
+        elif kind is sched.SendActivation:
+            self._link.send_activations(buffers.outputs[key], self._peer(action))
+            if not train:
+                del buffers.outputs[key]
+        elif kind is sched.RecvGrad:
+            like = _tensors_requiring_grad(buffers.outputs[key])
+            buffers.grads[key] = self._link.recv_gradients(like, self._peer(action))
+        elif kind is sched.Backward:
+            self._backward_input(key, buffers, keep_graph=False, weights=True, sync=sync)
+        elif kind is sched.BackwardInput:
+            self._backward_input(key, buffers, keep_graph=True, weights=False, sync=False)
+        elif kind is sched.BackwardWeight:
+            self._backward_weight(key, buffers, sync)
+        elif kind is sched.SendGrad:
+            self._link.send_gradients(buffers.input_grads.pop(key), self._peer(action))
+        else:
+            raise TypeError(f"the pipeline executor has no rule for {action!r}")
+
+    def _peer(self, action) -> int:
+        stage, _ = sched.peer(action, self.num_stages, self.stage_id, self.virtual_stages)
+        return self.mesh.stage_to_global(stage)
+
+    def _next_batch(self):
+        batch = next(self._data_iterator)
+        return self._batch_fn(batch) if self._batch_fn is not None else batch
+
+    def _load(self, action, buffers: _Buffers) -> None:
+        batch = self._next_batch()
+        if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+            raise TypeError(f"a pipeline micro-batch must be (inputs, labels), got {type(batch).__name__}"
+                            + (f" of {len(batch)} items" if isinstance(batch, (tuple, list)) else "")
+                            + "; return such pairs from the data iterator or set_batch_fn")
+        inputs, labels = batch
+        if self.module.is_first_stage(action.chunk):
+            buffers.inputs[(action.micro_batch, action.chunk)] = _to_device(inputs, self.device)
+        if self.module.is_last_stage(action.chunk):
+            buffers.labels[action.micro_batch] = _to_device(labels, self.device)
+
+    def _forward(self, action, buffers: _Buffers, train: bool, compute_loss: bool) -> None:
+        key = (action.micro_batch, action.chunk)
+        inputs = buffers.inputs[key] if train else buffers.inputs.pop(key)
+        if isinstance(inputs, tuple) and len(inputs) == 1:
+            inputs = inputs[0]
+        with self._telemetry.phase("forward"):
+            out = self.module(inputs, chunk=action.chunk)
+        if self.module.is_last_stage(action.chunk):
+            if not train and compute_loss is False or self.module.loss_fn is None:
+                loss = out
+            else:
+                loss = self.module.loss_fn(out, buffers.labels.pop(action.micro_batch))
+            if not train:
+                buffers.logits.append(out)
+            if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+                buffers.losses.append(loss.detach().float().reshape(()))
+            out = loss
+        buffers.outputs[key] = out
+
+    def _surrogate(self, key, buffers: _Buffers) -> torch.Tensor:
+        """The scalar whose backward through the strategy gives this chunk's
+        gradients (see [Note: gradients through the strategy])."""
+        out = buffers.outputs[key]
+        if key not in buffers.grads:  # the last stage: the loss, averaged over the micro-batches
+            if not isinstance(out, torch.Tensor) or out.numel() != 1:
+                raise TypeError("the last pipeline stage must produce a scalar loss (give PipelineModule "
+                                "a loss_fn, or return the loss from the last layer)")
+            return out / self.micro_batches
+        total = sum((o.float() * g.float()).sum() for o, g in zip(_tensors_requiring_grad(out), buffers.grads[key]))
+        return total / self.strategy.loss_scale()
+
+    def _backward_input(self, key, buffers: _Buffers, keep_graph: bool, weights: bool, sync: bool) -> None:
+        inputs = buffers.inputs.get(key, ())
+        leaves = [t for t in (inputs if isinstance(inputs, tuple) else (inputs,))
+                  if isinstance(t, torch.Tensor) and t.requires_grad]
+        with self._telemetry.phase("backward"):
+            if weights:
+                self.strategy.backward(self._surrogate(key, buffers), sync=sync, retain_graph=False)
+                grads = [t.grad for t in leaves]
+            else:
+                root = self._surrogate(key, buffers) * self.strategy.loss_scale()
+                grads = list(torch.autograd.grad(root, leaves, retain_graph=True, allow_unused=True)) if leaves else []
+        if leaves:
+            buffers.input_grads[key] = [g if g is not None else torch.zeros_like(t) for g, t in zip(grads, leaves)]
+        if weights:
+            self._free(key, buffers)
+
+    def _backward_weight(self, key, buffers: _Buffers, sync: bool) -> None:
+        with self._telemetry.phase("backward"):
+            self.strategy.backward(self._surrogate(key, buffers), sync=sync, retain_graph=False)
+        self._free(key, buffers)
+
+    @staticmethod
+    def _free(key, buffers: _Buffers) -> None:
+        for store in (buffers.inputs, buffers.outputs, buffers.grads):
+            store.pop(key, None)
+
+    def _run_step_end(self, kind) -> None:
+        if kind is sched.ReduceTiedGrads:
+            for params, group in self._tied_groups:
+                self.strategy.sum_gradients_across(params, group)
+        elif kind is sched.ReduceGrads:
+            self._link.wait_sends()  # the data-parallel reduction ran inside the last backward
+        else:
+            self._optimizer_step()
+
+    def _aggregate_loss(self, losses: list[torch.Tensor], bcast: bool, reduce: str | None):
+        """The last stage's losses averaged (over micro-batches, then over the
+        data axis), sent to every stage when `bcast` (collective over the pipe
+        axis: a broadcast from the last stage)."""
+        if reduce is None:
+            return losses
+        value = torch.zeros((), dtype=torch.float32, device=self.device)
+        if self.is_last_stage() and losses:
+            value = torch.stack(losses).mean()
+            if self.mesh.size("data") > 1:
+                comm.all_reduce(value, group=self.mesh.group("data"))
+                value = value / self.mesh.size("data")
+        if bcast and self.num_stages > 1:
+            comm.broadcast(value, src=self.mesh.stage_to_global(self.num_stages - 1), group=self.mesh.group("pipe"))
+        return value
+
+
+def _to_device(value, device: torch.device):
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, (tuple, list)):
+        return tuple(_to_device(v, device) for v in value)
+    return value
+
+
+def _tied_groups(module: PipelineModule, mesh: ParallelMesh) -> list[tuple[list[torch.Tensor], Any]]:
+    """For each key tied across stages that this rank holds: (its tied
+    tensors, the process group of the ranks holding the key's copies at this
+    rank's data coordinate). Creates every key's groups on every rank, in
+    `tied_weight_broadcast_plan` order (collective), and broadcasts each key's
+    weights from its lowest stage so that the copies start equal."""
+    out = []
+    for plan in module.tied_weight_broadcast_plan():
+        group = mesh.make_group([tuple(mesh.stage_to_global(s, data=d) for s in plan.stages)
+                                 for d in range(mesh.size("data"))])
+        if module.stage_id in plan.stages:
+            params = module.tied_parameters(plan.key)
+            with torch.no_grad():
+                for p in params:
+                    comm.broadcast(p.data, src=mesh.stage_to_global(plan.src_stage), group=group.group)
+            out.append((params, group.group))
+    return out
