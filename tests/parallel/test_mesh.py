@@ -76,6 +76,11 @@ def _pipe2_data2() -> dict:
     assert groups._get_broadcast_src_rank() == me - me % 2
     mesh_mod.set_current(None)
     assert groups._get_data_parallel_world_size() == 4
+    assert PipelineParallelGrid().topology().dims == [2, 2]  # DeepSpeed's default for 4 ranks
+    with pytest.raises(ValueError, match="process_group=None"):
+        PipelineParallelGrid(process_group=grid.get_data_parallel_group())
+    with pytest.raises(ValueError, match="pass one of them"):
+        PipelineParallelGrid(topology=PipeDataParallelTopology(num_pp=1, num_dp=4), mesh=grid.mesh)
     return out
 
 
@@ -105,7 +110,8 @@ def _world8() -> dict:
     pipe_model = [r for r in range(8) if coords[r]["data"] == coords[me]["data"]]
     assert grid.get_model_parallel_world_size() == 4 and _members(grid.get_model_parallel_group(), 8) == pipe_model
     mesh_mod.set_current(mesh)
-    assert groups.get_tensor_model_parallel_rank() == me % 2 and groups._get_model_parallel_rank() == pipe_model.index(me)
+    assert groups.get_tensor_model_parallel_rank() == me % 2
+    assert groups._get_model_parallel_rank() == pipe_model.index(me)
     assert _members(groups.get_model_parallel_group(), 8) == [me - me % 2, me - me % 2 + 1]
     # sequence parallelism: pipe=2 x data=2 x sequence=2, sequence innermost here
     seq = ParallelMesh.build(8, pipe=2, sequence=2)

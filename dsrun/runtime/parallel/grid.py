@@ -78,6 +78,7 @@ class PipelineParallelGrid:
         return self._topo
 
     def get_global_rank(self) -> int:
+        """This rank's global rank."""
         return self.global_rank
 
     def get_stage_id(self) -> int:
@@ -95,9 +96,11 @@ class PipelineParallelGrid:
 
     # pipe axis
     def get_pipe_parallel_rank(self) -> int:
+        """This rank's stage."""
         return self.mesh.rank("pipe")
 
     def get_pipe_parallel_world_size(self) -> int:
+        """The number of pipeline stages."""
         return self.pipe_parallel_size
 
     def get_pipe_parallel_group(self) -> ProcessGroup | None:
@@ -109,9 +112,11 @@ class PipelineParallelGrid:
 
     # data axis
     def get_data_parallel_rank(self) -> int:
+        """Which pipeline replica this rank is in."""
         return self.mesh.rank("data")
 
     def get_data_parallel_world_size(self) -> int:
+        """The number of pipeline replicas."""
         return self.data_parallel_size
 
     def get_data_parallel_group(self) -> ProcessGroup | None:
@@ -119,26 +124,33 @@ class PipelineParallelGrid:
         return self.mesh.group("data")
 
     def get_data_parallel_group_ranks(self) -> list[int]:
+        """The global ranks of get_data_parallel_group(), ascending."""
         return list(self.mesh.ranks("data"))
 
     # model parallel: every part of one model copy (pipe x model)
     def get_model_parallel_rank(self) -> int:
+        """This rank's rank among the ranks holding one model copy (pipe x model)."""
         return self.mesh.rank("pipe_model")
 
     def get_model_parallel_world_size(self) -> int:
+        """The number of ranks holding one model copy: stages x model slices."""
         return self.mesh.size("pipe_model")
 
     def get_model_parallel_group(self) -> ProcessGroup | None:
+        """The ranks holding one model copy (pipe x model)."""
         return self.mesh.group("pipe_model")
 
     # slice parallel = tensor model parallel: the model axis within a stage
     def get_slice_parallel_rank(self) -> int:
+        """This rank's model (tensor) slice within its stage."""
         return self.mesh.rank("model")
 
     def get_slice_parallel_world_size(self) -> int:
+        """The number of model (tensor) slices per stage."""
         return self.slice_parallel_size
 
     def get_slice_parallel_group(self) -> ProcessGroup | None:
+        """The ranks holding the slices of this rank's stage in this replica."""
         return self.mesh.group("model")
 
     get_tensor_model_parallel_rank = get_slice_parallel_rank
@@ -147,19 +159,25 @@ class PipelineParallelGrid:
 
     # sequence parallelism (DeepSpeed's groups module asks an mpu for these)
     def get_sequence_parallel_rank(self) -> int:
+        """This rank's sequence slice."""
         return self.mesh.rank("sequence")
 
     def get_sequence_parallel_world_size(self) -> int:
+        """The number of sequence slices."""
         return self.mesh.size("sequence")
 
     def get_sequence_parallel_group(self) -> ProcessGroup | None:
+        """The ranks holding the other sequence slices of this rank's batch."""
         return self.mesh.group("sequence")
 
     def get_sequence_data_parallel_rank(self) -> int:
+        """This rank's rank in the data x sequence group."""
         return self.mesh.rank("sequence_data")
 
     def get_sequence_data_parallel_world_size(self) -> int:
+        """The number of ranks holding the same parameters (data x sequence)."""
         return self.mesh.size("sequence_data")
 
     def get_sequence_data_parallel_group(self) -> ProcessGroup | None:
+        """The ranks holding the same parameters (data x sequence): ZeRO's group."""
         return self.mesh.group("sequence_data")
