@@ -6,7 +6,8 @@ unchanged; see README.md for what is supported. Public API:
 (DeepSpeed's `deepspeed.comm`), `Engine` (alias `DeepSpeedEngine`), `ops`
 (DeepSpeed's optimizer names under `ops.adam`, `ops.lion`, `ops.adagrad`),
 `accelerator.get_accelerator`, `checkpointing` (activation checkpointing),
-`utils`, `zero`. DeepSpeed names dsrun lacks raise an error naming the
+`utils`, `zero`, `pipe` (pipeline parallelism: `PipelineModule`,
+`LayerSpec`, `TiedLayerSpec`). DeepSpeed names dsrun lacks raise an error naming the
 feature (dsrun/compat/missing.py).
 """
 import importlib
@@ -43,6 +44,9 @@ _LAZY_API = {
     "logger": ("dsrun.utils", "logger"),
     "DeepSpeedConfigError": ("dsrun.runtime.config", "ConfigError"),
     "moe": ("dsrun.moe", None),
+    "pipe": ("dsrun.pipe", None),
+    "PipelineModule": ("dsrun.runtime.parallel.pipe.module", "PipelineModule"),
+    "PipelineEngine": ("dsrun.runtime.parallel.pipe.engine", "PipelineEngine"),
 }
 # See [Note: missing DeepSpeed names] in dsrun/compat/missing.py.
 _missing.install(__name__)
@@ -69,5 +73,5 @@ def __dir__() -> list[str]:
 
 __all__ = ["DeepSpeedConfigError", "DeepSpeedEngine", "Engine", "Topology", "__version__", "accelerator",
            "add_config_arguments", "checkpoint", "checkpointing", "comm", "estimate_zero_memory",
-           "get_accelerator", "init_distributed", "initialize", "log_dist", "logger", "ops", "runtime",
-           "utils", "zero"]
+           "get_accelerator", "init_distributed", "initialize", "log_dist", "logger", "ops", "pipe",
+           "PipelineEngine", "PipelineModule", "runtime", "utils", "zero"]

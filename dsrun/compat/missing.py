@@ -4,7 +4,7 @@
 A script written for DeepSpeed that reaches a feature dsrun lacks must stop
 with a message naming that feature, never with a bare AttributeError or
 ModuleNotFoundError that reads like a broken install. Three kinds of names:
-- modules (`deepspeed.pipe`, `deepspeed.inference`, ...): `MISSING_MODULES`,
+- modules (`deepspeed.inference`, `deepspeed.sequence`, ...): `MISSING_MODULES`,
   served by `MissingModuleFinder`, which sits at the end of sys.meta_path
   and answers only for dsrun's own names that no file provides: importing
   one raises `FeatureNotImplementedError` (an ImportError).
@@ -42,10 +42,6 @@ def message(name: str, feature: str, instead: str | None) -> str:
 # Module path relative to the package (a prefix covers its submodules) ->
 # (feature, what to use instead or None).
 MISSING_MODULES: dict[str, tuple[str, str | None]] = {
-    "pipe": ("pipeline parallelism (PipelineModule, LayerSpec)",
-             "train the model data-parallel with ZeRO (stage 3 for models that do not fit one rank)"),
-    "runtime.pipe": ("pipeline parallelism (PipelineEngine, ProcessTopology)",
-                     "train the model data-parallel with ZeRO"),
     "moe.sharded_moe": ("expert parallelism (sharded MoE)", None),
     "moe.experts": ("expert parallelism (Experts)", None),
     "inference": ("DeepSpeed-Inference (init_inference, InferenceEngine)", "run the model with plain PyTorch"),
@@ -69,8 +65,6 @@ MISSING_ATTRS: dict[str, tuple[str, str | None]] = {
     "InferenceEngine": MISSING_MODULES["inference"],
     "DeepSpeedInferenceConfig": MISSING_MODULES["inference"],
     "default_inference_config": MISSING_MODULES["inference"],
-    "PipelineModule": MISSING_MODULES["pipe"],
-    "PipelineEngine": MISSING_MODULES["runtime.pipe"],
     "DeepSpeedHybridEngine": MISSING_MODULES["runtime.hybrid_engine"],
     "DeepSpeedTransformerLayer": MISSING_MODULES["ops.transformer"],
     "DeepSpeedTransformerConfig": MISSING_MODULES["ops.transformer"],

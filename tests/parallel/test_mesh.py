@@ -50,7 +50,7 @@ def _check_mesh(mesh: ParallelMesh, coords: dict[int, dict[str, int]]) -> dict:
 def _pipe2_data2() -> dict:
     import torch.distributed as dist
 
-    from dsrun.runtime.dist import init_distributed
+    from dsrun.runtime.distributed.dist import init_distributed
     from dsrun.runtime.parallel.grid import PipelineParallelGrid
     from dsrun.utils import groups
     init_distributed()
@@ -94,7 +94,7 @@ def test_pipe2_data2_groups_grid_and_deepspeed_groups():
 def _world8() -> dict:
     import torch.distributed as dist
 
-    from dsrun.runtime.dist import init_distributed
+    from dsrun.runtime.distributed.dist import init_distributed
     from dsrun.runtime.parallel.grid import PipelineParallelGrid
     from dsrun.utils import groups
     init_distributed()

@@ -121,7 +121,8 @@ def _shown_by_rank0(error: ConfigError, rank: int, world: int) -> None:
 
 
 def check_ranks_agree(module: torch.nn.Module, cfg: DsConfig | None,
-                      error: ConfigError | None, rank: int, device: torch.device) -> None:
+                      error: ConfigError | None, rank: int, device: torch.device,
+                      description: list[str] | None = None) -> None:
     """Raise on every rank unless all ranks hold a valid config, the same
     resolved config and the same model (see [Note: rank agreement protocol]).
     Collective over the default group; call it on every rank before any
@@ -133,6 +134,9 @@ def check_ranks_agree(module: torch.nn.Module, cfg: DsConfig | None,
         error: the ConfigError this rank got instead of a config, or None.
         rank: this rank's global rank.
         device: where the backend's collectives run (cuda:N under NCCL).
+        description: what must be equal about the model on every rank
+            (default: `model_description(module)`; a pipeline stage passes
+            the whole pipeline's layer list, since each rank holds other layers).
 
     Raises:
         ConfigError: some rank's config is invalid (each invalid rank raises
@@ -147,7 +151,7 @@ def check_ranks_agree(module: torch.nn.Module, cfg: DsConfig | None,
             raise error
         return
     config_text = (str(error) if error is not None else "\n".join(config_description(cfg)))
-    model_text = "\n".join(model_description(module))
+    model_text = "\n".join(description if description is not None else model_description(module))
     record = bytes([0 if error is not None else 1]) + _digest([config_text]) + _digest([model_text])
     mine = torch.tensor(list(record), dtype=torch.uint8, device=device)
     gathered = torch.empty(world * _RECORD, dtype=torch.uint8, device=device)

@@ -1,7 +1,7 @@
 """The parts of DeepSpeedEngine's surface that scripts and Hugging Face call
 but that the training loop does not need: configuration getters, the
 consolidated 16-bit state dict, attribute forwarding to the wrapped module,
-and the pipeline-engine methods dsrun does not have.
+and the pipeline engine's methods, which say what to do instead.
 
 They live in this mixin so that engine.py stays the loop (see
 the design notes: one engine class behind one-line getters is what to avoid). Every getter reads the resolved DsConfig
@@ -13,11 +13,18 @@ from collections import OrderedDict
 
 import torch
 
-from dsrun.compat.missing import MissingMethod
 
-_PIPELINE = "pipeline parallelism (PipelineEngine)"
-_PIPELINE_INSTEAD = ("run forward, engine.backward(loss) and engine.step() per micro-batch "
-                     "(see README, 'Using dsrun in a training script')")
+
+def _pipeline_only(name: str):
+    """A method of DeepSpeed's PipelineEngine called on the data-parallel engine."""
+    def method(self, *args, **kwargs):
+        raise RuntimeError(
+            f"engine.{name}() belongs to the pipeline engine, which initialize() returns when the model is "
+            "a dsrun.pipe.PipelineModule; this model is a plain module: run forward, engine.backward(loss) "
+            "and engine.step() per micro-batch (see README, 'Using dsrun in a training script')")
+    method.__name__ = name
+    method.__doc__ = f"Pipeline engine only (DeepSpeed's PipelineEngine.{name}); raises RuntimeError here."
+    return method
 
 
 class DeepSpeedEngineCompat:
@@ -149,11 +156,10 @@ class DeepSpeedEngineCompat:
         raise AttributeError(f"neither the dsrun engine nor its module ({type(modules.get('module')).__name__}) "
                              f"has an attribute {name!r}")
 
-    # -- DeepSpeed's pipeline engine: not implemented -------------------------------------------
-    train_batch = MissingMethod(_PIPELINE, _PIPELINE_INSTEAD)
-    eval_batch = MissingMethod(_PIPELINE, _PIPELINE_INSTEAD)
-    inference_batch = MissingMethod(_PIPELINE, _PIPELINE_INSTEAD)
-    set_dataiterator = MissingMethod(_PIPELINE, _PIPELINE_INSTEAD)
-    set_batch_fn = MissingMethod(_PIPELINE, _PIPELINE_INSTEAD)
-    is_first_stage = MissingMethod(_PIPELINE, None)
-    is_last_stage = MissingMethod(_PIPELINE, None)
+    # -- DeepSpeed's pipeline engine (dsrun/runtime/parallel/pipe/engine.py) -------------------
+    train_batch = _pipeline_only("train_batch")
+    eval_batch = _pipeline_only("eval_batch")
+    set_dataiterator = _pipeline_only("set_dataiterator")
+    set_batch_fn = _pipeline_only("set_batch_fn")
+    is_first_stage = _pipeline_only("is_first_stage")
+    is_last_stage = _pipeline_only("is_last_stage")

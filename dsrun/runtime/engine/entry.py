@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -21,7 +22,7 @@ from dsrun.runtime.observability import exit_report
 from dsrun.runtime.distributed.agreement import check_ranks_agree
 from dsrun.runtime.activation_checkpointing import checkpointing
 from dsrun.runtime.config import ConfigError, DsConfig, load_config
-from dsrun.runtime.engine.dataloader import DistributedDataLoader
+from dsrun.runtime.engine.dataloader import DistributedDataLoader, RepeatingLoader
 from dsrun.runtime.distributed.dist import Topology, init_distributed
 from dsrun.runtime.engine.engine import Engine, build_strategy
 from dsrun.runtime.observability.logging import logger
@@ -29,6 +30,9 @@ from dsrun.runtime.observability.logging import logger
 # is an attribute of `deepspeed.runtime` (Accelerate reads it so, without importing it).
 from dsrun.runtime.lr_schedules import build_lr_scheduler
 from dsrun.runtime.optim.optimizers import build_optimizer
+from dsrun.runtime.parallel.mesh import ParallelMesh, set_current
+from dsrun.runtime.parallel.pipe.engine import PipelineEngine, check_pipeline_config, tie_weights
+from dsrun.runtime.parallel.pipe.module import PipelineModule
 
 ConfigSource = dict | str | Path | DsConfig
 
@@ -77,11 +81,23 @@ def _config_source(args: Any, config: ConfigSource | None,
                       "--deepspeed_config PATH (see add_config_arguments)")
 
 
-def _broadcast_module(module: torch.nn.Module) -> None:
-    """Give every rank rank 0's parameters and buffers (different seeds must not diverge)."""
+def _broadcast_module(module: torch.nn.Module, src: int = 0, group=None) -> None:
+    """Give every rank of `group` (default: all) global rank `src`'s parameters
+    and buffers (different seeds must not diverge)."""
     with torch.no_grad():
         for tensor in list(module.parameters()) + list(module.buffers()):
-            comm.broadcast(tensor.data, src=0)
+            comm.broadcast(tensor.data, src=src, group=group)
+
+
+def pipeline_mesh(module: PipelineModule) -> ParallelMesh:
+    """The job's mesh for a PipelineModule (its topology, or pipe x data with
+    the module's stages), made the current mesh that `dsrun.utils.groups`
+    answers from. Collective: every rank creates every group."""
+    topology = module.topology()
+    world = comm.get_world_size()
+    mesh = ParallelMesh(topology) if topology is not None else ParallelMesh.build(world, pipe=module.num_stages)
+    set_current(mesh)
+    return mesh
 
 
 def _check_model(model: torch.nn.Module) -> None:
@@ -198,13 +214,19 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
     started = memory_profile.MemorySnapshot.take()  # reads /proc only; used if the config asks
     topology: Topology = init_distributed(distributed_port=distributed_port)
     exit_report.install()  # again after torch's own hook (init_process_group's): ours runs first
+    pipeline = isinstance(model, PipelineModule)
     cfg, error = None, None
     try:
-        cfg = load_config(source, world_size=topology.world_size)
+        # A pipeline's batch triple counts its data-parallel ranks, not every rank.
+        cfg = load_config(source, world_size=topology.world_size // (model.num_stages if pipeline else 1))
+        if pipeline:
+            check_pipeline_config(cfg, model)
     except ConfigError as exc:
         error = exc
     # The first collective of training; raises on every rank when they disagree.
-    check_ranks_agree(model, cfg, error, topology.rank, topology.device)
+    check_ranks_agree(model, cfg, error, topology.rank, topology.device,
+                      description=model.describe() if pipeline else None)
+    mesh = pipeline_mesh(model) if pipeline else None
     if "activation_checkpointing" in cfg.model_fields_set and not checkpointing.is_configured():
         checkpointing.configure(None, deepspeed_config=cfg)  # DeepSpeed scripts may call configure() themselves
     comm.comms_logger.configure(cfg.comms_logger.enabled, cfg.comms_logger.verbose,
@@ -213,17 +235,30 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
     with (memory_profile.phase("initialize", since=started) if cfg.memory_breakdown
           else contextlib.nullcontext()):
         model.to(topology.device)
-        _broadcast_module(model)
+        if pipeline:  # the ranks of one stage hold the same layers: its data-parallel group
+            _broadcast_module(model, src=mesh.stage_to_global(model.stage_id, data=0), group=mesh.group("data"))
+            tied = tie_weights(model, mesh)
+        else:
+            _broadcast_module(model)
         params = (list(model_parameters) if model_parameters is not None
                   else [p for p in model.parameters() if p.requires_grad])
         basic_optimizer = _build_optimizer(optimizer, params, cfg)
-        strategy = build_strategy(cfg, model, basic_optimizer, topology)
+        strategy = build_strategy(cfg, model, basic_optimizer, topology,
+                                  data_group=mesh.group("data") if pipeline else None)
         allocator.trim()  # the model's original storage was just released
         scheduler = _build_scheduler(lr_scheduler, strategy.optimizer, cfg)
         loader = None
         if training_data is not None:
+            # A pipeline shards the data over its data axis: the stages of one replica read the same samples.
+            shard = (dataclasses.replace(topology, rank=mesh.rank("data"), world_size=mesh.size("data"))
+                     if pipeline else topology)
             loader = DistributedDataLoader(training_data, cfg.train_micro_batch_size_per_gpu,
-                                           topology, collate_fn=collate_fn)
-        engine = Engine(model, strategy, scheduler, cfg, topology)
+                                           shard, collate_fn=collate_fn)
+        if pipeline:
+            engine = PipelineEngine(model, strategy, scheduler, cfg, topology, mesh, tied)
+            if loader is not None:
+                engine.set_dataiterator(iter(RepeatingLoader(loader)))
+        else:
+            engine = Engine(model, strategy, scheduler, cfg, topology)
         engine.training_dataloader = loader  # its position is checkpointed
     return engine, engine.optimizer, loader, engine.lr_scheduler

@@ -188,9 +188,13 @@ class ParallelMesh:
             parts.setdefault(tuple(coord[i] for i in fixed), []).append(rank)
         return [tuple(part) for part in parts.values()]
 
-    def _make(self, parts: list[tuple[int, ...]]) -> MeshGroup:
-        """This rank's group among `parts` (disjoint, covering the job),
-        creating every part's process group in order (collective)."""
+    def make_group(self, parts: list[tuple[int, ...]]) -> MeshGroup | None:
+        """This rank's group among `parts` (disjoint tuples of global ranks),
+        creating every part's process group in order (collective over the
+        job: every rank passes the same parts). None when this rank is in
+        none of them (e.g. a stage that holds no copy of a tied weight).
+        The mesh's own axes cover the job; other callers (tied weights of
+        a pipeline) may pass fewer ranks."""
         mine = None
         for part in parts:
             if len(part) == 1:
@@ -203,12 +207,11 @@ class ParallelMesh:
                 group = self._made[part]
             if self.global_rank in part:
                 mine = MeshGroup(part, part.index(self.global_rank), group)
-        assert mine is not None, f"rank {self.global_rank} is in none of {parts}"
         return mine
 
     def _add(self, name: str, axes: tuple[str, ...]) -> None:
         self._parts[name] = self._partition(axes)
-        self._groups[name] = self._make(self._parts[name])
+        self._groups[name] = self.make_group(self._parts[name])
 
     # -- questions ---------------------------------------------------------
 
@@ -308,7 +311,7 @@ class ParallelMesh:
             parts = self._parts[axis]
             blocks = [part[s:s + block_size] for part in parts for s in range(0, size, block_size)]
             replicas = [part[i::block_size] for part in parts for i in range(block_size)]
-            self._blocks[key] = DataBlocks(self._make(blocks), self._make(replicas))
+            self._blocks[key] = DataBlocks(self.make_group(blocks), self.make_group(replicas))
         return self._blocks[key]
 
     def __repr__(self) -> str:

@@ -42,6 +42,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from dsrun.runtime import comm
+from dsrun.runtime.config import ConfigError
 from dsrun.runtime.engine.engine import Engine
 from dsrun.runtime.parallel.grid import PipelineParallelGrid
 from dsrun.runtime.parallel.mesh import ParallelMesh
@@ -81,6 +82,7 @@ class PipelineEngine(Engine):
         strategy: the GradientStrategy over the mesh's data axis.
         lr_scheduler, config, topology: as `Engine`.
         mesh: the job's ParallelMesh (its pipe axis matches the module's stages).
+        tied: what `tie_weights` returned.
 
     Attributes:
         grid: the `PipelineParallelGrid` of the mesh (DeepSpeed's `engine.grid`).
@@ -88,7 +90,7 @@ class PipelineEngine(Engine):
     """
 
     def __init__(self, module: PipelineModule, strategy, lr_scheduler, config, topology,
-                 mesh: ParallelMesh) -> None:
+                 mesh: ParallelMesh, tied: TiedGroups) -> None:
         super().__init__(module, strategy, lr_scheduler, config, topology)
         self.mesh = mesh
         self.grid = PipelineParallelGrid(mesh=mesh)
@@ -100,7 +102,7 @@ class PipelineEngine(Engine):
         self._link = StageLink(topology.device)
         self._data_iterator: Iterator | None = None
         self._batch_fn: Callable | None = None
-        self._tied_groups = _tied_groups(module, mesh)
+        self._tied_groups = tied
         if self.num_stages > 1:
             duplicates = frozenset(id(p) for p in module.parameters() if getattr(p, "ds_pipe_replicated", False))
             strategy.span_stages(StageSpan(mesh.group("pipe"), self.num_stages, duplicates))
@@ -138,7 +140,8 @@ class PipelineEngine(Engine):
 
         Only the first stage (inputs) and the last (labels) read from the
         iterator; each micro-batch is `(inputs, labels)`, inputs a tensor or
-        tuple of tensors.
+        tuple of tensors (floating-point ones are cast to the bf16/fp16
+        compute dtype under mixed precision, as DeepSpeed's pipeline does).
 
         Returns:
             The mean loss of the step's micro-batches, averaged over the
@@ -186,7 +189,7 @@ class PipelineEngine(Engine):
         m = num_micro_batches or self.micro_batches
         buffers = _Buffers()
         with torch.no_grad():
-            for action in sched.inference_schedule(self.num_stages, self.stage_id, m, self.virtual_stages):
+            for action in self._inference_actions(m):
                 self._run(action, buffers, train=False, compute_loss=compute_loss)
         self._link.wait_sends()
         self.module.train()
@@ -197,6 +200,16 @@ class PipelineEngine(Engine):
         return loss
 
     # -- the executor ----------------------------------------------------------------------
+    def _inference_actions(self, num_micro_batches: int) -> list:
+        """Forward-only actions: the inference schedule, or with chunks the
+        interleaved schedule's forward actions in its order (dropping the
+        backward ones can only make a receive's send come earlier)."""
+        if self.virtual_stages == 1:
+            return sched.inference_schedule(self.num_stages, self.stage_id, num_micro_batches)
+        forward = (sched.LoadMicroBatch, sched.RecvActivation, sched.Forward, sched.SendActivation)
+        return [a for a in sched.build_schedule("interleaved", self.num_stages, self.stage_id, num_micro_batches,
+                                                self.virtual_stages) if isinstance(a, forward)]
+
     def _require_iterator(self) -> None:
         if self._data_iterator is None and (self.is_first_stage() or self.is_last_stage()):
             raise RuntimeError("train_batch() has no data: pass an iterator (engine.train_batch(iter(loader))), "
@@ -247,7 +260,8 @@ class PipelineEngine(Engine):
                             + "; return such pairs from the data iterator or set_batch_fn")
         inputs, labels = batch
         if self.module.is_first_stage(action.chunk):
-            buffers.inputs[(action.micro_batch, action.chunk)] = _to_device(inputs, self.device)
+            buffers.inputs[(action.micro_batch, action.chunk)] = _to_device(inputs, self.device,
+                                                                            self.strategy.compute_dtype)
         if self.module.is_last_stage(action.chunk):
             buffers.labels[action.micro_batch] = _to_device(labels, self.device)
 
@@ -259,7 +273,7 @@ class PipelineEngine(Engine):
         with self._telemetry.phase("forward"):
             out = self.module(inputs, chunk=action.chunk)
         if self.module.is_last_stage(action.chunk):
-            if not train and compute_loss is False or self.module.loss_fn is None:
+            if (not train and not compute_loss) or self.module.loss_fn is None:
                 loss = out
             else:
                 loss = self.module.loss_fn(out, buffers.labels.pop(action.micro_batch))
@@ -334,28 +348,67 @@ class PipelineEngine(Engine):
         return value
 
 
-def _to_device(value, device: torch.device):
+def _to_device(value, device: torch.device, dtype: torch.dtype | None = None):
+    """`value` (a tensor or nested tuple/list) on `device`, floating-point
+    tensors cast to `dtype` when given (the stage's 16-bit compute dtype)."""
     if isinstance(value, torch.Tensor):
-        return value.to(device)
+        cast = dtype if dtype is not None and value.is_floating_point() else None
+        return value.to(device=device, dtype=cast)
     if isinstance(value, (tuple, list)):
-        return tuple(_to_device(v, device) for v in value)
+        return tuple(_to_device(v, device, dtype) for v in value)
     return value
 
 
-def _tied_groups(module: PipelineModule, mesh: ParallelMesh) -> list[tuple[list[torch.Tensor], Any]]:
-    """For each key tied across stages that this rank holds: (its tied
-    tensors, the process group of the ranks holding the key's copies at this
-    rank's data coordinate). Creates every key's groups on every rank, in
-    `tied_weight_broadcast_plan` order (collective), and broadcasts each key's
-    weights from its lowest stage so that the copies start equal."""
+TiedGroups = list[tuple[list[torch.Tensor], Any]]
+
+
+def tie_weights(module: PipelineModule, mesh: ParallelMesh) -> TiedGroups:
+    """Make the copies of weights tied across stages equal and say how to
+    reduce their gradients: for each key of `tied_weight_broadcast_plan`,
+    create the process groups of the ranks holding its copies (one group per
+    data coordinate; collective over the job, every rank in the same order),
+    broadcast the key's tensors from its lowest stage, and return, for the
+    keys this rank holds, (its tied tensors, its group). Call before the
+    gradient strategy copies the parameters."""
     out = []
     for plan in module.tied_weight_broadcast_plan():
         group = mesh.make_group([tuple(mesh.stage_to_global(s, data=d) for s in plan.stages)
                                  for d in range(mesh.size("data"))])
-        if module.stage_id in plan.stages:
+        if group is not None:
             params = module.tied_parameters(plan.key)
             with torch.no_grad():
                 for p in params:
                     comm.broadcast(p.data, src=mesh.stage_to_global(plan.src_stage), group=group.group)
             out.append((params, group.group))
     return out
+
+
+def check_pipeline_config(cfg, module: PipelineModule) -> None:
+    """The config's `pipeline` section against the module built before it
+    was read (see PipelineConfig), applying `activation_checkpoint_interval`.
+
+    Raises:
+        ConfigError: stages, partition, seed_layers or virtual_stages differ
+            from the module's, or the schedule does not fit virtual_stages.
+    """
+    pipe = cfg.pipeline
+    problems = []
+    if pipe.stages != "auto" and pipe.stages != module.num_stages:
+        problems.append(f"pipeline.stages={pipe.stages} but PipelineModule(num_stages={module.num_stages})")
+    if pipe.partition != "best" and pipe.partition != module.partition_method:
+        problems.append(f"pipeline.partition={pipe.partition!r} but PipelineModule(partition_method="
+                        f"{module.partition_method!r})")
+    if pipe.seed_layers and not module.seed_layers:
+        problems.append("pipeline.seed_layers=true but PipelineModule(seed_layers=False)")
+    if pipe.virtual_stages != module.virtual_stages:
+        problems.append(f"pipeline.virtual_stages={pipe.virtual_stages} but PipelineModule(virtual_stages="
+                        f"{module.virtual_stages})")
+    if (pipe.schedule == "interleaved") != (module.virtual_stages > 1):
+        problems.append(f"pipeline.schedule={pipe.schedule!r} with virtual_stages={module.virtual_stages}: the "
+                        "interleaved schedule needs virtual_stages >= 2 and the others 1")
+    if problems:
+        raise ConfigError("the config's pipeline section does not match the PipelineModule, which is built "
+                          "before the config is read: " + "; ".join(problems) + ". Make them agree (or remove "
+                          "the keys from the config)")
+    if "activation_checkpoint_interval" in pipe.model_fields_set:
+        module.activation_checkpoint_interval = pipe.activation_checkpoint_interval  # DeepSpeed's override

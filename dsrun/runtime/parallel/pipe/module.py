@@ -58,7 +58,7 @@ from torch import nn
 
 from dsrun.runtime import comm
 from dsrun.runtime.activation_checkpointing import checkpointing
-from dsrun.runtime.logging import logger
+from dsrun.runtime.observability.logging import logger
 from dsrun.runtime.parallel.pipe.partition import partition_balanced, partition_uniform
 from dsrun.runtime.utils import set_random_seed
 
@@ -228,6 +228,7 @@ class PipelineModule(nn.Module):
         self._topo = topology
         self.num_stages, self.stage_id = self._resolve_stage(num_stages, topology)
         self.virtual_stages = virtual_stages
+        self.partition_method = partition_method
         self.parts = self._partition(partition_method)
 
         self.tied_modules = nn.ModuleDict()  # registered first, as in DeepSpeed (parameter order)
@@ -375,6 +376,17 @@ class PipelineModule(nn.Module):
         return any(any(True for _ in f.parameters()) for f in funcs if isinstance(f, nn.Module))
 
     # -- layout ---------------------------------------------------------------------------------
+
+    def describe(self) -> list[str]:
+        """The whole pipeline, equal on every rank whatever its stage: the
+        split ("stages=... virtual_stages=... parts=...") and one line per
+        layer (global index and what it is), for the ranks' start-up
+        agreement (dsrun/runtime/distributed/agreement.py)."""
+        lines = [f"stages={self.num_stages} virtual_stages={self.virtual_stages} parts={self.parts}"]
+        for idx, layer in enumerate(self._layer_specs):
+            key = f" tied={layer.key}" if isinstance(layer, TiedLayerSpec) else ""
+            lines.append(f"layer {idx}: {_layer_type_name(layer)}{key}")
+        return lines
 
     def topology(self):
         """The topology given to the constructor (None when built from num_stages)."""
