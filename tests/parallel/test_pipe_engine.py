@@ -58,7 +58,7 @@ def _micro_batch(step: int, data_rank: int, micro: int, seq: int = 3):
 def _config(stages: int, data: int, micro_batches: int, schedule: str, zero_stage: int, bf16: bool,
             virtual: int) -> dict:
     return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": micro_batches,
-            "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.0}},
+            "optimizer": {"type": "SGD", "params": {"lr": 0.5}},
             "zero_optimization": {"stage": zero_stage}, "bf16": {"enabled": bf16},
             "gradient_clipping": 1.0, "pipeline": {"schedule": schedule, "virtual_stages": virtual},
             "steps_per_print": 1000}
@@ -78,23 +78,24 @@ def _train_pipeline(stages: int, micro_batches: int, schedule: str, zero_stage: 
     engine, *_ = dsrun.initialize(model=module, config=_config(stages, world // stages, micro_batches, schedule,
                                                                 zero_stage, bf16, virtual))
     data_rank = engine.grid.get_data_parallel_rank()
-    losses = []
+    losses, norms = [], []
     for step in range(STEPS):
         batches = iter([_micro_batch(step, data_rank, j, seq=0 if variable_seq else 3)
                         for j in range(micro_batches)])
         losses.append(float(engine.train_batch(batches)))
+        norms.append(engine.get_global_grad_norm())
     weights = {}
     for name, p in module.named_parameters():
         full = dsrun.zero.safe_get_full_fp32_param(p) if engine.strategy.manages(p) else p.detach().float()
         weights[name] = full.clone()
-    return {"losses": losses, "weights": weights, "stage": engine.stage_id, "data": data_rank}
+    return {"losses": losses, "norms": norms, "weights": weights, "stage": engine.stage_id, "data": data_rank}
 
 
 def _train_reference(data: int, micro_batches: int, variable_seq: bool) -> dict:
     import torch.nn.functional as F
     model = _reference_model()
-    opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.0)
-    losses = []
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses, norms = [], []
     for step in range(STEPS):
         opt.zero_grad()
         total = 0.0
@@ -104,15 +105,17 @@ def _train_reference(data: int, micro_batches: int, variable_seq: bool) -> dict:
                 loss = F.cross_entropy(model(x), y) / (data * micro_batches)
                 loss.backward()
                 total += loss.item()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
         opt.step()
         losses.append(total)
-    return {"losses": losses, "weights": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    return {"losses": losses, "norms": norms, "weights": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 
 def _check(results: list[dict], reference: dict, rtol: float, atol: float) -> None:
     for r in results:
         assert r["losses"] == pytest.approx(reference["losses"], rel=rtol, abs=atol), r
+        # the norm spans every stage (clipping uses the whole model's)
+        assert r["norms"] == pytest.approx(reference["norms"], rel=rtol, abs=atol), r
         for name, value in r["weights"].items():
             torch.testing.assert_close(value, reference["weights"][name], rtol=rtol, atol=atol, msg=name)
     held = {name for r in results for name in r["weights"]}

@@ -36,6 +36,7 @@ grows by about one input pass.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -87,6 +88,10 @@ class PipelineEngine(Engine):
     Attributes:
         grid: the `PipelineParallelGrid` of the mesh (DeepSpeed's `engine.grid`).
         num_stages, stage_id, micro_batches, schedule_name, virtual_stages.
+        last_bubble: this rank's wait on its neighbours during the last
+            `train_batch` ("wait_s", seconds blocked in receives and send
+            completion) and the schedule's wall time before the optimizer
+            step ("schedule_s"); their ratio is the stage's measured bubble.
     """
 
     def __init__(self, module: PipelineModule, strategy, lr_scheduler, config, topology,
@@ -107,6 +112,9 @@ class PipelineEngine(Engine):
             duplicates = frozenset(id(p) for p in module.parameters() if getattr(p, "ds_pipe_replicated", False))
             strategy.span_stages(StageSpan(mesh.group("pipe"), self.num_stages, duplicates))
         self.agg_train_loss: torch.Tensor | None = None
+        # The last train_batch's wait on neighbours ("wait_s": receives and send
+        # completion) and the schedule's wall time before the step ("schedule_s").
+        self.last_bubble: dict[str, float] = {}
 
     # -- DeepSpeed's pipeline API ---------------------------------------------------------
     def is_first_stage(self) -> bool:
@@ -159,7 +167,11 @@ class PipelineEngine(Engine):
         last_backward = max(i for i, a in enumerate(actions)
                             if isinstance(a, (sched.Backward, sched.BackwardWeight)))
         buffers = _Buffers()
+        self._link.reset_wait()
+        started = time.perf_counter()
         for i, action in enumerate(actions):
+            if isinstance(action, sched.ReduceTiedGrads):  # the schedule's part ends; the step follows
+                self.last_bubble = {"wait_s": self._link.wait_seconds, "schedule_s": time.perf_counter() - started}
             self._run(action, buffers, train=True, sync=(i == last_backward))
         self.micro_steps += self.micro_batches
         self.agg_train_loss = self._aggregate_loss(buffers.losses, bcast=True, reduce="avg")

@@ -20,6 +20,7 @@ matches by order, which the schedules give for one stream per pair).
 """
 from __future__ import annotations
 
+import time
 from typing import Sequence
 
 import torch
@@ -78,10 +79,16 @@ class StageLink:
 
     Args:
         device: where received tensors are allocated (this rank's compute device).
+
+    Attributes:
+        wait_seconds: wall time spent blocked in receives and in
+            `wait_sends` since the last `reset_wait` -- the stage's time
+            waiting on its neighbours (its share of the pipeline bubble).
     """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self.wait_seconds = 0.0
         self._sent_header: dict[int, list[int]] = {}
         self._recv_specs: dict[int, list] = {}
         self._pending: list = []  # (handle, tensors kept alive until the send completes)
@@ -103,6 +110,7 @@ class StageLink:
     def recv_activations(self, src: int) -> Tensors:
         """Receive a stage input from rank `src`: fresh tensors, those whose
         sender required grad marked `requires_grad` (leaves of this stage's graph)."""
+        started = time.perf_counter()
         length = torch.empty(1, dtype=torch.int64, device=self.device)
         irecv(length, src, tag=ACTIVATION_TAG).wait()
         if int(length.item()) > 0:
@@ -114,6 +122,7 @@ class StageLink:
             t = torch.empty(shape, dtype=dtype, device=self.device)
             irecv(t, src, tag=ACTIVATION_TAG).wait()
             out.append(t.requires_grad_(grad and dtype.is_floating_point))
+        self.wait_seconds += time.perf_counter() - started
         return tuple(out)
 
     def send_gradients(self, grads: Sequence[torch.Tensor], dst: int) -> None:
@@ -124,11 +133,13 @@ class StageLink:
     def recv_gradients(self, like: Sequence[torch.Tensor], src: int) -> Tensors:
         """Receive from rank `src` the gradients of the activations `like`
         that this rank sent it (those that required grad)."""
+        started = time.perf_counter()
         out = []
         for t in like:
             g = torch.empty(t.shape, dtype=t.dtype, device=self.device)
             irecv(g, src, tag=GRADIENT_TAG).wait()
             out.append(g)
+        self.wait_seconds += time.perf_counter() - started
         return tuple(out)
 
     def _isend(self, tensors: list[torch.Tensor], dst: int, tag: int) -> None:
@@ -138,6 +149,12 @@ class StageLink:
     def wait_sends(self) -> None:
         """Block until every send issued so far has completed (before the
         tensors may be freed or reused: at the latest at the step's end)."""
+        started = time.perf_counter()
         for handle, _ in self._pending:
             handle.wait()
         self._pending.clear()
+        self.wait_seconds += time.perf_counter() - started
+
+    def reset_wait(self) -> None:
+        """Start counting `wait_seconds` from zero."""
+        self.wait_seconds = 0.0
