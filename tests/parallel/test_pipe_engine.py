@@ -141,3 +141,145 @@ def test_pipeline_bf16_zero2_and_variable_sequence_lengths():
     changes (metadata is sent whenever the shapes change)."""
     results = run_ranks(_train_pipeline, 4, 2, 4, "1f1b", 2, True, 1, True)
     _check(results, _train_reference(2, 4, True), rtol=5e-2, atol=5e-2)
+
+
+class Tied(torch.nn.Module):
+    """A square weight used twice: x @ W here, x @ W^T at the other end."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(width, width) / width ** 0.5)
+
+    def forward(self, x):
+        return x @ self.weight
+
+
+def _transposed(module, x):
+    return x @ module.weight.t()
+
+
+def _tied_layers():
+    from dsrun.pipe import LayerSpec, TiedLayerSpec
+    return ([TiedLayerSpec("square", Tied, WIDTH)] + [LayerSpec(Block, WIDTH) for _ in range(4)]
+            + [TiedLayerSpec("square", Tied, WIDTH, forward_fn=_transposed), LayerSpec(Head, WIDTH, CLASSES)])
+
+
+class _TiedReference(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        from dsrun.runtime.utils import set_random_seed
+        built = []
+        for idx, spec in enumerate(_tied_layers()):
+            set_random_seed(1234 + idx)
+            built.append(None if idx == 5 else spec.build())
+        self.tied, self.blocks, self.head = built[0], torch.nn.ModuleList(built[1:5]), built[6]
+
+    def forward(self, x):
+        x = self.tied(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(_transposed(self.tied, x))
+
+
+def _train_tied(stages: int) -> dict:
+    import torch.nn.functional as F
+
+    import dsrun
+    from dsrun.pipe import PipelineModule
+    from dsrun.runtime.distributed.dist import init_distributed
+    init_distributed()
+    module = PipelineModule(_tied_layers(), num_stages=stages, loss_fn=F.cross_entropy, seed_layers=True,
+                            partition_method="uniform")
+    engine, *_ = dsrun.initialize(model=module, config=_config(stages, 4 // stages, 2, "1f1b", 1, False, 1))
+    data_rank = engine.grid.get_data_parallel_rank()
+    losses = [float(engine.train_batch(iter([_micro_batch(s, data_rank, j) for j in range(2)])))
+              for s in range(STEPS)]
+    tied = module.tied_modules["square"].weight if "square" in module.tied_modules else None
+    eval_batches = [_micro_batch(99, data_rank, j) for j in range(2)]
+    eval_loss, logits = engine.eval_batch(iter(eval_batches), return_logits=True)
+    return {"losses": losses, "tied": None if tied is None else dsrun.zero.safe_get_full_fp32_param(tied).clone(),
+            "eval": float(eval_loss), "logits": logits, "stage": engine.stage_id}
+
+
+def test_tied_weights_and_eval_batch():
+    """A weight used by the first and the last stage: its gradient is summed
+    over both, the copies stay equal, the losses are one process's; then
+    eval_batch gives the forward loss on every stage and the logits on the last."""
+    import torch.nn.functional as F
+    results = run_ranks(_train_tied, 4, 2)
+    model = _TiedReference()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        total = 0.0
+        for d in range(2):
+            for j in range(2):
+                x, y = _micro_batch(step, d, j)
+                loss = F.cross_entropy(model(x), y) / 4
+                loss.backward()
+                total += loss.item()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(total)
+    with torch.no_grad():
+        evals = [[F.cross_entropy(model(x), y).item() for x, y in (_micro_batch(99, d, j) for j in range(2))]
+                 for d in range(2)]
+    for r in results:
+        assert r["losses"] == pytest.approx(losses, rel=1e-4, abs=1e-5)
+        assert r["tied"] is not None, "stages 0 and 1 both hold the tied weight"
+        torch.testing.assert_close(r["tied"], model.tied.weight.detach(), rtol=1e-4, atol=1e-5)
+        assert r["eval"] == pytest.approx(sum(map(sum, evals)) / 4, rel=1e-4)
+        assert (r["logits"] is None) == (r["stage"] == 0)
+        if r["logits"] is not None:
+            assert len(r["logits"]) == 2 and r["logits"][0].shape == (MICRO, CLASSES)
+
+
+def _empty_stage_layers():
+    from dsrun.pipe import LayerSpec
+    # stages 2 and 3 hold one parameterless layer each
+    return [LayerSpec(Block, WIDTH), LayerSpec(Head, WIDTH, CLASSES), torch.nn.Tanh(), torch.nn.Identity()]
+
+
+def _train_with_empty_stage() -> dict:
+    import torch.nn.functional as F
+
+    import dsrun
+    from dsrun.pipe import PipelineModule
+    from dsrun.runtime.distributed.dist import init_distributed
+    init_distributed()
+    module = PipelineModule(_empty_stage_layers(), num_stages=4, loss_fn=F.cross_entropy, seed_layers=True,
+                            partition_method="uniform")
+    engine, *_ = dsrun.initialize(model=module, config=_config(4, 1, 4, "1f1b", 0, False, 1))
+    losses = [float(engine.train_batch(iter([_micro_batch(s, 0, j) for j in range(4)]))) for s in range(STEPS)]
+    return {"losses": losses, "params": sum(p.numel() for p in module.parameters())}
+
+
+def test_stage_without_parameters():
+    """Stages 2 and 3 of 4 hold no parameter (an optimizer of one empty
+    group); the run still equals one process's."""
+    import torch.nn.functional as F
+
+    from dsrun.runtime.utils import set_random_seed
+    results = run_ranks(_train_with_empty_stage, 4)
+    assert [r["params"] > 0 for r in results] == [True, True, False, False]
+    layers = []
+    for idx, spec in enumerate(_empty_stage_layers()):
+        set_random_seed(1234 + idx)
+        layers.append(spec.build() if hasattr(spec, "build") else spec)
+    model = torch.nn.Sequential(*layers)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        total = 0.0
+        for j in range(4):
+            x, y = _micro_batch(step, 0, j)
+            loss = F.cross_entropy(model(x), y) / 4
+            loss.backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(total)
+    for r in results:
+        assert r["losses"] == pytest.approx(losses, rel=1e-4, abs=1e-5)

@@ -101,7 +101,8 @@ def pipeline_mesh(module: PipelineModule) -> ParallelMesh:
 
 
 def _check_model(model: torch.nn.Module) -> None:
-    """Reject a model the engine cannot train, before any collective."""
+    """Reject a model the engine cannot train, before any collective (a
+    pipeline stage may hold no trainable parameter: another stage does)."""
     meta = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
     if meta:
         raise ValueError(
@@ -109,7 +110,7 @@ def _check_model(model: torch.nn.Module) -> None:
             f"'{meta[0]}'; materialize them before initialize() (model.to_empty(device='cpu') then "
             "initialize the weights), or build the model inside `with dsrun.zero.Init():`, which "
             "materializes meta parameters and initialises them with their module's reset_parameters()")
-    if not any(p.requires_grad for p in model.parameters()):
+    if not isinstance(model, PipelineModule) and not any(p.requires_grad for p in model.parameters()):
         count = sum(1 for _ in model.parameters())
         raise ValueError(
             f"the model has no trainable parameters ({count} parameters, none with requires_grad=True): "
@@ -242,6 +243,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
             _broadcast_module(model)
         params = (list(model_parameters) if model_parameters is not None
                   else [p for p in model.parameters() if p.requires_grad])
+        if pipeline and not params:  # a stage of parameterless layers: an optimizer of one empty group
+            params = [{"params": []}]
         basic_optimizer = _build_optimizer(optimizer, params, cfg)
         strategy = build_strategy(cfg, model, basic_optimizer, topology,
                                   data_group=mesh.group("data") if pipeline else None)
