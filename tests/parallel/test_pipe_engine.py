@@ -283,3 +283,36 @@ def test_stage_without_parameters():
         losses.append(total)
     for r in results:
         assert r["losses"] == pytest.approx(losses, rel=1e-4, abs=1e-5)
+
+
+def _train_fp16(zero_stage: int) -> dict:
+    import torch.nn.functional as F
+
+    import dsrun
+    from dsrun.pipe import PipelineModule
+    from dsrun.runtime.distributed.dist import init_distributed
+    init_distributed()
+    module = PipelineModule(_layers(), num_stages=2, loss_fn=F.cross_entropy, seed_layers=True,
+                            partition_method="uniform")
+    cfg = _config(2, 2, 2, "1f1b", zero_stage, False, 1)
+    cfg["fp16"] = {"enabled": True, "initial_scale_power": 18, "hysteresis": 1, "loss_scale_window": 1000}
+    engine, *_ = dsrun.initialize(model=module, config=cfg)
+    data_rank = engine.grid.get_data_parallel_rank()
+    losses, scales = [], []
+    for s in range(8):
+        losses.append(float(engine.train_batch(iter([_micro_batch(0, data_rank, j) for j in range(2)]))))
+        scales.append(engine.strategy.loss_scale())
+    return {"losses": losses, "scales": scales, "skipped": engine.skipped_steps}
+
+
+@pytest.mark.parametrize("zero_stage", [0, 2])
+def test_fp16_one_loss_scale_across_stages(zero_stage):
+    """fp16 with a loss scale so large that the first steps overflow: every
+    stage skips the same steps and keeps the same scale, then training goes on."""
+    results = run_ranks(_train_fp16, 4, zero_stage)
+    assert len({(tuple(r["scales"]), r["skipped"]) for r in results}) == 1, results
+    r = results[0]
+    assert r["skipped"] >= 1 and r["scales"][0] < 2.0 ** 18
+    applied = [loss for loss, scale, prev in zip(r["losses"][1:], r["scales"][1:], r["scales"]) if scale == prev]
+    assert applied and all(map(lambda v: v == v and abs(v) < 10, r["losses"]))
+    assert r["losses"][-1] < r["losses"][0], "the same batch every step: the loss falls once steps apply"
