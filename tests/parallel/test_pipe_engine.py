@@ -316,3 +316,38 @@ def test_fp16_one_loss_scale_across_stages(zero_stage):
     applied = [loss for loss, scale, prev in zip(r["losses"][1:], r["scales"][1:], r["scales"]) if scale == prev]
     assert applied and all(map(lambda v: v == v and abs(v) < 10, r["losses"]))
     assert r["losses"][-1] < r["losses"][0], "the same batch every step: the loss falls once steps apply"
+
+
+def test_config_must_match_the_module():
+    """Keys the module decided before the config was read are checked, not ignored."""
+    from types import SimpleNamespace
+
+    from dsrun.runtime.config import ConfigError, load_config
+    from dsrun.runtime.parallel.pipe.engine import check_pipeline_config
+    module = SimpleNamespace(num_stages=2, partition_method="parameters", seed_layers=False, virtual_stages=1,
+                             activation_checkpoint_interval=0)
+    base = {"train_batch_size": 8, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    check_pipeline_config(load_config({**base, "pipeline": {"stages": 2}}, world_size=2), module)
+    for section, words in [({"stages": 4}, "stages=4"), ({"partition": "uniform"}, "partition"),
+                           ({"seed_layers": True}, "seed_layers"), ({"schedule": "interleaved"}, "interleaved"),
+                           ({"virtual_stages": 2}, "virtual_stages=2")]:
+        with pytest.raises(ConfigError, match=words):
+            check_pipeline_config(load_config({**base, "pipeline": section}, world_size=2), module)
+    offload = {**base, "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}
+    with pytest.raises(ConfigError, match="offload_optimizer"):
+        check_pipeline_config(load_config(offload, world_size=2), module)
+    check_pipeline_config(load_config({**base, "pipeline": {"activation_checkpoint_interval": 3}}, world_size=2),
+                          module)
+    assert module.activation_checkpoint_interval == 3, "a set interval replaces the module's, as in DeepSpeed"
+
+
+def test_zero3_with_a_pipeline_is_refused():
+    from dsrun.runtime.config import load_config
+    from dsrun.runtime.distributed.dist import init_distributed
+    from dsrun.runtime.zero import build_zero_strategy
+    topology = init_distributed()
+    model = torch.nn.Linear(2, 2)
+    cfg = load_config({"train_batch_size": 1, "zero_optimization": {"stage": 3}}, world_size=1)
+    with pytest.raises(ValueError, match="stage 3 cannot run with pipeline parallelism"):
+        build_zero_strategy(cfg, model, torch.optim.SGD(model.parameters(), lr=0.1), topology,
+                            group=torch.distributed.group.WORLD)

@@ -401,7 +401,8 @@ def check_pipeline_config(cfg, module: PipelineModule) -> None:
 
     Raises:
         ConfigError: stages, partition, seed_layers or virtual_stages differ
-            from the module's, or the schedule does not fit virtual_stages.
+            from the module's, the schedule does not fit virtual_stages, or
+            the optimizer is offloaded (not supported with a pipeline yet).
     """
     pipe = cfg.pipeline
     problems = []
@@ -418,9 +419,12 @@ def check_pipeline_config(cfg, module: PipelineModule) -> None:
     if (pipe.schedule == "interleaved") != (module.virtual_stages > 1):
         problems.append(f"pipeline.schedule={pipe.schedule!r} with virtual_stages={module.virtual_stages}: the "
                         "interleaved schedule needs virtual_stages >= 2 and the others 1")
+    if cfg.zero_optimization.offload_optimizer.device != "none":
+        problems.append("zero_optimization.offload_optimizer with a pipeline is not supported yet (its "
+                        "gradients live in host memory, where the cross-stage norm does not read them yet); "
+                        "set its device to none")
     if problems:
-        raise ConfigError("the config's pipeline section does not match the PipelineModule, which is built "
-                          "before the config is read: " + "; ".join(problems) + ". Make them agree (or remove "
-                          "the keys from the config)")
+        raise ConfigError("the config does not fit the PipelineModule (built before the config is read): "
+                          + "; ".join(problems) + ". Make them agree (or remove the keys from the config)")
     if "activation_checkpoint_interval" in pipe.model_fields_set:
         module.activation_checkpoint_interval = pipe.activation_checkpoint_interval  # DeepSpeed's override
