@@ -181,7 +181,7 @@ class _TiedReference(torch.nn.Module):
         return self.head(_transposed(self.tied, x))
 
 
-def _train_tied(stages: int) -> dict:
+def _train_tied(stages: int, schedule: str, zero_stage: int) -> dict:
     import torch.nn.functional as F
 
     import dsrun
@@ -190,7 +190,7 @@ def _train_tied(stages: int) -> dict:
     init_distributed()
     module = PipelineModule(_tied_layers(), num_stages=stages, loss_fn=F.cross_entropy, seed_layers=True,
                             partition_method="uniform")
-    engine, *_ = dsrun.initialize(model=module, config=_config(stages, 4 // stages, 2, "1f1b", 1, False, 1))
+    engine, *_ = dsrun.initialize(model=module, config=_config(stages, 4 // stages, 2, schedule, zero_stage, False, 1))
     data_rank = engine.grid.get_data_parallel_rank()
     losses = [float(engine.train_batch(iter([_micro_batch(s, data_rank, j) for j in range(2)])))
               for s in range(STEPS)]
@@ -201,12 +201,15 @@ def _train_tied(stages: int) -> dict:
             "eval": float(eval_loss), "logits": logits, "stage": engine.stage_id}
 
 
-def test_tied_weights_and_eval_batch():
+@pytest.mark.parametrize("schedule,zero_stage", [("1f1b", 1), ("zb-h1", 2)])
+def test_tied_weights_and_eval_batch(schedule, zero_stage):
     """A weight used by the first and the last stage: its gradient is summed
     over both, the copies stay equal, the losses are one process's; then
-    eval_batch gives the forward loss on every stage and the logits on the last."""
+    eval_batch gives the forward loss on every stage and the logits on the last.
+    Under zb-h1 the tied weight's transposed use (a forward_fn, no module
+    output to record) takes the weight pass's fallback path."""
     import torch.nn.functional as F
-    results = run_ranks(_train_tied, 4, 2)
+    results = run_ranks(_train_tied, 4, 2, schedule, zero_stage)
     model = _TiedReference()
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     losses = []

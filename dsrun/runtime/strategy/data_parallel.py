@@ -118,6 +118,20 @@ class GradientStrategy(abc.ABC):
     def backward(self, loss: torch.Tensor, *, sync: bool, retain_graph: bool) -> None:
         """Run autograd for one micro-step on `loss` (a scalar, already divided by G)."""
 
+    def run_backward(self, autograd_call, *, sync: bool) -> None:
+        """Run `autograd_call()` -- autograd work that accumulates gradients
+        already multiplied by `loss_scale()` into the parameters (e.g. a
+        pipeline's weight-gradient pass, [Note: zero bubble's split backward]
+        in dsrun/runtime/parallel/pipe/engine.py) -- as `backward` runs its
+        own, with the same reduction when `sync`.
+
+        Raises:
+            NotImplementedError: the strategy cannot take gradients this way
+                (ZeRO stage 3, the 1-bit optimizers).
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot run a split backward (zero-bubble pipeline "
+                                  "schedule); use ZeRO stage 0, 1 or 2")
+
     @abc.abstractmethod
     def step(self, max_grad_norm: float) -> StepOutcome:
         """Clip and apply one optimizer step at the accumulation boundary."""
@@ -343,9 +357,12 @@ class AllReduceStrategy(GradientStrategy):
                 offset += p.numel()
 
     def backward(self, loss: torch.Tensor, *, sync: bool, retain_graph: bool) -> None:
+        self.run_backward(lambda: loss.backward(retain_graph=retain_graph), sync=sync)
+
+    def run_backward(self, autograd_call, *, sync: bool) -> None:
         self._syncing = sync
         try:
-            loss.backward(retain_graph=retain_graph)
+            autograd_call()
             if sync:
                 self._flush()
         finally:

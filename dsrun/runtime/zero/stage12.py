@@ -114,9 +114,12 @@ class PartitionedOptimizerStrategy(ZeroStrategy):
                 self.hooks.on_grad_accumulated(p, "dsrun::reduce_grad", self.reducer.accumulate)
 
     def backward(self, loss: torch.Tensor, *, sync: bool, retain_graph: bool) -> None:
+        self.run_backward(lambda: self._scale(loss).backward(retain_graph=retain_graph), sync=sync)
+
+    def run_backward(self, autograd_call, *, sync: bool) -> None:
         reduce_now = sync or self.stage == 2
         self.reducer.begin(launch=reduce_now)
-        self._scale(loss).backward(retain_graph=retain_graph)
+        autograd_call()
         if reduce_now:
             with self.watchdog.waiting("reduce-scatter of gradients (end of backward)"):
                 self.reducer.flush()

@@ -25,14 +25,23 @@ stages (after the data-parallel average, which gives the same sum), and
 check span every stage (`StageSpan`).
 
 [Note: zero bubble's split backward]
-`BackwardInput` computes only the gradient of the stage input
-(`torch.autograd.grad` with the graph kept), which is what the previous
-stage waits for; `BackwardWeight` later runs the strategy's backward over
-the kept graph for the weight gradients. Autograd cannot reuse the input
-pass's intermediate gradients through public API, so the weight pass
-recomputes the gradients of the activations inside the stage: the bubble
-shrinks as in ZB-H1 (Qi et al., ICLR 2024), but the stage's backward work
-grows by about one input pass.
+`BackwardInput` (B) must produce the stage input's gradient, which the
+previous stage waits for, without the weight gradients; `BackwardWeight`
+(W) later produces only the weight gradients (Qi et al., ICLR 2024). During
+the forward of a zero-bubble schedule a forward hook records the output of
+every module that owns parameters. B then asks autograd for the gradients of
+the stage input AND of those module outputs in one `torch.autograd.grad`
+call (the graph kept): that is the input pass, and it computes no weight
+gradient. W runs, for each recorded module, `torch.autograd.backward(output,
+its gradient, inputs=<the module's own parameters>)`, which executes only
+the module's own weight-gradient ops, inside the strategy's `run_backward`
+(so gradient accumulation and the data-parallel reduction are the usual
+ones; the gradients already carry the loss scale). A parameter that no
+recorded output covers (used outside a module's forward, e.g. a tied
+weight's `forward_fn`, or under reentrant activation checkpointing, or an
+output changed in place) gets its gradient in W from the stage's root
+restricted to those parameters, which recomputes the activation gradients
+on its path: correct, only slower.
 """
 from __future__ import annotations
 
@@ -62,6 +71,8 @@ class _Buffers:
     outputs: dict = field(default_factory=dict)  # stage outputs (or the loss on the last stage)
     grads: dict = field(default_factory=dict)    # received gradients of the outputs
     input_grads: dict = field(default_factory=dict)  # gradients of the inputs, to send
+    captured: dict = field(default_factory=dict)  # zero bubble: (module, output, version) recorded in forward
+    weight_work: dict = field(default_factory=dict)  # zero bubble: what B left for W (see the Note)
     losses: list = field(default_factory=list)   # detached losses (last stage)
     logits: list = field(default_factory=list)   # last stage outputs (eval_batch with return_logits)
 
@@ -112,6 +123,12 @@ class PipelineEngine(Engine):
             duplicates = frozenset(id(p) for p in module.parameters() if getattr(p, "ds_pipe_replicated", False))
             strategy.span_stages(StageSpan(mesh.group("pipe"), self.num_stages, duplicates))
         self.agg_train_loss: torch.Tensor | None = None
+        self._capturing: list | None = None  # zero bubble: module outputs recorded by the forward hooks
+        self._capture_hooks = []
+        if self.schedule_name == "zb-h1":
+            for m in module.modules():
+                if any(p.requires_grad for p in m.parameters(recurse=False)):
+                    self._capture_hooks.append(m.register_forward_hook(self._record_output))
         # The last train_batch's wait on neighbours ("wait_s": receives and send
         # completion) and the schedule's wall time before the step ("schedule_s").
         self.last_bubble: dict[str, float] = {}
@@ -282,8 +299,11 @@ class PipelineEngine(Engine):
         inputs = buffers.inputs[key] if train else buffers.inputs.pop(key)
         if isinstance(inputs, tuple) and len(inputs) == 1:
             inputs = inputs[0]
+        self._capturing = [] if train and self._capture_hooks else None
         with self._telemetry.phase("forward"):
             out = self.module(inputs, chunk=action.chunk)
+        if self._capturing is not None:
+            buffers.captured[key], self._capturing = self._capturing, None
         if self.module.is_last_stage(action.chunk):
             if (not train and not compute_loss) or self.module.loss_fn is None:
                 loss = out
@@ -308,6 +328,10 @@ class PipelineEngine(Engine):
         total = sum((o.float() * g.float()).sum() for o, g in zip(_tensors_requiring_grad(out), buffers.grads[key]))
         return total / self.strategy.loss_scale()
 
+    def _record_output(self, module, args, output) -> None:
+        if self._capturing is not None and isinstance(output, torch.Tensor) and output.requires_grad:
+            self._capturing.append((module, output, output._version))
+
     def _backward_input(self, key, buffers: _Buffers, keep_graph: bool, weights: bool, sync: bool) -> None:
         inputs = buffers.inputs.get(key, ())
         leaves = [t for t in (inputs if isinstance(inputs, tuple) else (inputs,))
@@ -316,22 +340,58 @@ class PipelineEngine(Engine):
             if weights:
                 self.strategy.backward(self._surrogate(key, buffers), sync=sync, retain_graph=False)
                 grads = [t.grad for t in leaves]
-            else:
+            else:  # B of [Note: zero bubble's split backward]
                 root = self._surrogate(key, buffers) * self.strategy.loss_scale()
-                grads = list(torch.autograd.grad(root, leaves, retain_graph=True, allow_unused=True)) if leaves else []
+                outputs = [(m, o) for m, o, version in buffers.captured.pop(key, []) if o._version == version]
+                targets = leaves + [o for _, o in outputs]
+                found = (torch.autograd.grad(root, targets, retain_graph=True, allow_unused=True)
+                         if targets else ())
+                grads = list(found[:len(leaves)])
+                work = [(m, o, g) for (m, o), g in zip(outputs, found[len(leaves):]) if g is not None]
+                buffers.weight_work[key] = (root, work)
         if leaves:
             buffers.input_grads[key] = [g if g is not None else torch.zeros_like(t) for g, t in zip(grads, leaves)]
         if weights:
             self._free(key, buffers)
 
     def _backward_weight(self, key, buffers: _Buffers, sync: bool) -> None:
+        """W of [Note: zero bubble's split backward]."""
+        root, work = buffers.weight_work.pop(key)
+        covered = {id(p) for m, _, _ in work for p in m.parameters(recurse=False)}
+        uncovered = [p for p in self._chunk_params(key[1]) if p.requires_grad and id(p) not in covered]
+
+        def weight_pass() -> None:
+            for m, output, grad in work:
+                own = [p for p in m.parameters(recurse=False) if p.requires_grad]
+                torch.autograd.backward(output, grad, inputs=own, retain_graph=True)
+            if uncovered:
+                torch.autograd.backward(root, inputs=uncovered, retain_graph=True)
+
         with self._telemetry.phase("backward"):
-            self.strategy.backward(self._surrogate(key, buffers), sync=sync, retain_graph=False)
+            self.strategy.run_backward(weight_pass, sync=sync)
         self._free(key, buffers)
+
+    def _chunk_params(self, chunk: int) -> list[torch.nn.Parameter]:
+        """The parameters the layers of this rank's `chunk` use (a tied
+        layer's module through its forward_fn partial), each once."""
+        found: dict[int, torch.nn.Parameter] = {}
+        for _, layer in self.module.local_layers(chunk):
+            owners = [layer] if isinstance(layer, torch.nn.Module) else \
+                [a for a in getattr(layer, "args", ()) if isinstance(a, torch.nn.Module)]
+            for owner in owners:
+                found.update((id(p), p) for p in owner.parameters())
+        return list(found.values())
+
+    def destroy(self) -> None:
+        """As `Engine.destroy`, also removing the zero-bubble forward hooks."""
+        for handle in self._capture_hooks:
+            handle.remove()
+        self._capture_hooks.clear()
+        super().destroy()
 
     @staticmethod
     def _free(key, buffers: _Buffers) -> None:
-        for store in (buffers.inputs, buffers.outputs, buffers.grads):
+        for store in (buffers.inputs, buffers.outputs, buffers.grads, buffers.captured):
             store.pop(key, None)
 
     def _run_step_end(self, kind) -> None:
