@@ -14,6 +14,14 @@ step): with DeepSpeed 0.16.5 standing in for dsrun (CPU, torchrun, pass
 at ZeRO stage 2 in fp32 with a constant learning rate, prints the same
 per-step losses to 4 decimals. It also runs under torchrun or as a single
 process (world size 1).
+
+With ``--pipeline_stages N`` the model is the same GPT split into N pipeline
+stages (gpt_pipe.py; the world size must be a multiple of N, the rest is
+data parallelism) and a step is ``engine.train_batch()`` over
+gradient_accumulation_steps micro-batches, evaluation ``engine.eval_batch()``.
+It starts from the same weights as the data-parallel run. For the same global
+batch as gpt_demo.json on 2 ranks use configs/gpt_pipe.json, which fixes
+train_batch_size.
 """
 from __future__ import annotations
 
@@ -30,6 +38,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 import dsrun
 from byte_data import WindowSampler, eval_windows, load_corpus
 from gpt_model import GPT, GPTConfig
+from gpt_pipe import gpt_pipeline, load_gpt_weights, param_groups
 
 # The validation windows do not depend on --seed, so runs with different
 # seeds are scored on the same text.
@@ -51,6 +60,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--n_head", type=int, default=4)
     p.add_argument("--seq_len", type=int, default=128, help="tokens (bytes) per training window")
     p.add_argument("--log_every", type=int, default=50, help="print a progress line every N steps")
+    p.add_argument("--pipeline_stages", type=int, default=0,
+                   help="split the model into N pipeline stages (0: data parallelism only)")
     # The `deepspeed` launcher appends --local_rank=N; accept it so the script
     # runs under either launcher. The rank itself comes from the environment.
     p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)
@@ -59,6 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("steps", "eval_batches", "log_every"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.pipeline_stages < 0:
+        p.error(f"--pipeline_stages must be >= 0 (0: no pipeline), got {args.pipeline_stages}")
     return args
 
 
@@ -101,6 +114,33 @@ def evaluate(engine, x: torch.Tensor, y: torch.Tensor) -> float:
     return (total[0] / total[1]).item()
 
 
+@torch.no_grad()
+def evaluate_pipeline(engine, x: torch.Tensor, y: torch.Tensor) -> float:
+    """`evaluate` for a PipelineEngine: data-parallel replica d scores windows
+    d, d + replicas, ... with `engine.eval_batch`; the last stages' sums of
+    window losses and window counts are summed over all ranks (other stages
+    add zeros), so the result is the same mean on every rank.
+
+    Args:
+        x, y: (count, seq_len) int64, the same on every rank.
+    """
+    grid = engine.grid
+    data_rank, replicas = grid.get_data_parallel_rank(), grid.get_data_parallel_world_size()
+    mine_x, mine_y = x[data_rank::replicas], y[data_rank::replicas]
+    micro = engine.train_micro_batch_size_per_gpu()
+    batches = [(mine_x[i:i + micro], mine_y[i:i + micro]) for i in range(0, mine_x.shape[0], micro)]
+    total = torch.zeros(2, dtype=torch.float64)  # [sum of window losses, windows]
+    if batches:
+        losses = engine.eval_batch(iter(batches), reduce_output=None, bcast_loss=False,
+                                   num_micro_batches=len(batches))
+        if engine.is_last_stage():
+            for loss, (xb, _) in zip(losses, batches):
+                total += torch.tensor([loss.item() * xb.shape[0], xb.shape[0]], dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(total)
+    return (total[0] / total[1]).item()
+
+
 def train_step(engine, sampler: WindowSampler, micro: int, accum: int) -> float:
     """One optimizer step: `accum` micro-batches of `micro` windows through forward, backward, step.
 
@@ -115,6 +155,12 @@ def train_step(engine, sampler: WindowSampler, micro: int, accum: int) -> float:
         engine.step()  # updates the weights only at the accumulation boundary
         loss_sum += loss.item()
     return loss_sum / accum
+
+
+def windows_forever(sampler: WindowSampler, micro: int):
+    """Endless (x, y) micro-batches of `micro` windows each, (micro, seq_len) int64, for train_batch."""
+    while True:
+        yield sampler.sample(micro)
 
 
 def make_progress(console: Console) -> Progress:
@@ -142,23 +188,38 @@ def train(args: argparse.Namespace) -> None:
     except (FileNotFoundError, ValueError) as exc:
         raise SystemExit(f"train_gpt.py: {exc}") from None
     torch.manual_seed(args.seed)  # the same initial weights on every rank
-    model = GPT(GPTConfig(seq_len=args.seq_len, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd))
-    engine, _, _, _ = dsrun.initialize(args=args, model=model, model_parameters=model.param_groups())
+    cfg = GPTConfig(seq_len=args.seq_len, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
+    model = GPT(cfg)
+    n_params = sum(p.numel() for p in model.parameters())  # the tied head/embedding weight once
+    pipeline = args.pipeline_stages > 0
+    if pipeline:  # each rank keeps its stage's layers, starting from the GPT's weights
+        dsrun.init_distributed()  # a PipelineModule reads its stage from the process group
+        full, model = model, gpt_pipeline(cfg, args.pipeline_stages)
+        load_gpt_weights(model, full)
+        del full
+    groups = param_groups(model) if pipeline else model.param_groups()
+    engine, _, _, _ = dsrun.initialize(args=args, model=model, model_parameters=groups)
     rank, world = engine.global_rank, engine.world_size
+    # Data-parallel replicas draw different windows; the stages of one replica the same ones.
+    data_rank, replicas = ((engine.grid.get_data_parallel_rank(), engine.grid.get_data_parallel_world_size())
+                           if pipeline else (rank, world))
     console = Console(soft_wrap=True)  # log lines stay whole when output is piped
     log = console.print if rank == 0 else (lambda *a, **k: None)
 
     micro = engine.train_micro_batch_size_per_gpu()
     accum = engine.gradient_accumulation_steps()
-    sampler = WindowSampler(corpus.train, args.seq_len, seed=args.seed * 100_003 + rank)
+    sampler = WindowSampler(corpus.train, args.seq_len, seed=args.seed * 100_003 + data_rank)
+    train_iter = windows_forever(sampler, micro)
+    score = evaluate_pipeline if pipeline else evaluate
     val_x, val_y = eval_windows(corpus.val, args.eval_batches * micro, args.seq_len, EVAL_SEED)
-    n_params = sum(p.numel() for p in model.parameters())
     log(f"data: {corpus.describe()}")
-    log(f"model: {n_params / 1e6:.2f}M parameters; world size {world}, torch threads per rank {torch.get_num_threads()}; "
+    layout = f"{args.pipeline_stages} pipeline stages x {replicas} data-parallel replicas" if pipeline else ""
+    log(f"model: {n_params / 1e6:.2f}M parameters; world size {world}{', ' + layout if layout else ''}, "
+        f"torch threads per rank {torch.get_num_threads()}; "
         f"global batch {engine.train_batch_size()} windows of {args.seq_len} bytes "
-        f"(micro-batch {micro} x accumulation {accum} x {world} ranks)")
+        f"(micro-batch {micro} x accumulation {accum} x {replicas} {'replicas' if pipeline else 'ranks'})")
 
-    val_before = evaluate(engine, val_x, val_y)
+    val_before = score(engine, val_x, val_y)
     log(f"validation loss before training: {val_before:.4f}")
 
     tokens_per_step = engine.train_batch_size() * args.seq_len  # all ranks together
@@ -171,7 +232,10 @@ def train(args: argparse.Namespace) -> None:
         progress.start()
     start = time.perf_counter()
     for step in range(1, args.steps + 1):
-        loss = train_step(engine, sampler, micro, accum)
+        if pipeline:
+            loss = engine.train_batch(train_iter).item()  # the mean over the step's micro-batches and replicas
+        else:
+            loss = train_step(engine, sampler, micro, accum)
         tok_s = tokens_per_step * step / (time.perf_counter() - start)
         if rank == 0:
             progress.update(task, advance=1, loss=loss, tok_s=tok_s, lr=engine.get_lr()[0])
@@ -182,7 +246,7 @@ def train(args: argparse.Namespace) -> None:
     if live:
         progress.stop()
 
-    val_after = evaluate(engine, val_x, val_y)
+    val_after = score(engine, val_x, val_y)
     log(f"trained {args.steps} steps in {elapsed:.1f} s: {tokens_per_step * args.steps / elapsed:,.0f} tok/s "
         f"(all ranks), {elapsed / args.steps * 1000:.0f} ms/step")
     log(f"validation loss: before {val_before:.4f}  after {val_after:.4f}  "
