@@ -21,8 +21,8 @@ def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     torch.testing.assert_close(got, want, **TOL, msg=lambda m: f"{what}: {m}")
 
 
-def _shard(full: torch.Tensor, dim: int, rank: int, world: int) -> torch.Tensor:
-    return full.chunk(world, dim=dim)[rank]
+def _shard(full: torch.Tensor, dim: int, rank: int, parts: int) -> torch.Tensor:
+    return full.chunk(parts, dim=dim)[rank]
 
 
 def _data(seed: int, *shape: int) -> torch.Tensor:
@@ -37,21 +37,25 @@ def _bytes(op: str) -> tuple[int, int]:
     return (stats.calls, stats.bytes) if stats else (0, 0)
 
 
-def _check_groups(world: int, me: int) -> None:
+def _check_groups(world: int, tp: int) -> None:
+    """`dsrun.utils.groups` answers from the current mesh (model innermost:
+    global rank g is model rank g % tp, with ranks g - g % tp ... + tp - 1)."""
     import torch.distributed as dist
 
     from dsrun.utils import groups
-    assert groups.get_tensor_model_parallel_world_size() == world
-    assert groups.get_tensor_model_parallel_rank() == me
-    assert groups.get_model_parallel_world_size() == world  # DeepSpeed's public name: tensor parallelism
+    me = dist.get_rank()
+    assert groups.get_tensor_model_parallel_world_size() == tp
+    assert groups.get_tensor_model_parallel_rank() == me % tp
+    assert groups.get_model_parallel_world_size() == tp  # DeepSpeed's public name: tensor parallelism
     members = torch.zeros(world)
     members[me] = 1
     dist.all_reduce(members, group=groups.get_tensor_model_parallel_group())
-    assert members.tolist() == [1.0] * world
-    assert groups._get_data_parallel_world_size() == 1
+    first = me - me % tp
+    assert members.nonzero().view(-1).tolist() == list(range(first, first + tp))
+    assert groups._get_data_parallel_world_size() == world // tp
 
 
-def _check_column(me: int, world: int) -> None:
+def _check_column(rank: int, tp: int) -> None:
     from dsrun.runtime.parallel.tensor import ColumnParallelLinear
     for gather in (False, True):
         torch.manual_seed(1)
@@ -67,14 +71,14 @@ def _check_column(me: int, world: int) -> None:
             _close(out, out_ref, "column gathered output")
             out.backward(grad_out)
         else:
-            _close(out, _shard(out_ref, -1, me, world), "column output shard")
-            out.backward(_shard(grad_out, -1, me, world))
+            _close(out, _shard(out_ref, -1, rank, tp), "column output shard")
+            out.backward(_shard(grad_out, -1, rank, tp))
         _close(x.grad, x_ref.grad, "column input grad")
-        _close(layer.weight.grad, _shard(ref.weight.grad, 0, me, world), "column weight grad")
-        _close(layer.bias.grad, _shard(ref.bias.grad, 0, me, world), "column bias grad")
+        _close(layer.weight.grad, _shard(ref.weight.grad, 0, rank, tp), "column weight grad")
+        _close(layer.bias.grad, _shard(ref.bias.grad, 0, rank, tp), "column bias grad")
 
 
-def _check_row(me: int, world: int) -> None:
+def _check_row(rank: int, tp: int) -> None:
     from dsrun.runtime.parallel.tensor import RowParallelLinear
     for parallel_input in (True, False):
         torch.manual_seed(4)
@@ -82,20 +86,20 @@ def _check_row(me: int, world: int) -> None:
         torch.manual_seed(4)
         layer = RowParallelLinear(4 * H, H, input_is_parallel=parallel_input)
         full = _data(5, B, S, 4 * H)
-        x = (_shard(full, -1, me, world) if parallel_input else full).clone().requires_grad_()
+        x = (_shard(full, -1, rank, tp) if parallel_input else full).clone().requires_grad_()
         x_ref = full.clone().requires_grad_()
         grad_out = _data(6, B, S, H)
         ref(x_ref).backward(grad_out)
         out = layer(x)
         _close(out, ref(x_ref), "row output")
         out.backward(grad_out)
-        want = _shard(x_ref.grad, -1, me, world) if parallel_input else x_ref.grad
+        want = _shard(x_ref.grad, -1, rank, tp) if parallel_input else x_ref.grad
         _close(x.grad, want, "row input grad")
-        _close(layer.weight.grad, _shard(ref.weight.grad, 1, me, world), "row weight grad")
+        _close(layer.weight.grad, _shard(ref.weight.grad, 1, rank, tp), "row weight grad")
         _close(layer.bias.grad, ref.bias.grad, "row bias grad")
 
 
-def _check_embedding(me: int, world: int) -> None:
+def _check_embedding(rank: int, tp: int) -> None:
     from dsrun.runtime.parallel.tensor import VocabParallelEmbedding
     torch.manual_seed(7)
     ref = torch.nn.Embedding(VOCAB, H)
@@ -108,7 +112,13 @@ def _check_embedding(me: int, world: int) -> None:
     out = layer(ids)
     _close(out, out_ref, "embedding output")
     out.backward(grad_out)
-    _close(layer.weight.grad, _shard(ref.weight.grad, 0, me, world), "embedding weight grad")
+    _close(layer.weight.grad, _shard(ref.weight.grad, 0, rank, tp), "embedding weight grad")
+    torch.manual_seed(7)
+    layer = VocabParallelEmbedding(VOCAB, H, sequence_parallel=True)  # ids (s, b): split along dim 0
+    out = layer(ids.T)
+    _close(out, _shard(out_ref.transpose(0, 1), 0, rank, tp), "sequence-parallel embedding output")
+    out.backward(_shard(grad_out.transpose(0, 1), 0, rank, tp))
+    _close(layer.weight.grad, _shard(ref.weight.grad, 0, rank, tp), "sequence-parallel embedding weight grad")
 
 
 class _MLP(torch.nn.Module):
@@ -125,7 +135,7 @@ class _MLP(torch.nn.Module):
         return self.down(torch.nn.functional.gelu(self.up(x)))
 
 
-def _check_mlp(me: int, world: int) -> None:
+def _check_mlp(rank: int, tp: int) -> None:
     """The MLP against the unsharded one, and the bytes of its two
     all-reduces: b*s*h fp32 each, one in forward and one in backward."""
     from dsrun.runtime.comm import comms_logger
@@ -143,12 +153,12 @@ def _check_mlp(me: int, world: int) -> None:
     out.backward(grad_out)
     assert _bytes("all_reduce") == (1, B * S * H * 4), _bytes("all_reduce")
     _close(x.grad, x_ref.grad, "mlp input grad")
-    _close(mlp.up.weight.grad, _shard(ref[0].weight.grad, 0, me, world), "mlp up weight grad")
-    _close(mlp.down.weight.grad, _shard(ref[2].weight.grad, 1, me, world), "mlp down weight grad")
+    _close(mlp.up.weight.grad, _shard(ref[0].weight.grad, 0, rank, tp), "mlp up weight grad")
+    _close(mlp.down.weight.grad, _shard(ref[2].weight.grad, 1, rank, tp), "mlp down weight grad")
     _close(mlp.down.bias.grad, ref[2].bias.grad, "mlp down bias grad")
 
 
-def _check_sequence_parallel(me: int, world: int) -> None:
+def _check_sequence_parallel(rank: int, tp: int) -> None:
     """The sequence-parallel MLP (input and output split along the sequence,
     dim 0 of (s, b, h)) equals the tensor-parallel one; its all-gather and
     reduce-scatter each move b*s*h fp32, as the all-reduce they replace."""
@@ -165,15 +175,15 @@ def _check_sequence_parallel(me: int, world: int) -> None:
     assert _bytes("all_gather_into_tensor") == (1, B * S * H * 4), _bytes("all_gather_into_tensor")
     assert _bytes("reduce_scatter_tensor") == (1, B * S * H * 4), _bytes("reduce_scatter_tensor")
     assert _bytes("all_reduce") == (0, 0)
-    _close(out, _shard(plain(x), 0, me, world), "sequence-parallel output")
-    out.backward(_shard(grad_out, 0, me, world))
+    _close(out, _shard(plain(x), 0, rank, tp), "sequence-parallel output")
+    out.backward(_shard(grad_out, 0, rank, tp))
     assert allreduce_sequence_parallel_grads(sp) == 1  # the row layer's bias
     _close(x_sp.grad, x.grad, "sequence-parallel input grad")
     for (name, p), q in zip(sp.named_parameters(), plain.parameters()):
         _close(p.grad, q.grad, f"sequence-parallel grad of {name}")
 
 
-def _check_sequence_dim(me: int, world: int) -> None:
+def _check_sequence_dim(rank: int, tp: int) -> None:
     """The sequence mappings along dim 1 of a (b, s, h) tensor: the gather
     concatenates the ranks' tokens, the reduce-scatter keeps this rank's
     tokens of the sum, and each one's backward is the other."""
@@ -182,20 +192,20 @@ def _check_sequence_dim(me: int, world: int) -> None:
                                                         reduce_scatter_to_sequence_region)
     group = current().axis_group("model")
     full = _data(17, B, S, H)
-    mine = _shard(full, 1, me, world).clone().requires_grad_()
+    mine = _shard(full, 1, rank, tp).clone().requires_grad_()
     gathered = gather_from_sequence_region(mine, group, dim=1, reduce_grads=False)
     _close(gathered, full, "sequence gather along dim 1")
     gathered.backward(full * 2)
-    _close(mine.grad, _shard(full * 2, 1, me, world), "sequence gather backward (slice)")
-    partial = (full * (me + 1)).requires_grad_()
+    _close(mine.grad, _shard(full * 2, 1, rank, tp), "sequence gather backward (slice)")
+    partial = (full * (rank + 1)).requires_grad_()
     scattered = reduce_scatter_to_sequence_region(partial, group, dim=1)
-    total = sum(range(1, world + 1))
-    _close(scattered, _shard(full * total, 1, me, world), "sequence reduce-scatter along dim 1")
-    scattered.backward(_shard(full, 1, me, world))
+    total = sum(range(1, tp + 1))
+    _close(scattered, _shard(full * total, 1, rank, tp), "sequence reduce-scatter along dim 1")
+    scattered.backward(_shard(full, 1, rank, tp))
     _close(partial.grad, full, "sequence reduce-scatter backward (all-gather)")
 
 
-def _check_cross_entropy(me: int, world: int) -> None:
+def _check_cross_entropy(rank: int, tp: int) -> None:
     """Loss and logits grad equal F.cross_entropy on the full logits (one
     target ignored); two all-reduces of b*s and 2*b*s floats."""
     from dsrun.runtime.comm import comms_logger
@@ -206,21 +216,21 @@ def _check_cross_entropy(me: int, world: int) -> None:
     full = logits.clone().requires_grad_()
     want = torch.nn.functional.cross_entropy(full.view(-1, VOCAB), target.view(-1), reduction="none")
     want.sum().backward()
-    shard = _shard(logits, -1, me, world).clone().requires_grad_()
+    shard = _shard(logits, -1, rank, tp).clone().requires_grad_()
     comms_logger.reset()
     loss = vocab_parallel_cross_entropy(shard, target)
     assert _bytes("all_reduce") == (2, 3 * B * S * 4), _bytes("all_reduce")
     _close(loss.view(-1), want, "cross-entropy loss")
     loss.sum().backward()
-    _close(shard.grad, _shard(full.grad, -1, me, world), "cross-entropy logits grad")
+    _close(shard.grad, _shard(full.grad, -1, rank, tp), "cross-entropy logits grad")
     with pytest.raises(ValueError, match="target has shape"):
         vocab_parallel_cross_entropy(shard, target[:, :1])
 
 
-def _check_errors(world: int) -> None:
+def _check_errors(tp: int) -> None:
     from dsrun.runtime.parallel.tensor import (ColumnParallelLinear, RowParallelLinear,
                                                VocabParallelEmbedding)
-    odd = 2 * world + 1
+    odd = 2 * tp + 1
     with pytest.raises(ValueError, match=f"out_features = {odd} is not divisible by the tensor-parallel size"):
         ColumnParallelLinear(H, odd)
     with pytest.raises(ValueError, match=f"in_features = {odd} is not divisible"):
@@ -234,6 +244,9 @@ def _check_errors(world: int) -> None:
 
 
 def _tensor_parallel_body(world: int) -> bool:
+    """Every check with the model axis over the whole job; with 4 ranks, the
+    MLP, sequence parallelism and cross-entropy again on model = 2 x data =
+    2 (model groups that are subgroups of the job)."""
     import torch.distributed as dist
 
     from dsrun.runtime.distributed.dist import init_distributed
@@ -241,7 +254,7 @@ def _tensor_parallel_body(world: int) -> bool:
     init_distributed()
     mesh_mod.set_current(mesh_mod.ParallelMesh.build(world, model=world))
     me = dist.get_rank()
-    _check_groups(world, me)
+    _check_groups(world, world)
     _check_column(me, world)
     _check_row(me, world)
     _check_embedding(me, world)
@@ -250,6 +263,12 @@ def _tensor_parallel_body(world: int) -> bool:
     _check_sequence_dim(me, world)
     _check_cross_entropy(me, world)
     _check_errors(world)
+    if world == 4:
+        mesh_mod.set_current(mesh_mod.ParallelMesh.build(world, model=2))
+        _check_groups(world, 2)
+        _check_mlp(me % 2, 2)
+        _check_sequence_parallel(me % 2, 2)
+        _check_cross_entropy(me % 2, 2)
     return True
 
 

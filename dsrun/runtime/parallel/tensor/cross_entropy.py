@@ -56,10 +56,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         softmax, local, not_here, ignored = ctx.saved_tensors
-        grad = softmax.clone()
-        rows = grad.view(-1, grad.shape[-1])
-        hit = (~not_here).view(-1).nonzero().squeeze(1)  # tokens whose target is in this slice
-        rows[hit, local.view(-1)[hit]] -= 1.0
+        here = (~not_here).unsqueeze(-1).to(softmax.dtype)  # 1 where the target is in this slice
+        grad = softmax.scatter_add(-1, local.unsqueeze(-1), -here)  # softmax - onehot(target)
         grad.mul_(grad_loss.masked_fill(ignored, 0.0).unsqueeze(-1))
         return grad.to(ctx.dtype), None, None, None
 
