@@ -16,8 +16,8 @@ is in its slice of the vocabulary, z_t - m (else 0); one all-reduce SUM of
 those two per token gives both totals. The gradient with respect to the
 logits is softmax(z) - onehot(t), which each rank forms for its own slice
 from its exp(z_j - m) and the summed denominator: backward communicates
-nothing. Per token that is one all-reduce of b*s floats (MAX) and one of
-2*b*s (SUM), in the logits' dtype promoted to fp32.
+nothing. For b*s tokens that is one all-reduce of b*s fp32 values (MAX)
+and one of 2*b*s (SUM), whatever the logits' dtype (computed in fp32).
 """
 from __future__ import annotations
 
