@@ -201,7 +201,7 @@ def test_adopt_parameters_moves_only_unaliased_large_ones():
 @pytest.mark.parametrize("variable,value,words", [("DSRUN_HOST_CACHE_MB", v, "whole number") for v in
                                                   ("abc", "-1", "1.5")] + [("DSRUN_HOST_HUGEPAGES", "yes", "1")])
 def test_bad_environment_is_a_clear_error(variable, value, words):
-    code = "from dsrun.runtime import allocator; allocator.use_returning_allocator()"
+    code = "from dsrun.runtime.memory import allocator; allocator.use_returning_allocator()"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "DSRUN_MALLOC": "1", variable: value})
     assert proc.returncode != 0 and variable in proc.stderr and words in proc.stderr
