@@ -111,6 +111,7 @@ def _save_then_continue(stages: int, zero_stage: int, ckpt: str, tied: bool = Fa
     for step in range(2):
         _train_step(engine, step)
     engine.save_checkpoint(ckpt, client_state={"note": "pipe"})
+    engine.save_16bit_model(ckpt + "-16bit")  # every stage's layers, from rank 0
     state = _full_state(engine)
     lr = engine.lr_scheduler.get_last_lr()
     loss3 = _train_step(engine, 2)  # an asynchronous save is still writing what the step changes
@@ -240,6 +241,10 @@ def test_export_of_a_pipeline_checkpoint_is_the_plain_state_dict(saved, tmp_path
     assert set(exported) == plain_keys
     for name, entry in _merged(before).items():
         assert torch.equal(exported[name], entry["value"]), name
+    written = load_file(ckpt + "-16bit/model.safetensors")  # engine.save_16bit_model (fp32 compute)
+    assert list(written) == list(exported)
+    for name, value in exported.items():
+        assert torch.equal(written[name], value), name
 
 
 @pytest.mark.parametrize("save_zero,load_zero,async_save", [(0, 2, False), (2, 0, True)])
@@ -259,6 +264,10 @@ def test_tied_weight_is_written_once_and_restored_on_both_stages(tmp_path):
     entry = _index(ckpt)["tensors"]["module/tied_modules.embed.weight"]
     assert [(s["file"], s["lo"], s["hi"]) for s in entry["slices"]] == [
         ("rank00000-of-00002.safetensors", 0, WIDTH * WIDTH)]  # by stage 0 only
+    from safetensors.torch import load_file
+    written = load_file(ckpt + "-16bit/model.safetensors")
+    assert set(written) == set(_merged(before))  # the tied weight once
+    assert torch.equal(written["tied_modules.embed.weight"], before[0]["state"]["tied_modules.embed.weight"]["value"])
     after = run_ranks(_load_then_continue, 2, 2, 2, ckpt, True)
     for r in after:  # both copies, and their Adam states, are the saved ones
         for k in ("value", *ADAM_KEYS):

@@ -65,6 +65,8 @@ class ModelSplit:
             parts with this rank's replica index (the pipe axis), this one
             included; None when there is one part.
         parts: the number of parts (pipeline stages).
+        part_ranks: the global rank holding each part in `parts_group`
+            (index: the part), this rank's entry included.
         duplicates: names of this rank's parameters that another part also
             holds and writes (weights tied across stages, on every stage but
             the lowest that holds them): written once, by that part, and
@@ -74,6 +76,7 @@ class ModelSplit:
     replicas: Any
     parts_group: Any
     parts: int
+    part_ranks: tuple[int, ...] = ()
     duplicates: frozenset[str] = frozenset()
 
 

@@ -382,8 +382,9 @@ def _model_split(module: PipelineModule, mesh: ParallelMesh) -> ModelSplit:
     lowest stage holding them writes."""
     data = mesh.axis_group("data")
     duplicates = frozenset(n for n, p in module.named_parameters() if getattr(p, "ds_pipe_replicated", False))
+    ranks = tuple(mesh.stage_to_global(s) for s in range(module.num_stages))
     return ModelSplit(RankGroup(data.group, data.rank, data.size), mesh.axis_group("pipe").group,
-                      module.num_stages, duplicates)
+                      module.num_stages, ranks, duplicates)
 
 
 def tie_weights(module: PipelineModule, mesh: ParallelMesh) -> TiedGroups:
