@@ -46,13 +46,13 @@ def _tied_head(module, x):
     return (x @ module.weight).mean(dim=1)
 
 
-def _layers(tied: bool = False):
+def _layers(tied: bool = False, depth: int = 6):
     from dsrun.pipe import LayerSpec, TiedLayerSpec
     if tied:
         return [TiedLayerSpec("embed", torch.nn.Linear, WIDTH, WIDTH, bias=False), LayerSpec(Block, WIDTH),
                 LayerSpec(Block, WIDTH),
                 TiedLayerSpec("embed", torch.nn.Linear, WIDTH, WIDTH, bias=False, forward_fn=_tied_head)]
-    return [LayerSpec(Block, WIDTH) for _ in range(6)] + [LayerSpec(Head, WIDTH, CLASSES)]
+    return [LayerSpec(Block, WIDTH) for _ in range(depth)] + [LayerSpec(Head, WIDTH, CLASSES)]
 
 
 def _micro_batch(step: int, index: int):
@@ -69,7 +69,8 @@ def _config(data: int, zero_stage: int, async_save: bool = False) -> dict:
             "zero_optimization": {"stage": zero_stage}, "steps_per_print": 1000}
 
 
-def _pipeline_engine(stages: int, zero_stage: int, seed: int, tied: bool = False, async_save: bool = False):
+def _pipeline_engine(stages: int, zero_stage: int, seed: int, tied: bool = False, async_save: bool = False,
+                     depth: int = 6):
     import torch.nn.functional as F
 
     import dsrun
@@ -77,7 +78,7 @@ def _pipeline_engine(stages: int, zero_stage: int, seed: int, tied: bool = False
     from dsrun.runtime.distributed.dist import init_distributed
     init_distributed()
     data = torch.distributed.get_world_size() // stages
-    module = PipelineModule(_layers(tied), num_stages=stages, loss_fn=F.cross_entropy, seed_layers=True,
+    module = PipelineModule(_layers(tied, depth), num_stages=stages, loss_fn=F.cross_entropy, seed_layers=True,
                             base_seed=seed, partition_method="uniform")
     engine, *_ = dsrun.initialize(model=module, config=_config(data, zero_stage, async_save))
     return engine
@@ -128,6 +129,15 @@ def _load_then_continue(stages: int, zero_stage: int, ckpt: str, tied: bool = Fa
               "global_steps": engine.global_steps, "stage": engine.stage_id}
     result["loss3"] = _train_step(engine, 2)
     return result
+
+
+def _load_other_model(ckpt: str) -> str:
+    """Load into a pipeline of one block less: the error, on every rank."""
+    from dsrun.runtime.checkpoint.store import CheckpointError
+    engine = _pipeline_engine(2, 1, seed=99, depth=5)
+    with pytest.raises(CheckpointError) as e:
+        engine.load_checkpoint(ckpt)
+    return str(e.value)
 
 
 def _plain_load_then_continue(ckpt: str) -> dict:
@@ -198,6 +208,19 @@ def test_reshard_to_other_pipelines_is_bitwise(saved, stages, zero_stage):
         assert r["global_steps"] == 2 and r["client"] == {"note": "pipe"}
         assert r["lr"] == before[0]["lr"]
         assert r["loss3"] == pytest.approx(before[0]["loss3"], rel=1e-6, abs=1e-7)
+
+
+def test_reshard_to_fewer_ranks_and_a_wrong_model(saved):
+    """pipe=2 x data=1 reads what pipe=2 x data=2 wrote; a model of other
+    layers is refused on every rank, its problems named over every stage."""
+    ckpt, before = saved
+    after = run_ranks(_load_then_continue, 2, 2, 0, ckpt)
+    _assert_bitwise(_merged(after), _merged(before))
+    assert after[0]["loss3"] == pytest.approx(before[0]["loss3"], rel=1e-6, abs=1e-7)
+    for message in run_ranks(_load_other_model, 2, ckpt):
+        assert "size mismatch for 5.linear.weight" in message
+        assert "unexpected key(s) in checkpoint: module/6.linear.weight, module/6.linear.bias" in message
+        assert "missing" not in message
 
 
 def test_pipeline_checkpoint_loads_into_the_plain_model(saved):
