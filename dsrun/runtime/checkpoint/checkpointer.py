@@ -158,8 +158,8 @@ class Checkpointer:
         (tied ones once) and persistent buffer; a collective per
         strategy-managed parameter, so every rank must exhaust it."""
         self.wait_pending()
-        entries = export.full_16bit_entries(self.parts, exclude_frozen_parameters)
-        for (name, *_), value in zip(entries, export.full_16bit_values(self.parts, entries)):
+        specs, values = export.model_16bit(self.parts, exclude_frozen_parameters)
+        for (name, *_), value in zip(specs, values):
             yield name, value
 
     def release_pending(self) -> None:

@@ -9,7 +9,16 @@ DeepSpeed writes one tag directory per save (its layout, by what trained):
     zero_pp_rank_<r>_mp_rank_00_optim_states.pt    rank r's fp32 partition and Adam states (ZeRO 1-3)
     bf16_zero_pp_rank_<r>_mp_rank_00_optim_states.pt   the same for DeepSpeed's BF16_Optimizer
 
-and reassembles every parameter's fp32 value and optimizer states:
+A pipeline (DeepSpeed's PipelineEngine) writes its module as one file per
+layer instead, from the first data-parallel rank of the stage holding it:
+
+    layer_<XX>-model_states.pt                     the state_dict of layer XX (its global index)
+    layer_<XX>-model_<TT>-model_states.pt          the same with tensor parallelism (TT: its rank)
+
+with `mp_rank_00_model_states.pt` holding the counters, LR scheduler and
+config (and `module` None). See [Note: importing a pipeline's layers].
+
+The import reassembles every parameter's fp32 value and optimizer states:
 
 - no ZeRO: the torch optimizer's state_dict (its states are indexed in
   parameter order) and, with 16-bit training, the fp32 copies of DeepSpeed's
@@ -133,6 +142,49 @@ def _rank_files(tag_dir: str, kind: str) -> list[str]:
         raise CheckpointError(f"{tag_dir}: the *zero_pp_rank_*_{kind}_states.pt files are not ranks 0..N-1 "
                               f"(found ranks {sorted(found)}): a file is missing")
     return [found[r] for r in range(len(found))]
+
+
+_LAYER_FILE = re.compile(r"layer_(\d+)(?:-model_(\d+))?-model_states\.pt")
+
+
+def _layer_files(tag_dir: str) -> dict[int, str]:
+    """Global layer index -> its file, for the layer files of a pipeline
+    checkpoint ({} when there are none). Raises CheckpointError when the
+    checkpoint was written with tensor parallelism (a layer split over
+    several model ranks), which the import does not reassemble."""
+    found: dict[int, str] = {}
+    for name in sorted(os.listdir(tag_dir)):
+        m = _LAYER_FILE.fullmatch(name)
+        if m is None:
+            continue
+        if m.group(2) is not None and int(m.group(2)) != 0:
+            raise CheckpointError(f"{tag_dir}/{name}: a layer written by tensor-parallel rank {int(m.group(2))}; "
+                                  "dsrun imports pipeline checkpoints without tensor parallelism only")
+        found[int(m.group(1))] = os.path.join(tag_dir, name)
+    return found
+
+
+def _pipeline_layers(files: dict[int, str], out: _Collected) -> None:
+    """[Note: importing a pipeline's layers]
+    Each layer file is the state_dict of one layer (keys such as `weight`
+    or `linear.bias`); its tensors become "{XX}.{key}", the names dsrun's
+    PipelineModule and an nn.Sequential of the same layers give them,
+    whatever the number of stages. The values are stored in the dtype
+    DeepSpeed wrote (a load casts them). DeepSpeed keeps a pipeline's
+    optimizer states per stage in files whose names collide across stages
+    (`mp_rank_00_model_states.pt` at ZeRO 0) or follow its stage x
+    data-parallel rank layout (ZeRO 1-2); they are not imported: load the
+    result with `load_optimizer_states=False`, or let the optimizer start
+    afresh. A tied layer (TiedLayerSpec) is imported under the index of
+    each layer whose file holds it; dsrun names it "tied_modules.{key}.*"."""
+    for idx in sorted(files):
+        state = read_pickle(files[idx])
+        if not isinstance(state, dict):
+            raise CheckpointError(f"{files[idx]} holds a {type(state).__name__}, not a layer's state_dict")
+        for key, value in state.items():
+            if not isinstance(value, torch.Tensor):
+                raise CheckpointError(f"{files[idx]}: entry {key!r} is a {type(value).__name__}, not a tensor")
+            out.values[f"{idx}.{key}"] = value.clone()
 
 
 class _Collected:
@@ -314,6 +366,9 @@ def import_deepspeed(ds_dir: str, out_dir: str, tag: str | None = None) -> str:
     [Note: reading DeepSpeed's pickles]), sizes that do not add up.
     """
     tag_dir = _tag_dir(ds_dir, tag)
+    layers = _layer_files(tag_dir)
+    if layers:
+        return _import_pipeline(tag_dir, layers, out_dir)
     optim_files = _rank_files(tag_dir, "optim")
     model_files = _rank_files(tag_dir, "model") or [os.path.join(tag_dir, "mp_rank_00_model_states.pt")]
     models = [read_pickle(f) for f in model_files]
@@ -327,7 +382,29 @@ def import_deepspeed(ds_dir: str, out_dir: str, tag: str | None = None) -> str:
     else:
         stage, optim = 0, _no_zero(models[0], model_files[0], out)
     _buffers_and_frozen(models, out)
-    model = models[0]
+    return _write(out, os.path.join(out_dir, os.path.basename(os.path.normpath(tag_dir))), out_dir,
+                  _fields(models[0], optim, stage))
+
+
+def _import_pipeline(tag_dir: str, layers: dict[int, str], out_dir: str) -> str:
+    """A pipeline checkpoint: the layers' weights (see [Note: importing a
+    pipeline's layers]) and `mp_rank_00_model_states.pt`'s counters, LR
+    scheduler, config and optimizer hyperparameters when it is there."""
+    out = _Collected()
+    _pipeline_layers(layers, out)
+    engine_file = os.path.join(tag_dir, "mp_rank_00_model_states.pt")
+    model = read_pickle(engine_file) if os.path.isfile(engine_file) else {}
+    optim = model.get("optimizer") or {}
+    stage = int(((model.get("ds_config") or {}).get("zero_optimization") or {}).get("stage", 0))
+    log.warning("import-deepspeed: %s is a pipeline checkpoint: its %d layers' weights are imported, its "
+                "optimizer states are not (load it with load_optimizer_states=False)", tag_dir, len(layers))
+    return _write(out, os.path.join(out_dir, os.path.basename(os.path.normpath(tag_dir))), out_dir,
+                  _fields(model, optim, stage))
+
+
+def _fields(model: dict, optim: dict, stage: int) -> dict:
+    """The index fields read from DeepSpeed's model-states file `model` and
+    optimizer state `optim` ({} when absent)."""
     config = model.get("ds_config") or {}
     precision = ("bf16" if (config.get("bf16") or {}).get("enabled") else
                  "fp16" if (config.get("fp16") or {}).get("enabled") else "fp32")
@@ -342,7 +419,7 @@ def import_deepspeed(ds_dir: str, out_dir: str, tag: str | None = None) -> str:
                   counters=counters, lr_scheduler=_jsonable(model.get("lr_scheduler"), "the LR scheduler state"),
                   client_state=_jsonable({k: v for k, v in model.items() if k not in _ENGINE_KEYS},
                                          "client state") or {})
-    return _write(out, os.path.join(out_dir, os.path.basename(os.path.normpath(tag_dir))), out_dir, fields)
+    return fields
 
 
 def _write(out: _Collected, new_dir: str, out_dir: str, fields: dict) -> str:

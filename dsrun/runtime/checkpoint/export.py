@@ -5,6 +5,9 @@ import logging
 import os
 from typing import Callable
 
+import torch
+
+from dsrun.runtime import comm
 from dsrun.runtime.checkpoint.rendezvous import Rendezvous, raise_unless_all
 from dsrun.runtime.checkpoint.store import atomic_write, fsync_dir, stream_safetensors
 from dsrun.runtime.zero.params import record_of
@@ -44,6 +47,37 @@ def full_16bit_values(parts: TrainingParts, entries: list[tuple]):
         yield full.to(dtype).reshape(shape)
 
 
+def model_16bit(parts: TrainingParts, exclude_frozen_parameters: bool = False):
+    """The whole model's 16-bit export: (specs, values) where specs lists
+    (name, full shape, export dtype) of every entry in state-dict order and
+    `values` yields each one's full value, on every rank (collective: every
+    rank must exhaust `values`).
+
+    With a model split across ranks (a pipeline, `parts.split`), the specs
+    are gathered over the parts in part order (a tied copy once, from the
+    lowest part holding it) and each value is broadcast over
+    `split.parts_group` from the part that holds it, so every rank sees the
+    whole model, one tensor at a time."""
+    entries = full_16bit_entries(parts, exclude_frozen_parameters)
+    split = parts.split
+    if split is None or split.parts_group is None:
+        return [(name, shape, dtype) for name, _, shape, dtype, _ in entries], full_16bit_values(parts, entries)
+    entries = [e for e in entries if e[0] not in split.duplicates]
+    mine = [(name, shape, dtype) for name, _, shape, dtype, _ in entries]
+    per_part = comm.all_gather_object(mine, group=split.parts_group)
+    me = split.part_ranks.index(parts.topology.rank)
+
+    def values():
+        device = parts.topology.device
+        for part, specs in enumerate(per_part):
+            own = full_16bit_values(parts, entries) if part == me else None
+            for _, shape, dtype in specs:
+                value = next(own).contiguous() if own is not None else torch.empty(shape, dtype=dtype, device=device)
+                comm.broadcast(value, src=split.part_ranks[part], group=split.parts_group)
+                yield value
+    return [spec for specs in per_part for spec in specs], values()
+
+
 def save_16bit(parts: TrainingParts, rdv_factory: Callable[[str], Rendezvous], save_dir: str,
                save_filename: str = "model.safetensors", exclude_frozen_parameters: bool = False) -> str:
     """Write the module's full state dict in the compute dtype (parameters;
@@ -52,7 +86,8 @@ def save_16bit(parts: TrainingParts, rdv_factory: Callable[[str], Rendezvous], s
 
     Parameters are gathered one at a time (an all-reduce of the fp32 master
     pieces at stages 1-3) and streamed into the file, so rank 0 holds one
-    full parameter at a time, not the model. Tied parameters appear once,
+    full parameter at a time, not the model (a pipeline's stages send
+    theirs to rank 0 in turn, see `model_16bit`). Tied parameters appear once,
     under their first name. A DeepSpeed-style "*.bin" name is replaced by
     its safetensors equivalent ("pytorch_model.bin" -> "model.safetensors"),
     with a warning. Returns the file's path. Raises CheckpointError on every
@@ -67,13 +102,12 @@ def save_16bit(parts: TrainingParts, rdv_factory: Callable[[str], Rendezvous], s
         _warned_bin = True
         save_filename = new
     rdv = rdv_factory(save_filename)
-    entries = full_16bit_entries(parts, exclude_frozen_parameters)
+    specs, gen = model_16bit(parts, exclude_frozen_parameters)
     path = os.path.join(save_dir, save_filename)
-    gen, error = full_16bit_values(parts, entries), None
+    error = None
     if parts.topology.rank == 0:
         try:
             os.makedirs(save_dir, exist_ok=True)
-            specs = [(name, shape, dtype) for name, _, shape, dtype, _ in entries]
             atomic_write(path, stream_safetensors(specs, gen, {"format": "pt"}))
             fsync_dir(save_dir)
         except Exception as e:

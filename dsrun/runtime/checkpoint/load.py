@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from dsrun.runtime import comm
-from dsrun.runtime.checkpoint.parts import global_names, held_pieces
+from dsrun.runtime.checkpoint.parts import held_pieces, model_names
 from dsrun.runtime.checkpoint.pieces import HeldPiece, even_part
 from dsrun.runtime.checkpoint.reader import SliceReader
 from dsrun.runtime.checkpoint.rendezvous import Rendezvous, raise_unless_all
@@ -35,10 +35,10 @@ def _decode_client(value: Any, reader: SliceReader) -> Any:
     return value
 
 
-def _check_names(parts: TrainingParts, index: Index, strict: bool, tag_dir: str) -> set[str]:
-    """Missing / unexpected / mismatched-shape module tensors (strict: errors;
-    shapes always). Returns the names to load."""
-    current = global_names(parts)
+def _check_names(current: dict, index: Index, strict: bool, tag_dir: str) -> set[str]:
+    """Missing / unexpected / mismatched-shape module tensors of the model
+    (`current`: `model_names`, the whole model's name -> (shape, frozen))
+    (strict: errors; shapes always). Returns the names to load."""
     stored = {n[len("module/"):]: e for n, e in index.tensors.items() if n.startswith("module/")}
     problems = []
     for name, (shape, _) in current.items():
@@ -141,11 +141,20 @@ def _restore_param_groups(optimizer: torch.optim.Optimizer, saved: list[dict], t
             group[k] = tuple(v) if isinstance(group.get(k), tuple) and isinstance(v, list) else v
 
 
-def _read_rng(topology: Topology, index: Index, reader: SliceReader) -> dict[str, torch.Tensor] | None:
+def _same_layout(parts: TrainingParts, index: Index) -> bool:
+    """Whether the checkpoint was written by as many ranks, split into as
+    many pipeline stages (per-rank states, RNG and data position, then
+    belong to the same rank)."""
+    stages = parts.split.parts if parts.split is not None else 1
+    return index.world_size == parts.topology.world_size and index.pipeline_stages == stages
+
+
+def _read_rng(topology: Topology, index: Index, reader: SliceReader,
+              same_layout: bool) -> dict[str, torch.Tensor] | None:
     """This rank's saved torch RNG states ({"cpu", "cuda"?}), or None when
-    the world size changed (the states are per rank)."""
+    the layout changed (the states are per rank)."""
     rank = topology.rank
-    if index.world_size != topology.world_size or not index.rng:  # not index.rng: an import
+    if not same_layout or not index.rng:  # not index.rng: an import
         return None
     out = {"cpu": reader.read_full(f"rng/rank{rank}/torch_cpu")}
     if f"rng/rank{rank}/cuda" in index.tensors and topology.device.type == "cuda":
@@ -155,14 +164,14 @@ def _read_rng(topology: Topology, index: Index, reader: SliceReader) -> dict[str
 
 def _restore_rng(topology: Topology, index: Index, states: dict[str, torch.Tensor] | None) -> None:
     """Every RNG state of this rank (torch CPU and CUDA, Python, NumPy), when
-    the world size is the one that saved; else a warning."""
+    the layout is the one that saved (`_same_layout`); else a warning."""
     rank, world = topology.rank, topology.world_size
     if states is None:
         if rank == 0 and not index.rng:
             log.warning("the checkpoint holds no RNG states (imported): RNG states are not restored")
         elif rank == 0:
-            log.warning("checkpoint written by %d ranks, loaded on %d: RNG states are not restored",
-                        index.world_size, world)
+            log.warning("checkpoint written by %d ranks (%d pipeline stages), loaded on %d in another layout: "
+                        "RNG states are not restored", index.world_size, index.pipeline_stages, world)
         return
     torch.set_rng_state(states["cpu"])
     if "cuda" in states:
@@ -204,9 +213,10 @@ def load(parts: TrainingParts, rdv: Rendezvous, load_dir: str, tag: str | None, 
         return None, None
     tag_dir = os.path.join(load_dir, tag)
     error, index, reader, rng, client_state, shared = None, None, None, None, None, []
+    current = model_names(parts)  # collective over a split model's parts: before anything may raise
     try:
         index = load_index(tag_dir)
-        names = _check_names(parts, index, load_module_strict, tag_dir)
+        names = _check_names(current, index, load_module_strict, tag_dir)
         # Each file's checksum is checked by one rank (file i by rank i mod
         # world size) as it reads; the "read" agreement fails every rank.
         reader = SliceReader(tag_dir, index, verify_files=set(sorted(index.files)[topo.rank::topo.world_size]),
@@ -216,7 +226,7 @@ def load(parts: TrainingParts, rdv: Rendezvous, load_dir: str, tag: str | None, 
         if optim:
             _restore_param_groups(parts.optimizer, index.param_groups, tag_dir)
         if not load_module_only:  # read now, so that a bad file fails every rank together
-            rng = _read_rng(topo, index, reader)
+            rng = _read_rng(topo, index, reader, _same_layout(parts, index))
             client_state = _decode_client(index.client_state, reader) if index.client_state is not None else {}
         if optim:
             _load_optimizer_extras(parts, index, reader)
@@ -235,12 +245,13 @@ def load(parts: TrainingParts, rdv: Rendezvous, load_dir: str, tag: str | None, 
             lr_scheduler.load_state_dict(index.lr_scheduler)
         _restore_rng(topo, index, rng)
         if dataloader is not None and index.dataloader is not None:
-            if index.world_size == topo.world_size:
+            if _same_layout(parts, index):
                 dataloader.load_state_dict(index.dataloader)
             else:
                 if topo.rank == 0:
-                    log.warning("checkpoint written by %d ranks, loaded on %d: the data loader starts its "
-                                "epoch %d from the beginning (per-rank shards differ)", index.world_size,
+                    log.warning("checkpoint written by %d ranks (%d pipeline stages), loaded on %d in another "
+                                "layout: the data loader starts its epoch %d from the beginning (per-rank "
+                                "shards differ)", index.world_size, index.pipeline_stages,
                                 topo.world_size, index.dataloader["epoch"])
                 dataloader.load_state_dict({"epoch": index.dataloader["epoch"], "batches": 0})
     if topo.rank == 0:

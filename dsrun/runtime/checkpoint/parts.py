@@ -4,11 +4,27 @@ every tensor's global name and shape, a 1-bit optimizer's extra buffers.
 The strategy says what it holds (`GradientStrategy.checkpoint_pieces`,
 `managed_params`, ...); everything else is saved whole. A new kind of
 parallelism plugs in by implementing those methods, with no type test here.
+
+[Note: a model split across ranks]
+When each rank holds one part of the model (`TrainingParts.split`: a
+pipeline stage), nothing of the format changes: parameter names are global
+("{layer}.{param}", "tied_modules.{key}.{param}"), each rank writes the
+pieces of its part and rank 0's index lists every file's tensors. Three
+things differ. The tensors every rank holds whole are held alike only by
+the part's replicas (`split.replicas`), which split their writing and
+share their reads. A weight tied across parts is written by the lowest
+part holding it only (`split.duplicates` names the other copies), and read
+into every copy by name. And the names of the whole model, which the
+index's frozen list and a strict load's missing/unexpected check need, are
+the union over the parts (`model_names`, a collective over
+`split.parts_group`). A load then reads each piece by name from whatever
+files hold it, so any split (or none) loads any other.
 """
 from __future__ import annotations
 
 import torch
 
+from dsrun.runtime import comm
 from dsrun.runtime.checkpoint.pieces import HeldPiece, plain_pieces
 from dsrun.runtime.fp16.onebit.base import CompressedCommOptimizer
 from dsrun.runtime.engine.train_state import TrainingParts
@@ -20,7 +36,10 @@ def held_pieces(parts: TrainingParts) -> list[HeldPiece]:
     """Every piece of the module this rank holds: the strategy's own
     (ZeRO partitions) and every other parameter and buffer whole."""
     managed = {id(p) for p in parts.strategy.managed_params()}
-    world = RankGroup(None, parts.topology.rank, parts.topology.world_size)
+    if parts.split is not None:  # see [Note: a model split across ranks]
+        world = parts.split.replicas
+    else:
+        world = RankGroup(None, parts.topology.rank, parts.topology.world_size)
     return parts.strategy.checkpoint_pieces() + plain_pieces(parts.module, parts.optimizer, managed, world)
 
 
@@ -36,6 +55,26 @@ def global_names(parts: TrainingParts) -> dict[str, tuple[tuple[int, ...], bool]
             if buf is not None and bname not in mod._non_persistent_buffers_set:
                 out[f"{mod_name}.{bname}" if mod_name else bname] = (tuple(buf.shape), False)
     return out
+
+
+def model_names(parts: TrainingParts) -> dict[str, tuple[tuple[int, ...], bool]]:
+    """`global_names` of the whole model: with a split, the union over the
+    parts (collective over `split.parts_group`: every rank calls it); see
+    [Note: a model split across ranks]."""
+    own = global_names(parts)
+    split = parts.split
+    if split is None or split.parts_group is None:
+        return own
+    out: dict[str, tuple[tuple[int, ...], bool]] = {}
+    for names in comm.all_gather_object(own, group=split.parts_group):
+        out.update(names)
+    return out
+
+
+def written_elsewhere(parts: TrainingParts) -> frozenset[str]:
+    """Names of this rank's tensors that another part writes (tied copies;
+    see [Note: a model split across ranks])."""
+    return parts.split.duplicates if parts.split is not None else frozenset()
 
 
 def optimizer_extras(parts: TrainingParts) -> dict[str, torch.Tensor]:

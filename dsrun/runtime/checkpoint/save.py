@@ -13,7 +13,7 @@ import torch
 
 import dsrun
 from dsrun.runtime.checkpoint import discard
-from dsrun.runtime.checkpoint.parts import global_names, held_pieces, optimizer_extras
+from dsrun.runtime.checkpoint.parts import held_pieces, model_names, optimizer_extras, written_elsewhere
 from dsrun.runtime.checkpoint.pieces import HeldPiece
 from dsrun.runtime.checkpoint.rendezvous import Rendezvous, raise_unless_all
 from dsrun.runtime.checkpoint.store import (INDEX, LATEST, CheckpointError, FileEntry, Index, StoredSlice,
@@ -85,6 +85,7 @@ def prepare_save(parts: TrainingParts, rdv: Rendezvous, save_dir: str, tag: str,
     rank = parts.topology.rank
     tag_dir = os.path.join(save_dir, tag)
     error, tensors, meta, stepped, fields = None, {}, {}, set(), None
+    names = model_names(parts)  # collective over a split model's parts: before anything may raise
     try:
         if rank == 0:
             os.makedirs(tag_dir, exist_ok=True)
@@ -99,9 +100,11 @@ def prepare_save(parts: TrainingParts, rdv: Rendezvous, save_dir: str, tag: str,
             scheduler = _json_checked(lr_scheduler.state_dict(), "the LR scheduler's state_dict")
         param_groups = _json_checked([{k: v for k, v in g.items() if k != "params"}
                                       for g in parts.optimizer.param_groups], "optimizer param_groups")
-        tensors, meta, stepped = rank_payload(parts, held_pieces(parts), client_state, exclude_frozen_parameters)
+        elsewhere = written_elsewhere(parts)  # tied copies: see [Note: a model split across ranks] in parts.py
+        pieces = [p for p in held_pieces(parts) if p.name not in elsewhere]
+        tensors, meta, stepped = rank_payload(parts, pieces, client_state, exclude_frozen_parameters)
         if rank == 0:
-            fields = _index_fields(parts, scheduler, param_groups, dataloader, exclude_frozen_parameters)
+            fields = _index_fields(parts, names, scheduler, param_groups, dataloader, exclude_frozen_parameters)
     except Exception as e:  # reported to every rank, then raised here
         error = e
     raise_unless_all(rdv.agree("prepared", error is None), error, f"preparing checkpoint {tag_dir}")
@@ -264,14 +267,16 @@ def _prune(save_dir: str, keep: int, just_saved: str) -> None:
         log.info("checkpoint.keep_last=%d: deleted %s", keep, ", ".join(os.path.join(save_dir, t) for t in doomed))
 
 
-def _index_fields(parts: TrainingParts, scheduler, param_groups, dataloader, exclude_frozen: bool) -> dict:
+def _index_fields(parts: TrainingParts, names: dict, scheduler, param_groups, dataloader,
+                  exclude_frozen: bool) -> dict:
     """Rank 0: everything of the index that comes from the training parts,
-    taken at save time (JSON-ready)."""
+    taken at save time (JSON-ready); `names`: `model_names(parts)`."""
     loader = dataloader.state_dict() if dataloader is not None else None
     strategy = parts.strategy
-    frozen = [n for n, (_, is_frozen) in global_names(parts).items() if is_frozen]
+    frozen = [n for n, (_, is_frozen) in names.items() if is_frozen]
     return dict(dsrun_version=dsrun.__version__, torch_version=torch.__version__,
-                world_size=parts.topology.world_size, stage=parts.config.zero_optimization.stage,
+                world_size=parts.topology.world_size,
+                pipeline_stages=parts.split.parts if parts.split is not None else 1, stage=parts.config.zero_optimization.stage,
                 precision=strategy.precision_name(), config=parts.config.model_dump(mode="json"),
                 param_groups=param_groups, scaler=strategy.scaler_state(), counters=parts.state.state_dict(),
                 lr_scheduler=scheduler, dataloader=loader, frozen=frozen,

@@ -116,6 +116,8 @@ class Index(BaseModel):
     dsrun_version: str
     torch_version: str
     world_size: int = Field(description="Ranks that wrote the checkpoint.")
+    pipeline_stages: int = Field(1, description="Parts (pipeline stages) the model was split into; 1: "
+                                 "every rank held the whole model.")
     stage: int = Field(description="ZeRO stage it was written at.")
     precision: str = Field(description="fp32, bf16 or fp16 (compute dtype).")
     config: dict[str, Any] = Field(description="The resolved ds_config.")

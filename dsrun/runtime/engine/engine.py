@@ -24,7 +24,7 @@ from dsrun.runtime.observability.logging import ProgressLog, log_rank0, logger
 from dsrun.runtime.memory.profile import MemoryProfiler, format_memory_profile, no_phase, recorded_phases
 from dsrun.runtime.monitor import MonitorMaster
 from dsrun.runtime.engine.telemetry import StepTelemetry
-from dsrun.runtime.engine.train_state import TrainingParts, TrainState
+from dsrun.runtime.engine.train_state import ModelSplit, TrainingParts, TrainState
 from dsrun.runtime.zero import build_zero_strategy
 
 
@@ -96,6 +96,9 @@ class Engine(DeepSpeedEngineCompat, torch.nn.Module):
             `strategy.optimizer`.
         config: the resolved DsConfig.
         topology: this rank's Topology.
+        split: how the model is split across ranks (a pipeline engine's
+            stages, see ModelSplit), for the checkpointer; None: every rank
+            holds the whole model.
 
     Attributes:
         module, optimizer, lr_scheduler, train_state (the counters, also
@@ -114,7 +117,8 @@ class Engine(DeepSpeedEngineCompat, torch.nn.Module):
     """
 
     def __init__(self, module: torch.nn.Module, strategy: GradientStrategy,
-                 lr_scheduler: Any, config: DsConfig, topology: Topology) -> None:
+                 lr_scheduler: Any, config: DsConfig, topology: Topology,
+                 split: ModelSplit | None = None) -> None:
         super().__init__()
         self.module = module
         self.strategy = strategy
@@ -124,7 +128,7 @@ class Engine(DeepSpeedEngineCompat, torch.nn.Module):
         self.topology = topology
         self.train_state = TrainState()  # global_steps, global_samples, skipped_steps, micro_steps
         self.training_dataloader = None  # set by initialize(training_data=...); checkpointed
-        parts = TrainingParts(module, strategy, topology, config, self.train_state)
+        parts = TrainingParts(module, strategy, topology, config, self.train_state, split)
         self.checkpointer = Checkpointer(parts)
         self._boundary_override: bool | None = None
         self._in_no_sync = False

@@ -7,6 +7,7 @@ that neither the checkpointer nor the telemetry holds (or imports) the engine.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 
@@ -50,6 +51,36 @@ class TrainState:
 
 
 @dataclasses.dataclass(frozen=True)
+class ModelSplit:
+    """How the model is split across ranks when each rank holds one part of
+    it (a pipeline stage): what a checkpoint needs to write every tensor
+    once and to check names against the whole model.
+
+    Attributes:
+        replicas: the ranks holding the same part as this one (the data
+            axis of its stage), as an object with .group (torch process
+            group), .rank and .size (dsrun.runtime.zero.groups.RankGroup):
+            they split the writing of the tensors they hold alike.
+        parts_group: the torch process group of the ranks holding the other
+            parts with this rank's replica index (the pipe axis), this one
+            included; None when there is one part.
+        parts: the number of parts (pipeline stages).
+        part_ranks: the global rank holding each part in `parts_group`
+            (index: the part), this rank's entry included.
+        duplicates: names of this rank's parameters that another part also
+            holds and writes (weights tied across stages, on every stage but
+            the lowest that holds them): written once, by that part, and
+            read by name into every copy on load.
+    """
+
+    replicas: Any
+    parts_group: Any
+    parts: int
+    part_ranks: tuple[int, ...] = ()
+    duplicates: frozenset[str] = frozenset()
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainingParts:
     """The engine's training state, by reference (nothing is copied).
 
@@ -60,6 +91,8 @@ class TrainingParts:
         topology: this rank's place in the job.
         config: the resolved DsConfig.
         state: the loop's counters.
+        split: how the model is split across ranks (a pipeline), or None
+            when every rank holds the whole model.
     """
 
     module: torch.nn.Module
@@ -67,6 +100,7 @@ class TrainingParts:
     topology: Topology
     config: DsConfig
     state: TrainState
+    split: ModelSplit | None = None
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:

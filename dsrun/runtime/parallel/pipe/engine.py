@@ -54,12 +54,14 @@ import torch
 from dsrun.runtime import comm
 from dsrun.runtime.config import ConfigError
 from dsrun.runtime.engine.engine import Engine
+from dsrun.runtime.engine.train_state import ModelSplit
 from dsrun.runtime.parallel.grid import PipelineParallelGrid
 from dsrun.runtime.parallel.mesh import ParallelMesh
 from dsrun.runtime.parallel.pipe import schedule as sched
 from dsrun.runtime.parallel.pipe.module import PipelineModule
 from dsrun.runtime.parallel.pipe.p2p import StageLink, as_tensors
 from dsrun.runtime.strategy.data_parallel import StageSpan
+from dsrun.runtime.zero.groups import RankGroup
 
 
 @dataclass
@@ -107,7 +109,7 @@ class PipelineEngine(Engine):
 
     def __init__(self, module: PipelineModule, strategy, lr_scheduler, config, topology,
                  mesh: ParallelMesh, tied: TiedGroups) -> None:
-        super().__init__(module, strategy, lr_scheduler, config, topology)
+        super().__init__(module, strategy, lr_scheduler, config, topology, split=_model_split(module, mesh))
         self.mesh = mesh
         self.grid = PipelineParallelGrid(mesh=mesh)
         self.num_stages = module.num_stages
@@ -432,6 +434,17 @@ def _to_device(value, device: torch.device, dtype: torch.dtype | None = None):
 
 
 TiedGroups = list[tuple[list[torch.Tensor], Any]]
+
+
+def _model_split(module: PipelineModule, mesh: ParallelMesh) -> ModelSplit:
+    """What the checkpointer needs of the stages (see ModelSplit): the
+    stage's data-parallel replicas, the pipe axis, and the tied copies the
+    lowest stage holding them writes."""
+    data = mesh.axis_group("data")
+    duplicates = frozenset(n for n, p in module.named_parameters() if getattr(p, "ds_pipe_replicated", False))
+    ranks = tuple(mesh.stage_to_global(s) for s in range(module.num_stages))
+    return ModelSplit(RankGroup(data.group, data.rank, data.size), mesh.axis_group("pipe").group,
+                      module.num_stages, ranks, duplicates)
 
 
 def tie_weights(module: PipelineModule, mesh: ParallelMesh) -> TiedGroups:
