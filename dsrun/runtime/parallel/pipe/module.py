@@ -25,11 +25,11 @@ model split into a different number of stages.
 [Note: tied layers]
 Every TiedLayerSpec with the same key uses one module per rank (built at
 the first layer of that key on the rank, registered in `tied_modules`).
-Stages that hold the key keep one copy each; training keeps them equal when
+Stages that hold the key keep one copy each; training keeps them equal:
 the engine (1) broadcasts the weights from the lowest such stage at
-start-up and after loading a checkpoint and (2) all-reduces (sums) their
-gradients among those stages after backward: `tied_weight_broadcast_plan`
-lists the groups (DeepSpeed's `_synchronize_tied_weights` and
+start-up (`tie_weights` in engine.py; a checkpoint load gives every copy
+the one stored value) and (2) sums their gradients among those stages
+after backward: `tied_weight_broadcast_plan` lists the groups (DeepSpeed's `_synchronize_tied_weights` and
 `allreduce_tied_weight_gradients`). The collectives are the engine's (all
 collectives live in dsrun.runtime.comm); this module issues none. Like
 DeepSpeed, parameters of a tied copy on a stage other than the lowest carry
