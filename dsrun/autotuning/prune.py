@@ -128,18 +128,18 @@ def prune(candidates: list[Candidate], model: MemoryModel,
             device_over = need["device"] > budget.device_per_rank
             host_over = need["host"] * budget.ranks_per_node > budget.host_per_node
             if device_over:
-                ruled_out.append((c, f"needs ~{need['device'] / _GIB:.2f} GiB of device memory per rank, "
-                                     f"{budget.device_per_rank / _GIB:.2f} GiB usable"))
+                ruled_out.append((c, (f"needs ~{need['device'] / _GIB:.2f} GiB of device memory per rank, "
+                                      f"{budget.device_per_rank / _GIB:.2f} GiB usable")))
                 continue
             if host_over:
-                ruled_out.append((c, f"needs ~{need['host'] * budget.ranks_per_node / _GIB:.2f} GiB of host "
-                                     f"memory per node, {budget.host_per_node / _GIB:.2f} GiB usable"))
+                ruled_out.append((c, (f"needs ~{need['host'] * budget.ranks_per_node / _GIB:.2f} GiB of host "
+                                      f"memory per node, {budget.host_per_node / _GIB:.2f} GiB usable")))
                 continue
         else:
             total = (need["device"] + need["host"]) * budget.ranks_per_node
             if total > budget.host_per_node:
-                ruled_out.append((c, f"needs ~{total / _GIB:.2f} GiB of RAM per node "
-                                     f"({budget.ranks_per_node} ranks), {budget.host_per_node / _GIB:.2f} GiB usable"))
+                ruled_out.append((c, (f"needs ~{total / _GIB:.2f} GiB of RAM per node "
+                                      f"({budget.ranks_per_node} ranks), {budget.host_per_node / _GIB:.2f} GiB usable")))
                 continue
         fits.append(c)
     return fits, ruled_out

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from rich.console import Console
 from rich.live import Live
@@ -99,7 +98,7 @@ class LiveTable:
             self._live.__enter__()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         if self._live is not None:
             self._live.__exit__(*exc)
 
@@ -145,7 +144,7 @@ def write_summary(results_dir: Path, records: list[TrialRecord], metric: str, be
     return path
 
 
-def write_optimal(results_dir: Path, config: dict[str, Any]) -> Path:
+def write_optimal(results_dir: Path, config: dict[str, object]) -> Path:
     """Write the best config as results_dir/ds_config_optimal.json, autotuning switched off; returns its path."""
     config = {**config, "autotuning": {**config.get("autotuning", {}), "enabled": False}}
     results_dir.mkdir(parents=True, exist_ok=True)

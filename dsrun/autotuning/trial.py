@@ -21,7 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dsrun.autotuning.results import ResultError, TrialResult, failure_reason, read_result
+from dsrun.autotuning.results import (
+    ResultError,
+    TrialResult,
+    failure_reason,
+    read_result,
+)
 from dsrun.autotuning.space import AC_KEY
 from dsrun.env import AUTOTUNING_RESULT
 
@@ -156,7 +161,7 @@ def run_trial(job: Job, name: str, config: dict[str, Any], exps_dir: Path, *, ar
     (folder / "cmd.txt").write_text(" ".join(argv) + "\n")
     start = time.monotonic()
     with open(folder / "stdout.log", "wb") as out, open(folder / "stderr.log", "wb") as err:
-        returncode = subprocess.run(argv, stdout=out, stderr=err, stdin=subprocess.DEVNULL).returncode
+        returncode = subprocess.run(argv, stdout=out, stderr=err, stdin=subprocess.DEVNULL, check=False).returncode
     seconds = time.monotonic() - start
     stderr = (folder / "stderr.log").read_text(errors="replace")
     if returncode == 0 and result_path.is_file():

@@ -26,10 +26,24 @@ import yaml
 from rich.console import Console
 
 from dsrun.autotuning.prune import MemoryBudget, MemoryModel, prune
-from dsrun.autotuning.report import LiveTable, TrialRecord, best_record, render, write_optimal, write_summary
+from dsrun.autotuning.report import (
+    LiveTable,
+    TrialRecord,
+    best_record,
+    render,
+    write_optimal,
+    write_summary,
+)
 from dsrun.autotuning.search import Search
 from dsrun.autotuning.space import base_candidate, generate, spread
-from dsrun.autotuning.trial import Job, TrialOutcome, dsrun_command, find_config_arg, run_trial, script_args_for
+from dsrun.autotuning.trial import (
+    Job,
+    TrialOutcome,
+    dsrun_command,
+    find_config_arg,
+    run_trial,
+    script_args_for,
+)
 from dsrun.launcher.failure import exit_status
 from dsrun.runtime.config.sections import AutotuningConfig
 

@@ -1,13 +1,14 @@
 """The `dsrun` command: parse the command line, build the job, run it through the head.
 
     dsrun [--num_procs N] [--master_port P] [--master_addr A] [--log_dir DIR]
-          [--module] [--no_local_rank] [--grace_period S] script.py [script args...]
+          [--module] [--no_local_rank] [--grace_period S] [--autotuning tune|run] script.py [script args...]
 
 Everything after the script is passed to it untouched, followed by
 `--local_rank=N` as DeepSpeed's launcher does (`--no_local_rank`: not). Every launch, a
 plain local one included, goes through `multinode.run_multinode`: there is
 one code path whatever the flags (`--env`, `--print_env` and `--dry_run`
-only add to it).
+only add to it). `--autotuning` hands the command to dsrun/autotuning, which
+runs each trial as such a launch.
 """
 from __future__ import annotations
 

@@ -3,7 +3,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from dsrun.autotuning.prune import HEADROOM, MemoryBudget, MemoryModel, optimizer_states, precision, prune
+from dsrun.autotuning.prune import (
+    HEADROOM,
+    MemoryBudget,
+    MemoryModel,
+    optimizer_states,
+    precision,
+    prune,
+)
 from dsrun.autotuning.space import Candidate
 from dsrun.runtime.memory.accounting import estimate_zero_memory
 from tests.autotuning.helpers import MIB, result

@@ -5,7 +5,13 @@ import json
 
 import pytest
 
-from dsrun.autotuning.report import OPTIMAL_NAME, TrialRecord, best_record, write_optimal, write_summary
+from dsrun.autotuning.report import (
+    OPTIMAL_NAME,
+    TrialRecord,
+    best_record,
+    write_optimal,
+    write_summary,
+)
 from dsrun.autotuning.results import ResultError, failure_reason, read_result
 from dsrun.autotuning.space import Candidate
 from dsrun.runtime.config import load_config

@@ -4,7 +4,14 @@ from __future__ import annotations
 import pytest
 
 from dsrun.autotuning.search import Search
-from dsrun.autotuning.space import BUCKET_SIZES, Candidate, base_candidate, generate, micro_batch_sizes, spread
+from dsrun.autotuning.space import (
+    BUCKET_SIZES,
+    Candidate,
+    base_candidate,
+    generate,
+    micro_batch_sizes,
+    spread,
+)
 from dsrun.runtime.config import load_config
 from dsrun.runtime.config.sections import AutotuningConfig
 

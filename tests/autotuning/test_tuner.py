@@ -1,7 +1,9 @@
 """The tuning loop with trials faked (tuner.py), and the command line it builds (trial.py)."""
 from __future__ import annotations
 
+import io
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -9,13 +11,20 @@ import click
 import pytest
 from rich.console import Console
 
+from dsrun.autotuning import trial as trial_module
 from dsrun.autotuning import tuner
 from dsrun.autotuning.prune import MemoryBudget, MemoryModel, prune
 from dsrun.autotuning.space import Candidate, generate
-from dsrun.autotuning.trial import Job, TrialOutcome, dsrun_command, find_config_arg, script_args_for
+from dsrun.autotuning.trial import (
+    Job,
+    TrialOutcome,
+    dsrun_command,
+    find_config_arg,
+    script_args_for,
+)
 from dsrun.env import AUTOTUNING_RESULT
 from dsrun.runtime.config import load_config
-from tests.autotuning.helpers import MIB, result
+from tests.autotuning.helpers import MIB, result, write_result
 
 SCRIPT = "train.py"
 
@@ -90,7 +99,7 @@ def write_config(tmp_path: Path, **autotuning) -> Path:
 
 def test_pruned_candidates_are_never_launched_and_the_fastest_measured_wins(tmp_path, fake):
     path = write_config(tmp_path, tuner_early_stopping=50)
-    console = Console(file=open(tmp_path / "out.txt", "w"), width=200)
+    console = Console(file=io.StringIO(), width=200)
     code = tuner.autotune("tune", Job(("--num_procs", "2"), SCRIPT, ("--deepspeed_config", str(path))), console)
     assert code == 0
     # What the memory model rules out for this baseline (see test_prune.py for the arithmetic).
@@ -129,9 +138,9 @@ def test_failed_baseline_stops_the_tuner_with_its_reason(tmp_path, monkeypatch):
 def test_bad_autotuning_section_and_missing_config_argument(tmp_path, fake):
     path = write_config(tmp_path, tuner_type="bayesian")
     with pytest.raises(click.UsageError, match="autotuning.tuner_type"):
-        tuner.autotune("tune", Job((), SCRIPT, ("--config", str(path))), Console(file=open(tmp_path / "o", "w")))
+        tuner.autotune("tune", Job((), SCRIPT, ("--config", str(path))), Console(file=io.StringIO()))
     with pytest.raises(click.UsageError, match="needs the script's ds_config"):
-        tuner.autotune("tune", Job((), SCRIPT, ("--steps", "3")), Console(file=open(tmp_path / "o", "w")))
+        tuner.autotune("tune", Job((), SCRIPT, ("--steps", "3")), Console(file=io.StringIO()))
     assert fake.launched == []
 
 
@@ -140,7 +149,7 @@ def test_run_mode_trains_with_the_optimal_config(tmp_path, fake, monkeypatch):
     monkeypatch.setattr(tuner.subprocess, "call", lambda argv: calls.append(argv) or 0)
     path = write_config(tmp_path, tuner_num_trials=2)
     job = Job(("--num_procs", "2"), SCRIPT, ("--deepspeed_config", str(path), "--steps", "100"))
-    assert tuner.autotune("run", job, Console(file=open(tmp_path / "o", "w"))) == 0
+    assert tuner.autotune("run", job, Console(file=io.StringIO())) == 0
     assert len(fake.launched) == 3  # the baseline and tuner_num_trials trials
     (argv,) = calls
     optimal = str(tmp_path / "results" / "ds_config_optimal.json")
@@ -157,7 +166,36 @@ def test_trial_config_for_the_baseline_keeps_the_users_settings(tmp_path, fake, 
 
     monkeypatch.setattr(tuner, "run_trial", keep)
     path = write_config(tmp_path, tuner_num_trials=1)
-    tuner.autotune("tune", Job((), SCRIPT, ("--config", str(path))), Console(file=open(tmp_path / "o", "w")))
+    tuner.autotune("tune", Job((), SCRIPT, ("--config", str(path))), Console(file=io.StringIO()))
     user = json.loads(path.read_text())
     assert configs[0] == {**user, "autotuning": {**user["autotuning"], "enabled": True}}
     assert configs[1]["zero_optimization"]["stage"] == 0 and configs[1]["train_batch_size"] == 32
+
+
+def test_run_trial_launches_with_the_result_variable_and_reads_what_the_engine_wrote(tmp_path, monkeypatch):
+    seen = []
+
+    def fake_run(argv, stdout, stderr, stdin, check):
+        seen.append(argv)
+        env_value = argv[argv.index("--env") + 1]
+        assert env_value.startswith(AUTOTUNING_RESULT.name + "=")
+        config_path = Path(argv[argv.index("--deepspeed_config") + 1])
+        if json.loads(config_path.read_text())["train_micro_batch_size_per_gpu"] == 8:
+            stderr.write(b"[rank 1] Traceback (most recent call last):\n[rank 1] ValueError: no\n")
+            return subprocess.CompletedProcess(argv, 1)
+        write_result(Path(env_value.split("=", 1)[1]), result())
+        return subprocess.CompletedProcess(argv, 0)
+
+    monkeypatch.setattr(trial_module.subprocess, "run", fake_run)
+    job = Job(("--num_procs", "2"), SCRIPT, ("--deepspeed_config", "user.json"))
+    kw = {"arg_mappings": None, "activation_checkpointing": None, "end_profile_step": 5, "overwrite": True}
+    ok = trial_module.run_trial(job, "z0_mbs2_gas8", {"train_micro_batch_size_per_gpu": 2}, tmp_path, **kw)
+    assert ok.status == "ok" and ok.result == result()
+    assert seen[0][:5] == [sys.executable, "-m", "dsrun.launcher.cli", "--num_procs", "2"]
+    assert (tmp_path / "z0_mbs2_gas8" / "cmd.txt").read_text().startswith(sys.executable)
+    bad = trial_module.run_trial(job, "z0_mbs8_gas2", {"train_micro_batch_size_per_gpu": 8}, tmp_path, **kw)
+    assert (bad.status, bad.reason) == ("failed", "exit status 1: [rank 1] ValueError: no")
+    # overwrite false: a result already there is reused without a launch.
+    again = trial_module.run_trial(job, "z0_mbs2_gas8", {"train_micro_batch_size_per_gpu": 2}, tmp_path,
+                                   **{**kw, "overwrite": False})
+    assert (again.status, again.reason, len(seen)) == ("ok", "reused", 2)

@@ -29,7 +29,7 @@ if mbs > args.max_micro_batch:
     sys.exit(3)
 for step in range(args.steps):
     for _ in range(engine.gradient_accumulation_steps()):
-        x = torch.randn(mbs, 32)
+        x = torch.randn(mbs, 32, device=engine.device)
         loss = (engine(x) - x.sum(1, keepdim=True)).pow(2).mean()
         engine.backward(loss)
         engine.step()
