@@ -102,10 +102,12 @@ class LiveTable:
         if self._live is not None:
             self._live.__exit__(*exc)
 
-    def update(self, records: list[TrialRecord], finished: TrialRecord | None = None) -> None:
-        """Show `records`; `finished`: the trial that just ended (printed as a line when not live)."""
+    def update(self, records: list[TrialRecord], finished: TrialRecord | None = None,
+               best: TrialRecord | None = None) -> None:
+        """Show `records`; `finished`: the trial that just ended (printed as a line when not live);
+        `best`: the record to mark."""
         if self._live is not None:
-            self._live.update(render(records, self._metric))
+            self._live.update(render(records, self._metric, best))
         elif finished is not None:
             res = finished.result
             text = (f"{res.step_time * 1e3:,.1f} ms/step, peak {_mib(res.peak)}, {res.samples_per_s:,.1f} samples/s"

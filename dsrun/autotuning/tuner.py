@@ -145,12 +145,17 @@ def autotune(mode: str, job: Job, console: Console) -> int:
             if record.status == "pending":
                 record.status, record.reason = "skipped", why_not
         best = best_record(records, metric)
-        live.update(records)
+        live.update(records, best=best)
     if not console.is_terminal:
         console.print(render(records, metric, best), width=max(console.width, 120))
     summary = write_summary(results_dir, records, metric, best)
     if best is None:
-        console.print(f"dsrun autotuning: no trial succeeded; see {summary}")
+        if any(r.status == "ok" for r in records):  # only the flops metric can be unknown
+            console.print("dsrun autotuning: metric flops needs token ids among the model's inputs (an integer "
+                          f"tensor of 2 or more dimensions), and this script's have none; use metric throughput "
+                          f"or latency. See {summary}")
+        else:
+            console.print(f"dsrun autotuning: no trial succeeded; see {summary}")
         return 1
     best_config = best.candidate.apply(base, dp) if not best.baseline else base
     optimal = write_optimal(results_dir, best_config)

@@ -199,3 +199,10 @@ def test_run_trial_launches_with_the_result_variable_and_reads_what_the_engine_w
     again = trial_module.run_trial(job, "z0_mbs2_gas8", {"train_micro_batch_size_per_gpu": 2}, tmp_path,
                                    **{**kw, "overwrite": False})
     assert (again.status, again.reason, len(seen)) == ("ok", "reused", 2)
+
+
+def test_flops_metric_without_token_inputs_says_so(tmp_path, fake):
+    path = write_config(tmp_path, metric="flops", tuner_num_trials=1)
+    out = io.StringIO()
+    assert tuner.autotune("tune", Job((), SCRIPT, ("--config", str(path))), Console(file=out, width=300)) == 1
+    assert "metric flops needs token ids" in out.getvalue()
