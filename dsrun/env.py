@@ -165,6 +165,10 @@ class Text(EnvVar):
         return raw
 
 
+AUTOTUNING_RESULT = PathVar("DSRUN_AUTOTUNING_RESULT", None,
+                            "file where rank 0 writes an autotuning trial's measurements (set by `dsrun "
+                            "--autotuning` for each trial; with autotuning.enabled the run stops after "
+                            "autotuning.end_profile_step)")
 BUILD_OPS = Flag("DSRUN_BUILD_OPS", False,
                  "1: `pip install --no-build-isolation .` builds every native op ahead of time (read by setup.py)")
 CKPT_BARRIER_TIMEOUT = Seconds("DSRUN_CKPT_BARRIER_TIMEOUT", 120.0,
@@ -215,7 +219,7 @@ ZERO_WATCHDOG_TIMEOUT = Seconds("DSRUN_ZERO_WATCHDOG_TIMEOUT", 300.0,
                                 "reports it; 0 turns the watchdog off", zero_allowed=True)
 
 VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
-    BUILD_OPS, CKPT_BARRIER_TIMEOUT, CKPT_TIMEOUT, COMM_OVERLAP, CPU_ISA, HOST_CACHE_MB, HOST_HUGEPAGES, JOB_ID,
+    AUTOTUNING_RESULT, BUILD_OPS, CKPT_BARRIER_TIMEOUT, CKPT_TIMEOUT, COMM_OVERLAP, CPU_ISA, HOST_CACHE_MB, HOST_HUGEPAGES, JOB_ID,
     MALLOC, OPS_CACHE, OPS_DISABLE, PROGRESS, PROGRESS_INTERVAL, RENDEZVOUS_TIMEOUT, SHM_COMM, SHM_TIMEOUT,
     STRICT_CONFIG, ZERO_WATCHDOG_TIMEOUT)}
 

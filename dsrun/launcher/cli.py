@@ -1,13 +1,14 @@
 """The `dsrun` command: parse the command line, build the job, run it through the head.
 
     dsrun [--num_procs N] [--master_port P] [--master_addr A] [--log_dir DIR]
-          [--module] [--no_local_rank] [--grace_period S] script.py [script args...]
+          [--module] [--no_local_rank] [--grace_period S] [--autotuning tune|run] script.py [script args...]
 
 Everything after the script is passed to it untouched, followed by
 `--local_rank=N` as DeepSpeed's launcher does (`--no_local_rank`: not). Every launch, a
 plain local one included, goes through `multinode.run_multinode`: there is
 one code path whatever the flags (`--env`, `--print_env` and `--dry_run`
-only add to it).
+only add to it). `--autotuning` hands the command to dsrun/autotuning, which
+runs each trial as such a launch.
 """
 from __future__ import annotations
 
@@ -77,6 +78,10 @@ def rank_command(script: str, script_args: tuple[str, ...], module: bool) -> lis
 @click.option("--pass_local_rank", is_flag=True, hidden=True, help="Append --local_rank=N (the default).")
 @click.option("--grace_period", type=click.FloatRange(min=0), default=10.0, show_default=True,
               callback=_finite_seconds, help="Seconds between SIGTERM and SIGKILL when stopping ranks.")
+@click.option("--autotuning", type=click.Choice(["tune", "run"]), default=None,
+              help="Try settings of the config's `autotuning` section (ZeRO stage, micro-batch, offload) as short "
+                   "runs and write the fastest that fits as ds_config_optimal.json; run: then train with it "
+                   "(docs/autotuning.md).")
 @click.argument("script")
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 @click.pass_context
@@ -91,6 +96,7 @@ def cli(
     no_local_rank: bool,
     pass_local_rank: bool,
     grace_period: float,
+    autotuning: str | None,
     script: str,
     script_args: tuple[str, ...],
     multinode: MultinodeOptions,
@@ -113,6 +119,11 @@ def cli(
             log_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise click.BadParameter(f"cannot create '{log_dir}': {exc.strerror}", param_hint="--log_dir") from exc
+    if autotuning is not None:  # imported here: the tuner needs torch, a plain launch does not
+        from dsrun.autotuning.trial import Job
+        from dsrun.autotuning.tuner import autotune
+        argv = (ctx.obj or {}).get("argv", sys.argv[1:])
+        ctx.exit(autotune(autotuning, Job.from_argv(argv, script, script_args), console))
     ctx.exit(run_multinode(multinode, RankCommand(
         rank_command(script, script_args, module), num_procs, master_addr, master_port, grace_period,
         not no_local_rank, str(log_dir) if log_dir else None, rendezvous_timeout), console))
@@ -120,7 +131,8 @@ def cli(
 
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point (`dsrun`)."""
-    cli.main(args=argv, prog_name="dsrun")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    cli.main(args=argv, prog_name="dsrun", obj={"argv": argv})
 
 
 if __name__ == "__main__":

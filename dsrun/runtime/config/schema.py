@@ -17,7 +17,7 @@ from pydantic import (
 )
 
 from dsrun.runtime.config.errors import _Problem
-from dsrun.runtime.config.sections import ActivationCheckpointingConfig, AioConfig, Bf16Config, CheckpointConfig, CommsLoggerConfig, Count, DataTypesConfig, FlopsProfilerConfig, Fp16Config, MonitorConfig, NonNegReal, _NUMBER, OptimizerConfig, PipelineConfig, PosInt, PosReal, SchedulerConfig, _Section, WandbConfig, ZeroConfig
+from dsrun.runtime.config.sections import ActivationCheckpointingConfig, AioConfig, AutotuningConfig, Bf16Config, CheckpointConfig, CommsLoggerConfig, Count, DataTypesConfig, FlopsProfilerConfig, Fp16Config, MonitorConfig, NonNegReal, _NUMBER, OptimizerConfig, PipelineConfig, PosInt, PosReal, SchedulerConfig, _Section, WandbConfig, ZeroConfig
 
 class _BatchTriple(_Section):
     """The three batch keys, validated on their own (see [Note: order of the checks])."""
@@ -46,7 +46,6 @@ def _never_for_inf(value: Any) -> Any:
 _DEEPSPEED_ONLY_KEYS = {
     "amp": "NVIDIA Apex AMP",
     "elasticity": "elastic training",
-    "autotuning": "the autotuner",
     "compression_training": "compression training",
     "curriculum_learning": "curriculum learning",
     "data_efficiency": "data efficiency",
@@ -121,6 +120,8 @@ class DsConfig(_BatchTriple):
                                                 description="FLOPs profiler.")
     comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig,
                                             description="Collective-communication logger.")
+    autotuning: AutotuningConfig = Field(default_factory=AutotuningConfig,
+                                         description="The autotuner (dsrun --autotuning tune|run).")
 
     # The world size load_config resolved the batch triple for.
     _world_size: Optional[int] = PrivateAttr(default=None)

@@ -506,6 +506,60 @@ class FlopsProfilerConfig(_Section):
     output_file: Optional[str] = Field(None, description="File to write the profile to; null = stdout.")
 
 
+class AutotuningConfig(_Section):
+    """`autotuning`: what `dsrun --autotuning tune|run` searches and how it measures (docs/autotuning.md).
+
+    The launcher side (dsrun/autotuning) reads every key but the profile
+    steps; the engine reads `enabled` and the profile steps while a trial runs.
+    """
+
+    enabled: bool = Field(False, description="Measure the profile steps and stop when the launcher runs "
+                                             "this config as an autotuning trial.")
+    fast: bool = Field(True, description="Tune ZeRO stage, micro-batch size and optimizer offload only; "
+                                         "false also tunes the reduce/all-gather bucket sizes.")
+    metric: Literal["throughput", "latency", "flops"] = Field(
+        "throughput", description="What the best trial maximizes: samples/s, or the lowest time per step, "
+                                  "or model FLOP/s per rank (6 x parameters x tokens/s / ranks).")
+    start_profile_step: PosInt = Field(3, description="Optimizer steps run before timing starts (warm-up).")
+    end_profile_step: PosInt = Field(5, description="A trial stops after this many optimizer steps; the "
+                                                    "steps after start_profile_step are timed.")
+    num_tuning_micro_batch_sizes: PosInt = Field(3, description="Micro-batch sizes tried per ZeRO stage, "
+                                                 "spread up to the largest one that fits in memory.")
+    max_train_batch_size: Optional[PosInt] = Field(None, description="Largest global batch a trial may use; "
+                                                   "null = no limit.")
+    min_train_micro_batch_size_per_gpu: PosInt = Field(1, description="Smallest micro-batch size tried.")
+    max_train_micro_batch_size_per_gpu: PosInt = Field(1024, description="Largest micro-batch size tried.")
+    tuner_type: Literal["gridsearch", "random", "model_based"] = Field(
+        "gridsearch", description="Order of the trials: as generated, shuffled, or by a cost model fitted "
+                                  "to the trials measured so far.")
+    tuner_early_stopping: PosInt = Field(5, description="Stop after this many trials in a row without a "
+                                                        "better metric.")
+    tuner_num_trials: PosInt = Field(50, description="Most trials launched.")
+    results_dir: str = Field("autotuning_results", description="Where the summary and ds_config_optimal.json "
+                                                               "are written.")
+    exps_dir: str = Field("autotuning_exps", description="Where each trial's config, logs and results go.")
+    overwrite: bool = Field(True, description="Run a trial again even when exps_dir holds its result "
+                                              "(false: reuse the result).")
+    mp_size: PosInt = Field(1, description="Model-parallel ranks per replica; data-parallel ranks = world "
+                                           "size / mp_size.")
+    arg_mappings: Optional[dict[str, str]] = Field(
+        None, description="Config key -> script argument given the trial's value too (e.g. "
+                          "{\"train_micro_batch_size_per_gpu\": \"--batch_size\"}); the key "
+                          "activation_checkpointing names a flag that makes activation checkpointing a "
+                          "tuned setting (given true or false).")
+
+    @model_validator(mode="after")
+    def _profile_window(self) -> "AutotuningConfig":
+        if self.end_profile_step <= self.start_profile_step:
+            raise _Problem(f"end_profile_step ({self.end_profile_step}) must be above start_profile_step "
+                           f"({self.start_profile_step}): the steps between them are timed", key="end_profile_step")
+        if self.max_train_micro_batch_size_per_gpu < self.min_train_micro_batch_size_per_gpu:
+            raise _Problem(f"max_train_micro_batch_size_per_gpu ({self.max_train_micro_batch_size_per_gpu}) is "
+                           f"below min_train_micro_batch_size_per_gpu ({self.min_train_micro_batch_size_per_gpu})",
+                           key="max_train_micro_batch_size_per_gpu")
+        return self
+
+
 class CommsLoggerConfig(_Section):
     """`comms_logger`: count and time the collectives of each step."""
 

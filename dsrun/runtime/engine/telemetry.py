@@ -8,7 +8,8 @@ step. From these `StepTelemetry` produces, as the config asks:
 - monitor events (events.py) on the engine's monitor, rank 0 writing;
 - the `wall_clock_breakdown` line every `steps_per_print` steps (timers.py);
 - progress records for dsrun's launcher (dsrun/launcher/progress.py);
-- the `flops_profiler` report at `profile_step` (dsrun/profiling).
+- the `flops_profiler` report at `profile_step` (dsrun/profiling);
+- an autotuning trial's measurements (autotuning_probe.py), which end the run.
 
 [Note: peak memory in the monitors]
 `Train/Samples/peak_memory_bytes` is the highest peak over all ranks, taken
@@ -38,6 +39,7 @@ from dsrun.runtime.memory.profile import MemorySnapshot
 from dsrun.runtime.monitor import MonitorMaster, events
 from dsrun.runtime.offload.transfer import format_timeline
 from dsrun.runtime.observability.timers import StepTimes, StepTimers, format_breakdown
+from dsrun.runtime.engine.autotuning_probe import AutotuningProbe
 from dsrun.runtime.engine.train_state import TrainingParts
 
 if TYPE_CHECKING:
@@ -76,6 +78,7 @@ class StepTelemetry:
         self._flops_cfg = cfg.flops_profiler
         self._flops: FlopsProfiler | None = None
         self._flops_done = not (cfg.flops_profiler.enabled and self._rank0)
+        self._autotuning = AutotuningProbe(parts)
 
     # -- per micro-batch ---------------------------------------------------------------------
     def phase(self, name: str) -> contextlib.AbstractContextManager:
@@ -150,6 +153,7 @@ class StepTelemetry:
         if self._records and (now - self._last_record >= _RECORD_INTERVAL_S or state.global_steps == self._total):
             self._last_record = now
             self._emit_record(interval, loss, tokens)
+        self._autotuning.end_step(interval, tokens)  # exits after an autotuning trial's last profile step
 
     def _lr(self) -> float:
         return float(self._parts.optimizer.param_groups[0]["lr"])
