@@ -45,9 +45,6 @@ NOT_YET_SUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("sparse_gradients", _on, "sparse gradients"),
     Unsupported("checkpoint.use_node_local_storage", _on, "node-local checkpoint storage (dsrun needs "
                 "one directory every rank can read)"),
-    Unsupported("prescale_gradients", _on, "gradient prescaling"),
-    Unsupported("gradient_predivide_factor", lambda v: v != 1.0, "a gradient predivide factor",
-                "set it to 1.0"),
     Unsupported("dump_state", _on, "dumping the engine state"),
 )
 

@@ -23,6 +23,7 @@ from dsrun.runtime.engine.compat import DeepSpeedEngineCompat
 from dsrun.runtime.observability.logging import ProgressLog, log_rank0, logger
 from dsrun.runtime.memory.profile import MemoryProfiler, format_memory_profile, no_phase, recorded_phases
 from dsrun.runtime.monitor import MonitorMaster
+from dsrun.runtime.optim.precision import GradientDivision
 from dsrun.runtime.engine.telemetry import StepTelemetry
 from dsrun.runtime.engine.train_state import TrainingParts, TrainState
 from dsrun.runtime.zero import build_zero_strategy
@@ -52,7 +53,8 @@ def build_strategy(cfg: DsConfig, module: torch.nn.Module, optimizer: torch.opti
             or cfg.communication_data_type not in (None, "fp32")):
         return build_zero_strategy(cfg, module, optimizer, topology, group=data_group)
     return AllReduceStrategy(module, optimizer, topology,
-                             bucket_size=cfg.zero_optimization.reduce_bucket_size, group=data_group)
+                             bucket_size=cfg.zero_optimization.reduce_bucket_size, group=data_group,
+                             division=GradientDivision.from_config(cfg))
 
 
 class NonFiniteStepsError(RuntimeError):

@@ -27,6 +27,7 @@ from dsrun.runtime.comm.collectives import overlapped_all_reduce
 from dsrun.runtime.distributed.dist import Topology
 from dsrun.runtime.strategy.hooks import HookSet
 from dsrun.runtime.memory.accounting import tensor_breakdown
+from dsrun.runtime.optim.precision import GradientDivision
 
 
 @dataclasses.dataclass(frozen=True)
@@ -295,8 +296,10 @@ class AllReduceStrategy(GradientStrategy):
     collectives even when ranks see different data and hooks fire in a
     different order. Parameters that got no gradient (unused in this
     forward, or unused on this rank) hold zeros; at the end of backward the
-    remaining buckets are flushed in order, then we wait for all handles
-    (each bucket is divided by the world size before its wait returns).
+    remaining buckets are flushed in order, then we wait for each handle and
+    divide its bucket. A bucket is divided by the world size after its sum,
+    or partly before it (prescale_gradients, gradient_predivide_factor: see
+    [Note: dividing around the reduction] in optim/precision.py).
 
     Args:
         module: the model (parameters with requires_grad are reduced).
@@ -305,13 +308,16 @@ class AllReduceStrategy(GradientStrategy):
         bucket_size: maximum elements per all-reduce (DeepSpeed's
             `reduce_bucket_size`).
         group: process group to average over (None = all ranks).
+        division: where the averaging divides (default: after the sum).
     """
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 topology: Topology, bucket_size: int, group=None) -> None:
+                 topology: Topology, bucket_size: int, group=None,
+                 division: GradientDivision = GradientDivision()) -> None:
         self.optimizer = optimizer
         self.topology = topology
         self._group = group
+        self._before, self._after = division.divisors(comm.get_world_size(group))
         self._params = [p for p in module.parameters() if p.requires_grad]
         allocator.adopt_parameters(module.parameters())  # kept in place: onto dsrun's huge pages
         self._names = {id(p): n for n, p in module.named_parameters()}
@@ -361,18 +367,22 @@ class AllReduceStrategy(GradientStrategy):
         # See [Note: bucket order]: only ever launch the next bucket in order.
         while self._next_bucket < len(self._buckets) and self._buckets[self._next_bucket].is_ready():
             bucket = self._buckets[self._next_bucket]
-            bucket.handle = overlapped_all_reduce(bucket.flat, group=self._group, average=True)
+            if self._before != 1.0:
+                bucket.flat.div_(self._before)
+            bucket.handle = overlapped_all_reduce(bucket.flat, group=self._group)
             self._next_bucket += 1
 
     def _flush(self) -> None:
         """Mark parameters without a gradient ready (theirs is zero), launch
-        the rest in order, wait, average."""
+        the rest in order, wait, divide."""
         for bucket in self._buckets:
             bucket.ready.update(id(p) for p in bucket.params)
         self._launch_ready_buckets()
         for bucket in self._buckets:
-            bucket.handle.wait()  # blocks until this bucket's average is in place
+            bucket.handle.wait()  # blocks until this bucket's sum is in place
             bucket.handle = None
+            if self._after != 1.0:
+                bucket.flat.div_(self._after)
             bucket.ready.clear()
         self._next_bucket = 0
 
