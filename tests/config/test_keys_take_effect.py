@@ -206,7 +206,7 @@ def test_when_a_feature_lands_its_keys_must_be_read_or_declared(monkeypatch):
 
 
 @pytest.mark.parametrize("path, rejected", [
-    ("fp16.auto_cast", True),                             # bool, true rejected
+    ("fp16.fp16_master_weights_and_grads", True),         # bool, true rejected
     ("zero_optimization.zero_hpz_partition_size", False),  # >= 1, every value accepted (hpZ landed)
     ("gradient_predivide_factor", False),                 # > 0, every value accepted (landed)
     ("zero_optimization.offload_param.device", False),    # Literal, every value accepted (offload landed)

@@ -39,7 +39,6 @@ def _on(value: Any) -> bool:
 
 
 NOT_YET_SUPPORTED: tuple[Unsupported, ...] = (
-    Unsupported("fp16.auto_cast", _on, "fp16 auto-casting of inputs"),
     Unsupported("fp16.fp16_master_weights_and_grads", _on, "fp16 master weights"),
     Unsupported("zero_optimization.mics_shard_size", lambda v: v > 0, "MiCS sharding", "set it to -1"),
     Unsupported("sparse_gradients", _on, "sparse gradients"),

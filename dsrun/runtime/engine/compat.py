@@ -38,6 +38,11 @@ class DeepSpeedEngineCompat:
     def fp16_enabled(self) -> bool:
         return self.config.fp16.enabled
 
+    def fp16_auto_cast(self) -> bool:
+        """Whether forward casts floating-point positional inputs to fp16
+        (fp16.auto_cast, with fp16 enabled)."""
+        return self.config.fp16.enabled and self.config.fp16.auto_cast
+
     def bfloat16_enabled(self) -> bool:
         return self.config.bf16.enabled
 

@@ -23,7 +23,7 @@ from dsrun.runtime.engine.compat import DeepSpeedEngineCompat
 from dsrun.runtime.observability.logging import ProgressLog, log_rank0, logger
 from dsrun.runtime.memory.profile import MemoryProfiler, format_memory_profile, no_phase, recorded_phases
 from dsrun.runtime.monitor import MonitorMaster
-from dsrun.runtime.optim.precision import GradientDivision
+from dsrun.runtime.optim.precision import GradientDivision, cast_floating
 from dsrun.runtime.engine.telemetry import StepTelemetry
 from dsrun.runtime.engine.train_state import TrainingParts, TrainState
 from dsrun.runtime.zero import build_zero_strategy
@@ -196,7 +196,12 @@ class Engine(DeepSpeedEngineCompat, torch.nn.Module):
 
     # -- the step --------------------------------------------------------------------------
     def forward(self, *inputs, **kwargs):
-        """Run the wrapped module's forward."""
+        """Run the wrapped module's forward. With fp16.auto_cast (and fp16
+        on) the floating-point tensors among `inputs`, nested in lists,
+        tuples and dicts, are cast to fp16 first; `kwargs` are passed as
+        they are, as in DeepSpeed."""
+        if self.fp16_auto_cast():
+            inputs = cast_floating(inputs, torch.float16)
         self._telemetry.observe_inputs(inputs, kwargs)
         with self._phase("forward"), self._telemetry.phase("forward"):
             return self.module(*inputs, **kwargs)

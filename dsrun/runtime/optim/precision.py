@@ -34,6 +34,7 @@ reduce-scatter, dsrun applies them at every stage.
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -235,3 +236,27 @@ def first_nonfinite(named_tensors) -> str | None:
         if t is not None and not torch.isfinite(t).all():
             return name
     return None
+
+
+def cast_floating(value: Any, dtype: torch.dtype) -> Any:
+    """`value` with every floating-point tensor in it cast to `dtype`
+    (fp16.auto_cast: DeepSpeed's engine casts the positional inputs of
+    forward to fp16 this way).
+
+    Lists and tuples (namedtuples too) are rebuilt with the same type and
+    dicts shallow-copied (same type, same keys), nested to any depth; other
+    tensors (integer, bool) and other objects are returned as they are. The
+    caller's containers are not modified.
+    """
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple takes its fields as arguments
+        return type(value)(*(cast_floating(v, dtype) for v in value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(cast_floating(v, dtype) for v in value)
+    if isinstance(value, dict):
+        out = copy.copy(value)
+        for key, v in value.items():
+            out[key] = cast_floating(v, dtype)
+        return out
+    return value
