@@ -72,11 +72,11 @@ def test_unknown_keys_warn_typos_fail_strict_switch(monkeypatch):
 def test_all_problems_in_one_round():
     with pytest.raises(ConfigError) as info:
         load_config({**BASE, "zero_optimization": {"stage": 9, "mics_shard_size": 4},
-                     "fp16": {"enabeld": True, "fp16_master_weights_and_grads": True}, "dump_state": True})
+                     "fp16": {"enabeld": True, "fp16_master_weights_and_grads": True}, "gradient_clipping": "high"})
     text = str(info.value)
     for part in ("zero_optimization.stage: expected an integer 0-3", "mics_shard_size=4",
                  "fp16.enabeld: unknown key",
-                 "fp16.fp16_master_weights_and_grads=true"):
+                 "fp16.fp16_master_weights_and_grads=true", "gradient_clipping: expected a number"):
         assert part in text
     assert len(info.value.problems) == 5
 

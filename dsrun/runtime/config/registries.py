@@ -44,7 +44,6 @@ NOT_YET_SUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("sparse_gradients", _on, "sparse gradients"),
     Unsupported("checkpoint.use_node_local_storage", _on, "node-local checkpoint storage (dsrun needs "
                 "one directory every rank can read)"),
-    Unsupported("dump_state", _on, "dumping the engine state"),
 )
 
 

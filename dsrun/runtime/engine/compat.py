@@ -118,6 +118,10 @@ class DeepSpeedEngineCompat:
     def wall_clock_breakdown(self) -> bool:
         return self.config.wall_clock_breakdown
 
+    def dump_state(self) -> bool:
+        """Whether initialize printed the engine's configuration and state (config dump_state)."""
+        return self.config.dump_state
+
     def optimizer_name(self) -> str | None:
         return self.config.optimizer.type if self.config.optimizer is not None else None
 
