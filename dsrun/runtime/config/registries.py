@@ -41,7 +41,6 @@ def _on(value: Any) -> bool:
 NOT_YET_SUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("fp16.fp16_master_weights_and_grads", _on, "fp16 master weights"),
     Unsupported("zero_optimization.mics_shard_size", lambda v: v > 0, "MiCS sharding", "set it to -1"),
-    Unsupported("sparse_gradients", _on, "sparse gradients"),
     Unsupported("checkpoint.use_node_local_storage", _on, "node-local checkpoint storage (dsrun needs "
                 "one directory every rank can read)"),
 )

@@ -44,6 +44,12 @@ def build_strategy(cfg: DsConfig, module: torch.nn.Module, optimizer: torch.opti
         ValueError: a data group with a strategy that cannot take one (the
             1-bit optimizers, ZeRO stage 3).
     """
+    if cfg.sparse_gradients and topology.is_rank_zero and (
+            takes_over(cfg, optimizer) or cfg.zero_optimization.stage > 0 or cfg.fp16.enabled
+            or cfg.bf16.enabled or cfg.communication_data_type not in (None, "fp32")):
+        logger.warning("sparse_gradients acts at ZeRO stage 0 in fp32 only (DeepSpeed's ZeRO and 1-bit "
+                       "optimizers also reduce every gradient densely); embedding gradients are reduced "
+                       "densely in this run")
     if takes_over(cfg, optimizer):
         if data_group is not None:
             raise ValueError("the 1-bit optimizers (OneBitAdam, ZeroOneAdam, OneBitLamb) average over "
@@ -54,7 +60,7 @@ def build_strategy(cfg: DsConfig, module: torch.nn.Module, optimizer: torch.opti
         return build_zero_strategy(cfg, module, optimizer, topology, group=data_group)
     return AllReduceStrategy(module, optimizer, topology,
                              bucket_size=cfg.zero_optimization.reduce_bucket_size, group=data_group,
-                             division=GradientDivision.from_config(cfg))
+                             division=GradientDivision.from_config(cfg), sparse_gradients=cfg.sparse_gradients)
 
 
 class NonFiniteStepsError(RuntimeError):

@@ -25,6 +25,7 @@ from dsrun.runtime import comm
 from dsrun.runtime.checkpoint.pieces import HeldPiece
 from dsrun.runtime.comm.collectives import overlapped_all_reduce
 from dsrun.runtime.distributed.dist import Topology
+from dsrun.runtime.strategy import sparse
 from dsrun.runtime.strategy.hooks import HookSet
 from dsrun.runtime.memory.accounting import tensor_breakdown
 from dsrun.runtime.optim.precision import GradientDivision
@@ -309,21 +310,27 @@ class AllReduceStrategy(GradientStrategy):
             `reduce_bucket_size`).
         group: process group to average over (None = all ranks).
         division: where the averaging divides (default: after the sum).
+        sparse_gradients: reduce the weights of nn.Embedding and
+            nn.EmbeddingBag by their rows after the buckets, outside them
+            (see [Note: sparse embedding gradients] in sparse.py).
     """
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  topology: Topology, bucket_size: int, group=None,
-                 division: GradientDivision = GradientDivision()) -> None:
+                 division: GradientDivision = GradientDivision(), sparse_gradients: bool = False) -> None:
         self.optimizer = optimizer
         self.topology = topology
         self._group = group
+        self._division = division
         self._before, self._after = division.divisors(comm.get_world_size(group))
         self._params = [p for p in module.parameters() if p.requires_grad]
+        self._by_rows = sparse.embedding_weights(module) if sparse_gradients else []
+        by_rows = {id(p) for p in self._by_rows}
         allocator.adopt_parameters(module.parameters())  # kept in place: onto dsrun's huge pages
         self._names = {id(p): n for n, p in module.named_parameters()}
         self._buckets = [
             _Bucket(ps, torch.zeros(sum(p.numel() for p in ps), dtype=ps[0].dtype, device=ps[0].device))
-            for ps in plan_buckets(list(reversed(self._params)), bucket_size)
+            for ps in plan_buckets([p for p in reversed(self._params) if id(p) not in by_rows], bucket_size)
         ]
         self._attach_grads()
         self._bucket_of = {id(p): i for i, b in enumerate(self._buckets) for p in b.params}
@@ -334,8 +341,9 @@ class AllReduceStrategy(GradientStrategy):
     def _register_hooks(self) -> None:
         """The gradient hook of every trainable parameter (see [Note: bucket order])."""
         self.hooks = HookSet()
-        for p in self._params:
-            self.hooks.on_grad_accumulated(p, "dsrun::reduce_grad", self._on_grad_ready)
+        for bucket in self._buckets:
+            for p in bucket.params:
+                self.hooks.on_grad_accumulated(p, "dsrun::reduce_grad", self._on_grad_ready)
 
     def _attach_grads(self) -> None:
         """Make every parameter's .grad its view of the bucket (again, if a
@@ -385,20 +393,22 @@ class AllReduceStrategy(GradientStrategy):
                 bucket.flat.div_(self._after)
             bucket.ready.clear()
         self._next_bucket = 0
+        for p in self._by_rows:
+            sparse.reduce_rows(p, self._group, self._division)
 
     def step(self, max_grad_norm: float) -> StepOutcome:
         params = [p for p in self._params if p.grad is not None]
         # Gradients are identical on every rank after the all-reduce, so the
         # local norm is the data-parallel norm: no communication needed
         # (unless the model is split over stages).
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
+        norm = torch.nn.utils.get_total_norm([sparse.norm_view(p.grad) for p in params], norm_type=2.0)
         if self.stages is not None:
-            dup = [p.grad for p in params if id(p) in self.stages.duplicates]
+            dup = [sparse.norm_view(p.grad) for p in params if id(p) in self.stages.duplicates]
             dup_sq = torch.nn.utils.get_total_norm(dup, norm_type=2.0).square() if dup else 0.0
             norm = self._stage_sq_norm(norm.float().square().reshape(1), dup_sq).sqrt()[0]
         if not math.isfinite(float(norm)):
             # inf/nan survive the sum, so every rank sees it and skips alike.
-            first = next((p for p in params if not bool(torch.isfinite(p.grad).all())), None)
+            first = next((p for p in params if not bool(torch.isfinite(sparse.norm_view(p.grad)).all())), None)
             return StepOutcome(grad_norm=None, applied=False, nonfinite=True,
                                first_nonfinite=None if first is None else self._names.get(id(first)))
         if max_grad_norm > 0:
@@ -410,3 +420,5 @@ class AllReduceStrategy(GradientStrategy):
         for bucket in self._buckets:
             bucket.flat.zero_()
         self._attach_grads()
+        for p in self._by_rows:
+            p.grad = None
