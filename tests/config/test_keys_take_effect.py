@@ -40,10 +40,7 @@ from dsrun.runtime import config as config_module
 from dsrun.runtime.config import DsConfig
 
 # Keys that pass although no rule above covers them. Keep this short.
-ALLOWED: dict[str, str] = {
-    "zero_optimization.mics_shard_size": "values <= 0 mean MiCS off, in DeepSpeed as in dsrun; "
-                                         "values > 0 are rejected by NOT_YET_SUPPORTED",
-}
+ALLOWED: dict[str, str] = {}
 
 # Keys that DeepSpeed only reads while another key (the switch) is on.
 ONLY_WITH: dict[str, str] = {
