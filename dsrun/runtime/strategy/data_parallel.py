@@ -140,7 +140,8 @@ class GradientStrategy(abc.ABC):
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         states = [t for st in self.optimizer.state.values() for t in st.values()
                   if isinstance(t, torch.Tensor) and t.dim() > 0]
-        return tensor_breakdown({"params": params, "grads": [p.grad for p in params],
+        grads = [t for p in params for t in sparse.held(p.grad)]
+        return tensor_breakdown({"params": params, "grads": grads,
                                  "master": [], "optimizer_states": states})
 
     # ---- what a checkpoint asks (dsrun/runtime/checkpoint/parts.py) -------------

@@ -95,3 +95,12 @@ def norm_view(grad: torch.Tensor) -> torch.Tensor:
     """The entries of a gradient a norm or finiteness check reads: the
     values of a (coalesced) sparse gradient, the gradient itself otherwise."""
     return grad.values() if grad.is_sparse else grad
+
+
+def held(grad: torch.Tensor | None) -> list[torch.Tensor]:
+    """The dense tensors that hold a gradient, for memory accounting: a
+    sparse gradient's indices and values, a dense gradient itself, nothing
+    for None."""
+    if grad is None:
+        return []
+    return [grad._indices(), grad._values()] if grad.is_sparse else [grad]
