@@ -88,3 +88,14 @@ def test_a_shard_size_that_does_not_divide_the_world_is_an_error():
     with pytest.raises(config_module.ConfigError, match="mics_shard_size=2 does not divide the data-parallel size 1"):
         dsrun.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                          config=base_config(3, mics_shard_size=2))
+
+
+def test_a_model_built_under_zero_init_is_refused():
+    """zero.Init partitions over every rank, not over MiCS's blocks: a clear error, not a shape mismatch."""
+    import dsrun
+
+    with dsrun.zero.Init():
+        model = torch.nn.Linear(3, 1)
+    with pytest.raises(config_module.ConfigError, match="parameter weight was built under zero.Init"):
+        dsrun.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                         config=base_config(3, mics_shard_size=1))

@@ -12,7 +12,9 @@ import torch
 from dsrun.runtime.distributed.dist import Topology
 from dsrun.runtime.offload import build_optimizer_tier, build_param_tier
 from dsrun.runtime.optim.precision import PrecisionPolicy
+from dsrun.runtime.config import ConfigError
 from dsrun.runtime.zero.groups import ZeroGroups
+from dsrun.runtime.zero.params import record_of
 from dsrun.runtime.zero.api import (GatheredParameters, safe_get_full_fp32_param, safe_get_full_grad,
                                     safe_get_full_optimizer_state)
 from dsrun.runtime.zero.init import Init
@@ -27,6 +29,19 @@ __all__ = ["Init", "GatheredParameters", "safe_get_full_fp32_param", "safe_get_f
            "safe_get_full_optimizer_state", "register_external_parameter", "unregister_external_parameter",
            "build_zero_strategy", "ZeroStrategy", "TiledLinear",
            "PartitionedOptimizerStrategy", "PartitionedParamStrategy", "GatherPolicy", "ZeroPPPolicy"]
+
+
+def _check_no_init_shards(module: torch.nn.Module, shard_size: int) -> None:
+    """MiCS shards over blocks of ranks, while zero.Init partitions over its
+    data-parallel group (every rank) and broadcasts initial values within
+    it only; raises ConfigError when `module` holds a parameter built under
+    zero.Init (checked on every rank alike: they build the same model)."""
+    inits = [n for n, p in module.named_parameters()
+             if (rec := record_of(p)) is not None and rec.init_shard is not None]
+    if inits:
+        raise ConfigError(f"zero_optimization.mics_shard_size={shard_size}: parameter {inits[0]} was built "
+                          "under zero.Init, which partitions over every rank, not over MiCS's blocks; build "
+                          "the model without zero.Init, or set mics_shard_size to -1")
 
 
 def build_zero_strategy(cfg, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -49,7 +64,10 @@ def build_zero_strategy(cfg, module: torch.nn.Module, optimizer: torch.optim.Opt
     zero = cfg.zero_optimization
     precision = PrecisionPolicy.from_config(cfg)
     tier = build_optimizer_tier(cfg, topology)
-    mics = ZeroGroups.mics(zero.mics_shard_size) if zero.mics_shard_size > 0 and zero.stage > 0 else None
+    mics = None
+    if zero.mics_shard_size > 0 and zero.stage > 0:
+        _check_no_init_shards(module, zero.mics_shard_size)
+        mics = ZeroGroups.mics(zero.mics_shard_size)
     if zero.stage in (0, 1, 2):
         return PartitionedOptimizerStrategy(
             module, optimizer, topology, precision, zero.stage, reduce_bucket_size=zero.reduce_bucket_size,
