@@ -39,16 +39,9 @@ def _on(value: Any) -> bool:
 
 
 NOT_YET_SUPPORTED: tuple[Unsupported, ...] = (
-    Unsupported("fp16.auto_cast", _on, "fp16 auto-casting of inputs"),
     Unsupported("fp16.fp16_master_weights_and_grads", _on, "fp16 master weights"),
-    Unsupported("zero_optimization.mics_shard_size", lambda v: v > 0, "MiCS sharding", "set it to -1"),
-    Unsupported("sparse_gradients", _on, "sparse gradients"),
     Unsupported("checkpoint.use_node_local_storage", _on, "node-local checkpoint storage (dsrun needs "
                 "one directory every rank can read)"),
-    Unsupported("prescale_gradients", _on, "gradient prescaling"),
-    Unsupported("gradient_predivide_factor", lambda v: v != 1.0, "a gradient predivide factor",
-                "set it to 1.0"),
-    Unsupported("dump_state", _on, "dumping the engine state"),
 )
 
 
@@ -85,6 +78,7 @@ NO_EFFECT_YET: dict[str, Any] = {
     "zero_optimization.load_from_fp32_weights": True,  # checkpoints always restore the fp32 masters
     "zero_optimization.memory_efficient_linear": True,
     "zero_allow_untested_optimizer": True,
+    "zero_optimization.mics_hierarchical_params_gather": False,  # one flat all-gather over the shard group
     "pipeline.pipe_partitioned": True,  # no tensor-parallel axis yet: nothing to split
     "pipeline.grad_partitioned": True,
     "pipeline.use_reentrant": True,  # the PipelineModule's activation_checkpoint_func decides

@@ -360,7 +360,12 @@ class ZeroConfig(_Section):
                                                       "(requires_grad=False) parameters' partitions as "
                                                       "block-wise int8, quantized once, and all-gather them "
                                                       "as int8.")
-    mics_shard_size: Int = Field(-1, description="MiCS: ranks a model state is sharded over; -1 = off.")
+    mics_shard_size: Int = Field(-1, description="MiCS (stages 1-3): shard model states within blocks of "
+                                 "this many consecutive data-parallel ranks and replicate them across the "
+                                 "blocks; must divide the data-parallel size; -1 (or 0) = off.")
+    mics_hierarchical_params_gather: bool = Field(False, description="MiCS: gather parameters in two steps "
+                                                  "(across nodes, then within) when a shard group spans "
+                                                  "nodes.")
     offload_optimizer: OffloadOptimizerConfig = Field(default_factory=OffloadOptimizerConfig,
                                                       description="Offload of optimizer states.")
     offload_param: OffloadParamConfig = Field(default_factory=OffloadParamConfig,

@@ -38,6 +38,11 @@ class DeepSpeedEngineCompat:
     def fp16_enabled(self) -> bool:
         return self.config.fp16.enabled
 
+    def fp16_auto_cast(self) -> bool:
+        """Whether forward casts floating-point positional inputs to fp16
+        (fp16.auto_cast, with fp16 enabled)."""
+        return self.config.fp16.enabled and self.config.fp16.auto_cast
+
     def bfloat16_enabled(self) -> bool:
         return self.config.bf16.enabled
 
@@ -112,6 +117,10 @@ class DeepSpeedEngineCompat:
 
     def wall_clock_breakdown(self) -> bool:
         return self.config.wall_clock_breakdown
+
+    def dump_state(self) -> bool:
+        """Whether initialize printed the engine's configuration and state (config dump_state)."""
+        return self.config.dump_state
 
     def optimizer_name(self) -> str | None:
         return self.config.optimizer.type if self.config.optimizer is not None else None

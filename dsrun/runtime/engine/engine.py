@@ -23,6 +23,7 @@ from dsrun.runtime.engine.compat import DeepSpeedEngineCompat
 from dsrun.runtime.observability.logging import ProgressLog, log_rank0, logger
 from dsrun.runtime.memory.profile import MemoryProfiler, format_memory_profile, no_phase, recorded_phases
 from dsrun.runtime.monitor import MonitorMaster
+from dsrun.runtime.optim.precision import GradientDivision, cast_floating
 from dsrun.runtime.engine.telemetry import StepTelemetry
 from dsrun.runtime.engine.train_state import ModelSplit, TrainingParts, TrainState
 from dsrun.runtime.zero import build_zero_strategy
@@ -43,6 +44,12 @@ def build_strategy(cfg: DsConfig, module: torch.nn.Module, optimizer: torch.opti
         ValueError: a data group with a strategy that cannot take one (the
             1-bit optimizers, ZeRO stage 3).
     """
+    if cfg.sparse_gradients and topology.is_rank_zero and (
+            takes_over(cfg, optimizer) or cfg.zero_optimization.stage > 0 or cfg.fp16.enabled
+            or cfg.bf16.enabled or cfg.communication_data_type not in (None, "fp32")):
+        logger.warning("sparse_gradients acts at ZeRO stage 0 in fp32 only (DeepSpeed's ZeRO and 1-bit "
+                       "optimizers also reduce every gradient densely); embedding gradients are reduced "
+                       "densely in this run")
     if takes_over(cfg, optimizer):
         if data_group is not None:
             raise ValueError("the 1-bit optimizers (OneBitAdam, ZeroOneAdam, OneBitLamb) average over "
@@ -52,7 +59,8 @@ def build_strategy(cfg: DsConfig, module: torch.nn.Module, optimizer: torch.opti
             or cfg.communication_data_type not in (None, "fp32")):
         return build_zero_strategy(cfg, module, optimizer, topology, group=data_group)
     return AllReduceStrategy(module, optimizer, topology,
-                             bucket_size=cfg.zero_optimization.reduce_bucket_size, group=data_group)
+                             bucket_size=cfg.zero_optimization.reduce_bucket_size, group=data_group,
+                             division=GradientDivision.from_config(cfg), sparse_gradients=cfg.sparse_gradients)
 
 
 class NonFiniteStepsError(RuntimeError):
@@ -198,7 +206,12 @@ class Engine(DeepSpeedEngineCompat, torch.nn.Module):
 
     # -- the step --------------------------------------------------------------------------
     def forward(self, *inputs, **kwargs):
-        """Run the wrapped module's forward."""
+        """Run the wrapped module's forward. With fp16.auto_cast (and fp16
+        on) the floating-point tensors among `inputs`, nested in lists,
+        tuples and dicts, are cast to fp16 first; `kwargs` are passed as
+        they are, as in DeepSpeed."""
+        if self.fp16_auto_cast():
+            inputs = cast_floating(inputs, torch.float16)
         self._telemetry.observe_inputs(inputs, kwargs)
         with self._phase("forward"), self._telemetry.phase("forward"):
             return self.module(*inputs, **kwargs)

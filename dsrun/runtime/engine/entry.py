@@ -25,6 +25,7 @@ from dsrun.runtime.config import ConfigError, DsConfig, load_config
 from dsrun.runtime.engine.dataloader import DistributedDataLoader, RepeatingLoader
 from dsrun.runtime.distributed.dist import Topology, init_distributed
 from dsrun.runtime.engine.engine import Engine, build_strategy
+from dsrun.runtime.engine.state_dump import describe_engine
 from dsrun.runtime.observability.logging import logger
 # Through DeepSpeed's path, so that after initialize `deepspeed.runtime.lr_schedules`
 # is an attribute of `deepspeed.runtime` (Accelerate reads it so, without importing it).
@@ -264,4 +265,6 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
         else:
             engine = Engine(model, strategy, scheduler, cfg, topology)
         engine.training_dataloader = loader  # its position is checkpointed
+    if engine.dump_state() and topology.is_rank_zero:
+        print(describe_engine(engine), flush=True)
     return engine, engine.optimizer, loader, engine.lr_scheduler

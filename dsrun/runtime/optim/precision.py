@@ -15,9 +15,26 @@ row without overflow the scale doubles and the hysteresis budget refills.
 With `consecutive_hysteresis` the budget refills after every clean step, so
 only consecutive overflows consume it. An overflow while the scale already
 sits at `min_loss_scale` is an error: the run cannot make progress.
+
+[Note: dividing around the reduction]
+Averaging N ranks' gradients is a sum and a division by N; where the
+division happens matters for 16-bit numerics, so DeepSpeed lets a config
+move it (engine.allreduce_bucket, stage_1_and_2's
+gradient_reduction_w_predivide): with `prescale_gradients` each rank
+divides by N before the sum; otherwise it divides by
+`gradient_predivide_factor` f before and by N/f after (f = 1: the plain
+sum-then-divide). A scaled fp16 gradient whose N-fold sum exceeds 65504
+overflows in the sum unless divided first: an overflow there is an
+overflow of the step (skipped, loss scale lowered), as in DeepSpeed. dsrun
+divides in the accumulation dtype (fp32 by default), before the cast to
+the communication dtype, so the cast cannot overflow either (DeepSpeed
+casts first and accumulates in the compute dtype anyway). Unlike
+DeepSpeed's stages 1-3, which refuse both settings with their
+reduce-scatter, dsrun applies them at every stage.
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -114,6 +131,41 @@ class DynamicLossScaler(LossScaler):
         self.last_overflow_iteration = int(state["last_overflow_iteration"])
 
 
+@dataclass(frozen=True)
+class GradientDivision:
+    """Where the division of a gradient average happens (see [Note: dividing
+    around the reduction]).
+
+    prescale: divide by the data-parallel size before the sum
+        (`prescale_gradients`); `predivide_factor` is then ignored, as in
+        DeepSpeed.
+    predivide_factor: f > 0; divide by f before the sum and by N/f after
+        (`gradient_predivide_factor`).
+    """
+
+    prescale: bool = False
+    predivide_factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.predivide_factor > 0:
+            raise ValueError(f"gradient_predivide_factor must be > 0, got {self.predivide_factor}")
+
+    def divisors(self, world_size: int) -> tuple[float, float]:
+        """(before, after): the gradient is divided by `before` ahead of the
+        sum over `world_size` ranks and the sum by `after`; before x after
+        = world_size. A divisor of 1.0 means no division."""
+        if self.prescale:
+            return float(world_size), 1.0
+        return self.predivide_factor, world_size / self.predivide_factor
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> "GradientDivision":
+        """From a DsConfig's `prescale_gradients` and `gradient_predivide_factor`
+        (absent keys: the defaults)."""
+        return cls(bool(getattr(cfg, "prescale_gradients", False)),
+                   float(getattr(cfg, "gradient_predivide_factor", 1.0)))
+
+
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -131,6 +183,8 @@ class PrecisionPolicy:
     (communication_data_type; DeepSpeed's default, the compute dtype, so a
     bf16 run sends 2 bytes per gradient element, half of fp32). The shared-
     memory transport sums 16-bit values in fp32 and rounds once.
+    division: where the reduction's averaging divides (see [Note: dividing
+    around the reduction]).
     """
 
     compute_dtype: torch.dtype = torch.float32
@@ -138,6 +192,7 @@ class PrecisionPolicy:
     grad_accum_dtype: torch.dtype = torch.float32
     scaler: LossScaler = field(default_factory=LossScaler)
     comm_dtype: torch.dtype = torch.float32
+    division: GradientDivision = field(default_factory=GradientDivision)
 
     @property
     def mixed(self) -> bool:
@@ -170,7 +225,8 @@ class PrecisionPolicy:
                     hysteresis=fp16.hysteresis, consecutive_hysteresis=fp16.consecutive_hysteresis,
                     min_scale=fp16.min_loss_scale)
         comm_name = getattr(cfg, "communication_data_type", None)
-        return cls(compute, torch.float32, accum, scaler, _DTYPES[comm_name] if comm_name else compute)
+        return cls(compute, torch.float32, accum, scaler, _DTYPES[comm_name] if comm_name else compute,
+                   GradientDivision.from_config(cfg))
 
 
 def first_nonfinite(named_tensors) -> str | None:
@@ -180,3 +236,27 @@ def first_nonfinite(named_tensors) -> str | None:
         if t is not None and not torch.isfinite(t).all():
             return name
     return None
+
+
+def cast_floating(value: Any, dtype: torch.dtype) -> Any:
+    """`value` with every floating-point tensor in it cast to `dtype`
+    (fp16.auto_cast: DeepSpeed's engine casts the positional inputs of
+    forward to fp16 this way).
+
+    Lists and tuples (namedtuples too) are rebuilt with the same type and
+    dicts shallow-copied (same type, same keys), nested to any depth; other
+    tensors (integer, bool) and other objects are returned as they are. The
+    caller's containers are not modified.
+    """
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple takes its fields as arguments
+        return type(value)(*(cast_floating(v, dtype) for v in value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(cast_floating(v, dtype) for v in value)
+    if isinstance(value, dict):
+        out = copy.copy(value)
+        for key, v in value.items():
+            out[key] = cast_floating(v, dtype)
+        return out
+    return value

@@ -25,8 +25,10 @@ from dsrun.runtime import comm
 from dsrun.runtime.checkpoint.pieces import HeldPiece
 from dsrun.runtime.comm.collectives import overlapped_all_reduce
 from dsrun.runtime.distributed.dist import Topology
+from dsrun.runtime.strategy import sparse
 from dsrun.runtime.strategy.hooks import HookSet
 from dsrun.runtime.memory.accounting import tensor_breakdown
+from dsrun.runtime.optim.precision import GradientDivision
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,7 +154,8 @@ class GradientStrategy(abc.ABC):
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         states = [t for st in self.optimizer.state.values() for t in st.values()
                   if isinstance(t, torch.Tensor) and t.dim() > 0]
-        return tensor_breakdown({"params": params, "grads": [p.grad for p in params],
+        grads = [t for p in params for t in sparse.held(p.grad)]
+        return tensor_breakdown({"params": params, "grads": grads,
                                  "master": [], "optimizer_states": states})
 
     # ---- what a checkpoint asks (dsrun/runtime/checkpoint/parts.py) -------------
@@ -309,8 +312,10 @@ class AllReduceStrategy(GradientStrategy):
     collectives even when ranks see different data and hooks fire in a
     different order. Parameters that got no gradient (unused in this
     forward, or unused on this rank) hold zeros; at the end of backward the
-    remaining buckets are flushed in order, then we wait for all handles
-    (each bucket is divided by the world size before its wait returns).
+    remaining buckets are flushed in order, then we wait for each handle and
+    divide its bucket. A bucket is divided by the world size after its sum,
+    or partly before it (prescale_gradients, gradient_predivide_factor: see
+    [Note: dividing around the reduction] in optim/precision.py).
 
     Args:
         module: the model (parameters with requires_grad are reduced).
@@ -319,19 +324,28 @@ class AllReduceStrategy(GradientStrategy):
         bucket_size: maximum elements per all-reduce (DeepSpeed's
             `reduce_bucket_size`).
         group: process group to average over (None = all ranks).
+        division: where the averaging divides (default: after the sum).
+        sparse_gradients: reduce the weights of nn.Embedding and
+            nn.EmbeddingBag by their rows after the buckets, outside them
+            (see [Note: sparse embedding gradients] in sparse.py).
     """
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 topology: Topology, bucket_size: int, group=None) -> None:
+                 topology: Topology, bucket_size: int, group=None,
+                 division: GradientDivision = GradientDivision(), sparse_gradients: bool = False) -> None:
         self.optimizer = optimizer
         self.topology = topology
         self._group = group
+        self._division = division
+        self._before, self._after = division.divisors(comm.get_world_size(group))
         self._params = [p for p in module.parameters() if p.requires_grad]
+        self._by_rows = sparse.embedding_weights(module) if sparse_gradients else []
+        by_rows = {id(p) for p in self._by_rows}
         allocator.adopt_parameters(module.parameters())  # kept in place: onto dsrun's huge pages
         self._names = {id(p): n for n, p in module.named_parameters()}
         self._buckets = [
             _Bucket(ps, torch.zeros(sum(p.numel() for p in ps), dtype=ps[0].dtype, device=ps[0].device))
-            for ps in plan_buckets(list(reversed(self._params)), bucket_size)
+            for ps in plan_buckets([p for p in reversed(self._params) if id(p) not in by_rows], bucket_size)
         ]
         self._attach_grads()
         self._bucket_of = {id(p): i for i, b in enumerate(self._buckets) for p in b.params}
@@ -342,8 +356,9 @@ class AllReduceStrategy(GradientStrategy):
     def _register_hooks(self) -> None:
         """The gradient hook of every trainable parameter (see [Note: bucket order])."""
         self.hooks = HookSet()
-        for p in self._params:
-            self.hooks.on_grad_accumulated(p, "dsrun::reduce_grad", self._on_grad_ready)
+        for bucket in self._buckets:
+            for p in bucket.params:
+                self.hooks.on_grad_accumulated(p, "dsrun::reduce_grad", self._on_grad_ready)
 
     def _attach_grads(self) -> None:
         """Make every parameter's .grad its view of the bucket (again, if a
@@ -378,34 +393,40 @@ class AllReduceStrategy(GradientStrategy):
         # See [Note: bucket order]: only ever launch the next bucket in order.
         while self._next_bucket < len(self._buckets) and self._buckets[self._next_bucket].is_ready():
             bucket = self._buckets[self._next_bucket]
-            bucket.handle = overlapped_all_reduce(bucket.flat, group=self._group, average=True)
+            if self._before != 1.0:
+                bucket.flat.div_(self._before)
+            bucket.handle = overlapped_all_reduce(bucket.flat, group=self._group)
             self._next_bucket += 1
 
     def _flush(self) -> None:
         """Mark parameters without a gradient ready (theirs is zero), launch
-        the rest in order, wait, average."""
+        the rest in order, wait, divide."""
         for bucket in self._buckets:
             bucket.ready.update(id(p) for p in bucket.params)
         self._launch_ready_buckets()
         for bucket in self._buckets:
-            bucket.handle.wait()  # blocks until this bucket's average is in place
+            bucket.handle.wait()  # blocks until this bucket's sum is in place
             bucket.handle = None
+            if self._after != 1.0:
+                bucket.flat.div_(self._after)
             bucket.ready.clear()
         self._next_bucket = 0
+        for p in self._by_rows:
+            sparse.reduce_rows(p, self._group, self._division)
 
     def step(self, max_grad_norm: float) -> StepOutcome:
         params = [p for p in self._params if p.grad is not None]
         # Gradients are identical on every rank after the all-reduce, so the
         # local norm is the data-parallel norm: no communication needed
         # (unless the model is split over stages).
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
+        norm = torch.nn.utils.get_total_norm([sparse.norm_view(p.grad) for p in params], norm_type=2.0)
         if self.stages is not None:
-            dup = [p.grad for p in params if id(p) in self.stages.duplicates]
+            dup = [sparse.norm_view(p.grad) for p in params if id(p) in self.stages.duplicates]
             dup_sq = torch.nn.utils.get_total_norm(dup, norm_type=2.0).square() if dup else 0.0
             norm = self._stage_sq_norm(norm.float().square().reshape(1), dup_sq).sqrt()[0]
         if not math.isfinite(float(norm)):
             # inf/nan survive the sum, so every rank sees it and skips alike.
-            first = next((p for p in params if not bool(torch.isfinite(p.grad).all())), None)
+            first = next((p for p in params if not bool(torch.isfinite(sparse.norm_view(p.grad)).all())), None)
             return StepOutcome(grad_norm=None, applied=False, nonfinite=True,
                                first_nonfinite=None if first is None else self._names.get(id(first)))
         if max_grad_norm > 0:
@@ -417,3 +438,5 @@ class AllReduceStrategy(GradientStrategy):
         for bucket in self._buckets:
             bucket.flat.zero_()
         self._attach_grads()
+        for p in self._by_rows:
+            p.grad = None

@@ -12,6 +12,9 @@ import torch
 from dsrun.runtime.distributed.dist import Topology
 from dsrun.runtime.offload import build_optimizer_tier, build_param_tier
 from dsrun.runtime.optim.precision import PrecisionPolicy
+from dsrun.runtime.config import ConfigError
+from dsrun.runtime.zero.groups import ZeroGroups
+from dsrun.runtime.zero.params import record_of
 from dsrun.runtime.zero.api import (GatheredParameters, safe_get_full_fp32_param, safe_get_full_grad,
                                     safe_get_full_optimizer_state)
 from dsrun.runtime.zero.init import Init
@@ -28,6 +31,19 @@ __all__ = ["Init", "GatheredParameters", "safe_get_full_fp32_param", "safe_get_f
            "PartitionedOptimizerStrategy", "PartitionedParamStrategy", "GatherPolicy", "ZeroPPPolicy"]
 
 
+def _check_no_init_shards(module: torch.nn.Module, shard_size: int) -> None:
+    """MiCS shards over blocks of ranks, while zero.Init partitions over its
+    data-parallel group (every rank) and broadcasts initial values within
+    it only; raises ConfigError when `module` holds a parameter built under
+    zero.Init (checked on every rank alike: they build the same model)."""
+    inits = [n for n, p in module.named_parameters()
+             if (rec := record_of(p)) is not None and rec.init_shard is not None]
+    if inits:
+        raise ConfigError(f"zero_optimization.mics_shard_size={shard_size}: parameter {inits[0]} was built "
+                          "under zero.Init, which partitions over every rank, not over MiCS's blocks; build "
+                          "the model without zero.Init, or set mics_shard_size to -1")
+
+
 def build_zero_strategy(cfg, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
                         topology: Topology, group=None) -> ZeroStrategy:
     """The strategy for `cfg.zero_optimization.stage` and `cfg`'s precision.
@@ -38,15 +54,25 @@ def build_zero_strategy(cfg, module: torch.nn.Module, optimizer: torch.optim.Opt
     ValueError for an unknown stage, and for stage 3 with a `group` (a
     pipeline: stage 3's gather schedule is recorded over one forward and
     backward in order, which the pipeline's interleaved micro-batches break).
+
+    `zero_optimization.mics_shard_size` > 0 (MiCS) shards stages 1-3 within
+    blocks of that many data-parallel ranks and replicates across the
+    blocks (ZeroGroups.mics; ConfigError when it does not divide the
+    data-parallel size). Stage 0 shards nothing: there it changes nothing,
+    as in DeepSpeed, which builds MiCS for stage 3 only.
     """
     zero = cfg.zero_optimization
     precision = PrecisionPolicy.from_config(cfg)
     tier = build_optimizer_tier(cfg, topology)
+    mics = None
+    if zero.mics_shard_size > 0 and zero.stage > 0:
+        _check_no_init_shards(module, zero.mics_shard_size)
+        mics = ZeroGroups.mics(zero.mics_shard_size)
     if zero.stage in (0, 1, 2):
         return PartitionedOptimizerStrategy(
             module, optimizer, topology, precision, zero.stage, reduce_bucket_size=zero.reduce_bucket_size,
             allgather_bucket_size=zero.allgather_bucket_size, sub_group_size=zero.sub_group_size,
-            group=group, optimizer_tier=tier)
+            group=group, optimizer_tier=tier, groups=mics)
     if zero.stage == 3:
         if group is not None:
             raise ValueError("ZeRO stage 3 cannot run with pipeline parallelism: its parameter gathers "
@@ -55,5 +81,5 @@ def build_zero_strategy(cfg, module: torch.nn.Module, optimizer: torch.optim.Opt
         return PartitionedParamStrategy(
             module, optimizer, topology, precision, GatherPolicy.from_config(cfg), ZeroPPPolicy.from_config(cfg),
             reduce_bucket_size=zero.reduce_bucket_size, sub_group_size=zero.sub_group_size,
-            optimizer_tier=tier, param_tier=build_param_tier(cfg, topology))
+            optimizer_tier=tier, param_tier=build_param_tier(cfg, topology), groups=mics)
     raise ValueError(f"zero_optimization.stage={zero.stage} is not available")

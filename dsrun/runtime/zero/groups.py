@@ -13,7 +13,13 @@ all-reduced over the replicate group, and divided by shard x replicate
 size. Stages 1-3 use (world, nobody): plain ZeRO. Stage 0 with 16-bit
 precision uses (nobody, world): every rank holds everything, gradients are
 all-reduced. Hierarchical schemes (ZeRO++ hpZ, HSDP, MiCS) are other pairs;
-nothing in the strategies assumes either group is trivial.
+nothing in the strategies assumes either group is trivial. MiCS (Zhang et
+al., "MiCS: Near-linear Scaling for Training Gigantic Model on Public
+Cloud", VLDB 2023, Section 3.2 partition groups and replication groups) is
+`ZeroGroups.mics(k)`: the shard group is a block of k consecutive data-parallel
+ranks, the replicate group the ranks at the same position in every block,
+so parameter gathers stay within the k ranks (a node, when k = ranks per
+node) and only the gradient all-reduce crosses blocks.
 
 [Note: node groups]
 Node-aware schemes need two more groups, built from the node map
@@ -43,7 +49,9 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from dsrun.runtime import comm
+from dsrun.runtime.config import ConfigError
 from dsrun.runtime.distributed import nodes
+from dsrun.runtime.parallel import mesh
 
 
 @dataclass(frozen=True)
@@ -86,6 +94,25 @@ class ZeroGroups:
     def replicated(cls, group: ProcessGroup | None = None) -> "ZeroGroups":
         """Every rank of `group` holds everything (stage 0, 16-bit)."""
         return cls(RankGroup.alone(), RankGroup.of(group))
+
+    @classmethod
+    def mics(cls, shard_size: int) -> "ZeroGroups":
+        """MiCS over the current mesh's data axis (dsrun.runtime.parallel.mesh):
+        shards within blocks of `shard_size` consecutive data ranks,
+        replicas across blocks. Collective over every rank the first time
+        for a size (the groups are created then, see mesh.data_blocks).
+
+        Raises:
+            ConfigError: `shard_size` does not divide the data-parallel size.
+        """
+        axis = mesh.current()
+        if shard_size < 1 or axis.size("data") % shard_size:
+            raise ConfigError(f"zero_optimization.mics_shard_size={shard_size} does not divide the "
+                              f"data-parallel size {axis.size('data')}; set it to a divisor of it (the ranks "
+                              "per node, usually), or to -1 for plain ZeRO")
+        blocks = axis.data_blocks(shard_size)
+        return cls(RankGroup(blocks.block.group, blocks.block.rank, blocks.block.size),
+                   RankGroup(blocks.replicate.group, blocks.replicate.rank, blocks.replicate.size))
 
     @property
     def data_parallel_size(self) -> int:

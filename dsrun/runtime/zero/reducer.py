@@ -27,6 +27,11 @@ With a communication dtype other than the accumulation dtype
 region is what travels, and the result is cast back when it is averaged.
 With ZeRO++ qgZ (`quantize`) int4 travels whatever that dtype: the staging
 buffer is quantized as it is, without the cast copy.
+The averaging divides around the reduction as the precision policy's
+`division` says (prescale_gradients, gradient_predivide_factor; see
+[Note: dividing around the reduction] in optim/precision.py): the staging
+buffer is divided before its launch (before any cast), the reduced shard
+after.
 
 When the gradient partition is in host memory (optimizer offload from an
 accelerator) a finished region's reduced shard is not averaged on the
@@ -180,6 +185,9 @@ class OrderedReducer:
         with self.watchdog.waiting(f"reduce-scatter of gradients of '{region.fset.name}'"):
             region.fill_missing()
             staging = region.buffer()
+            before, _ = region.fset.precision.division.divisors(self.groups.data_parallel_size)
+            if before != 1.0:
+                staging.div_(before)
             comm_dtype = staging.dtype if self.quantize is not None else region.fset.precision.comm_dtype
             # communication_data_type: send a 16-bit copy (region x 2 bytes, transient).
             send = staging if staging.dtype == comm_dtype else staging.to(comm_dtype)
@@ -201,18 +209,21 @@ class OrderedReducer:
         region.handle = None
         out, region.out = region.out, None
         fset = region.fset
+        _, after = fset.precision.division.divisors(self.groups.data_parallel_size)
         if region.in_place:
             target = region.own_shard(region.staging)
             if out.data_ptr() != target.data_ptr():
                 target.copy_(out)
-            target.div_(self.groups.data_parallel_size)
+            if after != 1.0:
+                target.div_(after)
             return
         target = fset.grad_partition[region.part_lo:region.part_lo + out.numel()]
         if fset.grads_offloaded:  # to host memory, averaged there
-            self.host_grads.add(target, out, self.groups.data_parallel_size)
+            self.host_grads.add(target, out, after)
         else:
             summed = out if out.dtype == target.dtype else out.to(target.dtype)
-            summed.div_(self.groups.data_parallel_size)
+            if after != 1.0:
+                summed.div_(after)
             target.add_(summed)
         region.staging = None
 

@@ -58,16 +58,21 @@ class PartitionedOptimizerStrategy(ZeroStrategy):
     copies] in offload/transfer.py).
     sub_group_size: elements per fused optimizer chunk.
     optimizer_tier: where masters and optimizer states live (offload/optimizer_tier.py).
+    groups: the (shard, replicate) pair to use at stages 1-2 instead of
+    sharding over `group` (MiCS: ZeroGroups.mics).
     Raises ValueError for stage not in (0, 1, 2) or an optimizer with state.
     """
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  topology: Topology, precision: PrecisionPolicy, stage: int,
                  reduce_bucket_size: int, allgather_bucket_size: int, sub_group_size: int = 1_000_000_000,
-                 group=None, optimizer_tier=None):
+                 group=None, optimizer_tier=None, groups: ZeroGroups | None = None):
         if stage not in (0, 1, 2):
             raise ValueError(f"PartitionedOptimizerStrategy is stage 0, 1 or 2, got {stage}")
-        groups = ZeroGroups.replicated(group) if stage == 0 else ZeroGroups.sharded(group)
+        if stage == 0:
+            groups = ZeroGroups.replicated(group)
+        elif groups is None:
+            groups = ZeroGroups.sharded(group)
         super().__init__(optimizer, topology, precision, groups, sub_group_size, optimizer_tier=optimizer_tier)
         self.stage = stage
         self.module = module

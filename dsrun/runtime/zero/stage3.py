@@ -133,6 +133,8 @@ class PartitionedParamStrategy(ZeroStrategy):
         watchdog_timeout: seconds a rank may wait on one collective before it
             reports what it is waiting on (see watchdog.py).
         group: the data-parallel process group (None = all ranks).
+        groups: the (shard, replicate) pair to use instead of sharding over
+            `group` (MiCS: ZeroGroups.mics).
         optimizer_tier: where masters and optimizer states live (offload/optimizer_tier.py).
         param_tier: where the compute partitions live (offload/param_tier.py).
 
@@ -150,8 +152,8 @@ class PartitionedParamStrategy(ZeroStrategy):
                  topology: Topology, precision: PrecisionPolicy, gather: GatherPolicy = GatherPolicy(),
                  zeropp: ZeroPPPolicy = ZeroPPPolicy(), reduce_bucket_size: int = 500_000_000,
                  sub_group_size: int = 1_000_000_000, watchdog_timeout: float | None = None, group=None,
-                 optimizer_tier=None, param_tier=None):
-        groups = ZeroGroups.sharded(group)
+                 optimizer_tier=None, param_tier=None, groups: ZeroGroups | None = None):
+        groups = groups or ZeroGroups.sharded(group)
         super().__init__(optimizer, topology, precision, groups, sub_group_size, watchdog_timeout,
                          optimizer_tier=optimizer_tier)
         self.module = module
