@@ -62,6 +62,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.metadata
+import os
 import resource
 import statistics
 import sys
@@ -84,7 +85,7 @@ MODELS = {
 }
 SCHEDULES = ("1f1b", "interleaved", "zb-h1")
 RUNS = ("dp", *(f"p{p}-{s}" for p in (2, 4) for s in SCHEDULES))
-BUBBLE_KEYS = ("own", "span", "cpu_share", "wait_s")  # what step_bubbles gives per rank and step
+BUBBLE_KEYS = ("own", "span", "cpu_share", "wait_s", "busy_s")  # what step_bubbles gives per rank and step
 
 
 class Embed(nn.Module):
@@ -222,7 +223,7 @@ def step_bubbles(ranks: list[dict], step: int) -> list[dict]:
     seconds over busy wall seconds. `ranks` are `_rank`'s results of one
     launch (each with "stage", "data" and "steps" of "wait_s", "schedule_s",
     "cpu_s"). Returns dicts with "stage", "data", "own", "span", "cpu_share"
-    and "wait_s" (as read).
+    and "wait_s", "busy_s".
     Raises ValueError if a schedule_s is not positive (not a pipeline run)."""
     makespan: dict[int, float] = {}
     for r in ranks:
@@ -235,7 +236,8 @@ def step_bubbles(ranks: list[dict], step: int) -> list[dict]:
         busy = row["schedule_s"] - row["wait_s"]
         out.append({"stage": r["stage"], "data": r["data"], "own": row["wait_s"] / row["schedule_s"],
                     "span": 1.0 - busy / makespan[r["data"]],
-                    "cpu_share": row["cpu_s"] / busy if busy > 0 else float("nan"), "wait_s": row["wait_s"]})
+                    "cpu_share": row["cpu_s"] / busy if busy > 0 else float("nan"), "wait_s": row["wait_s"],
+                    "busy_s": busy})
     return out
 
 
@@ -340,14 +342,16 @@ def report(runs: list[Run], results: dict[str, list[list[dict]]], s: Shape, glob
         print(f"| {r.name} | {m} | {own:.3f} | {span:.3f} | {th['paper']:.3f} | {th['sim own']:.3f} | "
               f"{th['sim span']:.3f} | {span / th['paper']:.2f} | {own / th['sim own']:.2f} | {zb} | {measured} | "
               f"{th['sim step / 1f1b']:.3f} | {cpu:.2f} |")
-    print("\nPer stage (stage 0 / 1 / ...): measured own, measured span, median wait_s per step, CPU share:\n")
-    print("| run | own | span | wait s | CPU share |")
-    print("|---|---|---|---|---|")
+    print("\nPer stage (stage 0 / 1 / ...): measured own, measured span, median wait_s and busy s (schedule_s - "
+          "wait_s) per step, CPU share:\n")
+    print("| run | own | span | wait s | busy s | CPU share |")
+    print("|---|---|---|---|---|---|")
     for r in pipes:
         st = per_stage[r.name]
         print(f"| {r.name} | {_fmt_stages({k: v['own'] for k, v in st.items()}, '.3f')} | "
               f"{_fmt_stages({k: v['span'] for k, v in st.items()}, '.3f')} | "
               f"{_fmt_stages({k: v['wait_s'] for k, v in st.items()}, '.3f')} | "
+              f"{_fmt_stages({k: v['busy_s'] for k, v in st.items()}, '.3f')} | "
               f"{_fmt_stages({k: v['cpu_share'] for k, v in st.items()}, '.2f')} |")
 
 
@@ -374,6 +378,7 @@ def main() -> None:
         if r.stages * r.virtual > s.layers:
             raise SystemExit(f"{r.name}: {r.stages * r.virtual} parts but only {s.layers} blocks")
     results: dict[str, list] = {r.name: [] for r in runs}
+    load_before = os.getloadavg()[0]
     for rep in range(args.repeats):
         for r in runs:  # interleaved: A B C ..., A B C ...
             t0 = time.perf_counter()
@@ -382,6 +387,8 @@ def main() -> None:
             med = statistics.median(max(rk["steps"][i]["step_s"] for rk in launch) for i in range(args.steps))
             print(f"[repeat {rep + 1}/{args.repeats}] {r.name}: median {med:.3f} s/step "
                   f"(launch {time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+    print(f"\nload average (1 min) {load_before:.1f} before the launches, {os.getloadavg()[0]:.1f} after; "
+          f"{os.cpu_count()} CPUs")
     report(runs, results, s, g, args)
 
 

@@ -23,6 +23,7 @@ def test_step_bubbles_own_and_span_per_pipeline():
     assert got[(1, 0)]["span"] == pytest.approx(1 - 2.5 / 4.0)
     assert got[(1, 1)]["span"] == pytest.approx(1 - 5.0 / 8.0)
     assert got[(0, 1)]["cpu_share"] == pytest.approx(3.0 / 6.0)
+    assert got[(0, 1)]["busy_s"] == pytest.approx(6.0) and got[(0, 1)]["wait_s"] == pytest.approx(2.0)
 
 
 def test_step_bubbles_refuses_a_step_without_a_schedule():
