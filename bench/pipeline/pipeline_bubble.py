@@ -15,9 +15,9 @@ also holds the embedding and the last the head. `--model 48m` is the 48M
 GPT's shape (d=512, 10 blocks, vocab 32000, seq 256; 64M parameters with the
 head untied); the default `bench` (d=256, 8 blocks, 4 heads, vocab 2048,
 seq 256, micro-batch 2; 7.4M parameters) keeps 4 ranks on this 2-core
-machine within minutes and keeps the head (the heaviest layer of the 48M
-model, about 2.5 blocks of compute) lighter than one block, so the parts are
-nearly balanced, as the bubble formulas assume.
+machine within minutes and makes the head (the heaviest layer of the 48M
+model, about 2.5 blocks of compute) about 0.6 of a block, so the last part
+is less unbalanced; the bubble formulas assume equal parts.
 
 Configurations, all on 4 ranks x 1 torch thread, fp32, ZeRO stage 0, AdamW
 (ds_config's, dsrun's CPU Adam), the same global batch of
@@ -50,6 +50,8 @@ Reported per configuration, over all timed steps of all repeats:
   "span"), and for zb-h1 with dsrun's costs: its weight pass recomputes the
   stage's inner activation gradients (pipe/engine.py [Note: zero bubble's
   split backward]), so W costs a full backward (F = 1, B = 1, W = 2);
+  "step / 1f1b": the median step over 1F1B's at the same depth, measured
+  and simulated (F = 1, B + W = 2 per stage; zb-h1 with W = 2);
 - peak memory per stage: VmHWM of /proc/self/status (peak resident set)
   over the timed steps, reset at the end of warm-up (clear_refs 5), the
   largest over data replicas and repeats; ru_maxrss (the whole process) too;
