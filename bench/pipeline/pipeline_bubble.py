@@ -2,7 +2,7 @@
 its theory, peak memory per stage and the step time beside pure data
 parallelism of the same model and global batch.
 
-    .venv/bin/python bench/pipeline/pipeline_bubble.py [--model bench|48m] [--repeats 2] [--warmup 1]
+    .venv/bin/python bench/pipeline/pipeline_bubble.py [--model bench|bench-v256|48m] [--repeats 2] [--warmup 1]
         [--steps 3] [--global_micro_batches 8] [--virtual 2]
         [--runs dp,p2-1f1b,p2-interleaved,p2-zb-h1,p4-1f1b,p4-interleaved,p4-zb-h1] [--torch_adam]
 
@@ -17,7 +17,9 @@ head untied); the default `bench` (d=256, 8 blocks, 4 heads, vocab 2048,
 seq 256, micro-batch 2; 7.4M parameters) keeps 4 ranks on this 2-core
 machine within minutes and makes the head (the heaviest layer of the 48M
 model, about 2.5 blocks of compute) about 0.6 of a block, so the last part
-is less unbalanced; the bubble formulas assume equal parts.
+is less unbalanced; the bubble formulas assume equal parts, which
+`--model bench-v256` (vocab 256: a head of about a tenth of a block) comes
+closer to.
 
 Configurations, all on 4 ranks x 1 torch thread, fp32, ZeRO stage 0, AdamW
 (ds_config's, dsrun's CPU Adam), the same global batch of
@@ -84,6 +86,8 @@ WORLD = 4
 MODELS = {
     "48m": Shape(d=512, layers=10, heads=8, vocab=32000, seq=256, micro=2, bucket=5_000_000),
     "bench": Shape(d=256, layers=8, heads=4, vocab=2048, seq=256, micro=2, bucket=5_000_000),
+    # the bench model with a 256-word vocabulary: the head costs about a tenth of a block, the stages are near equal
+    "bench-v256": Shape(d=256, layers=8, heads=4, vocab=256, seq=256, micro=2, bucket=5_000_000),
 }
 SCHEDULES = ("1f1b", "interleaved", "zb-h1")
 RUNS = ("dp", *(f"p{p}-{s}" for p in (2, 4) for s in SCHEDULES))
