@@ -38,7 +38,10 @@ or G/4 forward/backward/step calls for dp) timed between barriers.
 Configurations are interleaved (A B C ..., A B C ...) over `--repeats`.
 
 Reported per configuration, over all timed steps of all repeats:
-- step time: min / median / spread ((max - min) / median), median ratio to dp;
+- step time: min / median / spread ((max - min) / median), median ratio to
+  dp, and the CPU seconds of a step summed over the ranks (median over
+  steps): the work done, which the machine's load moves far less than the
+  wall time;
 - bubble per stage, from `engine.last_bubble` of each rank:
   "own" = wait_s / schedule_s (the time this rank was blocked on its
   neighbours over its own schedule, which ends at its last backward);
@@ -299,9 +302,9 @@ def report(runs: list[Run], results: dict[str, list[list[dict]]], s: Shape, glob
           f"seq {s.seq}, micro-batch {s.micro}), fp32, {WORLD} ranks x 1 thread, global batch {global_micro} "
           f"micro-batches; {args.repeats} interleaved repeats x {args.steps} timed steps after {args.warmup} "
           f"warm-up.\n{deepspeed_status()}.\n")
-    print("| run | stages x data | m | min s/step | median s/step | spread | vs dp | peak RSS per stage, timed "
-          "steps (MiB) | ru_maxrss per stage (MiB) | parameters per stage (M) |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| run | stages x data | m | min s/step | median s/step | spread | vs dp | CPU s/step, all ranks | peak RSS "
+          "per stage, timed steps (MiB) | ru_maxrss per stage (MiB) | parameters per stage (M) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     per_stage = {}
     for r in runs:
         ts = times[r.name]
@@ -312,8 +315,10 @@ def report(runs: list[Run], results: dict[str, list[list[dict]]], s: Shape, glob
                   for st in range(r.stages)}
         params = {st: next(rk["params"] for rk in launches[0] if rk["stage"] == st) / 1e6 for st in range(r.stages)}
         ratio = f"{med / base:.3f}" if base else "-"
+        cpu = statistics.median(sum(rk["steps"][i]["cpu_s"] for rk in ln) for ln in launches
+                                for i in range(len(ln[0]["steps"])))
         print(f"| {r.name} | {r.stages} x {r.data} | {global_micro // r.data} | {min(ts):.3f} | {med:.3f} | "
-              f"{(max(ts) - min(ts)) / med:.1%} | {ratio} | {_fmt_stages(hwm, 'd')} | {_fmt_stages(maxrss, 'd')} | "
+              f"{(max(ts) - min(ts)) / med:.1%} | {ratio} | {cpu:.2f} | {_fmt_stages(hwm, 'd')} | {_fmt_stages(maxrss, 'd')} | "
               f"{_fmt_stages(params, '.2f')} |")
         if r.stages > 1:
             samples: dict[tuple[int, int], dict[str, list[float]]] = {}
