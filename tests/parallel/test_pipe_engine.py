@@ -354,3 +354,27 @@ def test_zero3_with_a_pipeline_is_refused():
     with pytest.raises(ValueError, match="stage 3 cannot run with pipeline parallelism"):
         build_zero_strategy(cfg, model, torch.optim.SGD(model.parameters(), lr=0.1), topology,
                             group=torch.distributed.group.WORLD)
+
+
+def _train_with_csv_monitor(out_dir: str) -> float:
+    import torch.nn.functional as F
+
+    import dsrun
+    from dsrun.pipe import PipelineModule
+    from dsrun.runtime.distributed.dist import init_distributed
+    init_distributed()
+    module = PipelineModule(_layers(), num_stages=2, loss_fn=F.cross_entropy, seed_layers=True,
+                            partition_method="uniform")
+    cfg = _config(2, 1, 2, "1f1b", 0, False, 1)
+    cfg["csv_monitor"] = {"enabled": True, "output_path": out_dir, "job_name": "pipe"}
+    engine, *_ = dsrun.initialize(model=module, config=cfg)
+    return float(engine.train_batch(iter([_micro_batch(0, 0, j) for j in range(2)])))
+
+
+def test_monitor_reports_the_last_stages_loss(tmp_path):
+    """Rank 0 (the first stage, which computes no loss) writes the step's loss."""
+    losses = run_ranks(_train_with_csv_monitor, 2, str(tmp_path))
+    files = {f.name: f for f in tmp_path.rglob("*.csv")}
+    name = next(n for n in files if "loss" in n.lower())
+    rows = files[name].read_text().strip().splitlines()
+    assert float(rows[-1].split(",")[-1]) == pytest.approx(losses[0], rel=1e-6)

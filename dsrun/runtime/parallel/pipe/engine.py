@@ -193,7 +193,6 @@ class PipelineEngine(Engine):
                 self.last_bubble = {"wait_s": self._link.wait_seconds, "schedule_s": time.perf_counter() - started}
             self._run(action, buffers, train=True, sync=(i == last_backward))
         self.micro_steps += self.micro_batches
-        self.agg_train_loss = self._aggregate_loss(buffers.losses, bcast=True, reduce="avg")
         return self.agg_train_loss
 
     def eval_batch(self, data_iter: Iterator, return_logits: bool = False, compute_loss: bool = True,
@@ -249,7 +248,7 @@ class PipelineEngine(Engine):
     def _run(self, action, buffers: _Buffers, train: bool, sync: bool = False, compute_loss: bool = True) -> None:
         kind = type(action)
         if kind in (sched.ReduceTiedGrads, sched.ReduceGrads, sched.OptimizerStep):
-            return self._run_step_end(kind)
+            return self._run_step_end(kind, buffers)
         key = (action.micro_batch, action.chunk)
         if kind is sched.LoadMicroBatch:
             self._load(action, buffers)
@@ -396,13 +395,17 @@ class PipelineEngine(Engine):
         for store in (buffers.inputs, buffers.outputs, buffers.grads, buffers.captured):
             store.pop(key, None)
 
-    def _run_step_end(self, kind) -> None:
+    def _run_step_end(self, kind, buffers: _Buffers) -> None:
         if kind is sched.ReduceTiedGrads:
             for params, group in self._tied_groups:
                 self.strategy.sum_gradients_across(params, group)
         elif kind is sched.ReduceGrads:
             self._link.wait_sends()  # the data-parallel reduction ran inside the last backward
         else:
+            # Every rank learns the step's loss before the step, so the monitors
+            # (written by rank 0, a first-stage rank) report it.
+            self.agg_train_loss = self._aggregate_loss(buffers.losses, bcast=True, reduce="avg")
+            self._telemetry.observe_loss(self.agg_train_loss)
             self._optimizer_step()
 
     def _aggregate_loss(self, losses: list[torch.Tensor], bcast: bool, reduce: str | None):
