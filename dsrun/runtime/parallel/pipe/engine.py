@@ -22,7 +22,8 @@ the data-parallel reduction overlaps it as in data-parallel training; the
 schedule's `ReduceTiedGrads` then sums the gradients of weights tied across
 stages (after the data-parallel average, which gives the same sum), and
 `OptimizerStep` is the data-parallel engine's step, whose norm and overflow
-check span every stage (`StageSpan`).
+check span every stage and tensor-parallel rank (`StageSpan`, set by
+initialize through dsrun/runtime/parallel/model_parallel.py).
 
 [Note: zero bubble's split backward]
 `BackwardInput` (B) must produce the stage input's gradient, which the
@@ -45,6 +46,7 @@ on its path: correct, only slower.
 """
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -59,7 +61,6 @@ from dsrun.runtime.parallel.mesh import ParallelMesh
 from dsrun.runtime.parallel.pipe import schedule as sched
 from dsrun.runtime.parallel.pipe.module import PipelineModule
 from dsrun.runtime.parallel.pipe.p2p import StageLink, as_tensors
-from dsrun.runtime.strategy.data_parallel import StageSpan
 
 
 @dataclass
@@ -119,9 +120,6 @@ class PipelineEngine(Engine):
         self._data_iterator: Iterator | None = None
         self._batch_fn: Callable | None = None
         self._tied_groups = tied
-        if self.num_stages > 1:
-            duplicates = frozenset(id(p) for p in module.parameters() if getattr(p, "ds_pipe_replicated", False))
-            strategy.span_stages(StageSpan(mesh.group("pipe"), self.num_stages, duplicates))
         self.agg_train_loss: torch.Tensor | None = None
         self._capturing: list | None = None  # zero bubble: module outputs recorded by the forward hooks
         self._capture_hooks = []
@@ -434,18 +432,24 @@ def _to_device(value, device: torch.device, dtype: torch.dtype | None = None):
 TiedGroups = list[tuple[list[torch.Tensor], Any]]
 
 
+def _other_coords(mesh: ParallelMesh) -> list[dict[str, int]]:
+    """Every coordinate of the mesh's axes other than pipe (data, model, ...)."""
+    axes = [a for a in mesh.topology.get_axis_names() if a != "pipe"]
+    return [dict(zip(axes, c)) for c in itertools.product(*(range(mesh.topology.get_dim(a)) for a in axes))]
+
+
 def tie_weights(module: PipelineModule, mesh: ParallelMesh) -> TiedGroups:
     """Make the copies of weights tied across stages equal and say how to
     reduce their gradients: for each key of `tied_weight_broadcast_plan`,
     create the process groups of the ranks holding its copies (one group per
-    data coordinate; collective over the job, every rank in the same order),
+    data (and model) coordinate; collective over the job, every rank in the same order),
     broadcast the key's tensors from its lowest stage, and return, for the
     keys this rank holds, (its tied tensors, its group). Call before the
     gradient strategy copies the parameters."""
     out = []
     for plan in module.tied_weight_broadcast_plan():
-        group = mesh.make_group([tuple(mesh.stage_to_global(s, data=d) for s in plan.stages)
-                                 for d in range(mesh.size("data"))])
+        group = mesh.make_group([tuple(mesh.stage_to_global(s, **coords) for s in plan.stages)
+                                 for coords in _other_coords(mesh)])
         if group is not None:
             params = module.tied_parameters(plan.key)
             with torch.no_grad():
