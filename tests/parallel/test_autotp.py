@@ -141,7 +141,8 @@ def _tp_vs_dp(kind: str, stage: int, tp: int, via_config: bool):
 
 
 @pytest.mark.parametrize("kind,stage,tp,via_config", [("gpt2", 1, 2, False), ("llama", 2, 2, True),
-                                                       ("gpt", 0, 2, False), ("llama", 1, 4, False)])
+                                                       ("gpt", 0, 2, False), ("llama", 1, 4, False),
+                                                       ("llama", 3, 4, True)])
 def test_training_tp_x_dp_equals_dp(kind, stage, tp, via_config):
     """tp x dp (4 ranks) against dp=4 on the same samples: losses and the
     clipped global gradient norm each step (tp=4: Llama's 2 key/value heads
@@ -151,3 +152,187 @@ def test_training_tp_x_dp_equals_dp(kind, stage, tp, via_config):
     torch.testing.assert_close(torch.tensor(got_loss), torch.tensor(want_loss), **TOL)
     torch.testing.assert_close(torch.tensor(got_norm), torch.tensor(want_norm), **TOL)
     assert want_loss[-1] < want_loss[0]  # it trains
+
+
+# -- pipeline x tensor x data ------------------------------------------------------------------
+HIDDEN, MICRO_SAMPLES, GAS = 8, 8, 2  # samples per micro-step over all data ranks
+
+
+class _TPBlock(torch.nn.Module):
+    """x + Row(tanh(Column(LayerNorm(x)))): Megatron's MLP block, (B, H) -> (B, H)."""
+
+    def __init__(self, hidden: int) -> None:
+        from dsrun.runtime.parallel.tensor import ColumnParallelLinear, RowParallelLinear
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(hidden)
+        self.up = ColumnParallelLinear(hidden, 4 * hidden)
+        self.down = RowParallelLinear(4 * hidden, hidden)
+
+    def forward(self, x):
+        return x + self.down(torch.tanh(self.up(self.norm(x))))
+
+
+def _train_3d(pipe: int, model: int) -> tuple[list[float], list[float]]:
+    """STEPS train_batch calls of a 4-block PipelineModule (plus a replicated
+    output layer) on the pipe x model x data mesh of 8 ranks, ZeRO-1."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    import dsrun
+    from dsrun.pipe import LayerSpec, PipelineModule
+    from dsrun.runtime.parallel.mesh import ParallelMesh, set_current
+    mesh = ParallelMesh.build(dist.get_world_size(), pipe=pipe, model=model)
+    set_current(mesh)  # the layers take their model group from the current mesh
+    layers = [LayerSpec(_TPBlock, HIDDEN) for _ in range(4)] + [LayerSpec(torch.nn.Linear, HIDDEN, 2)]
+    module = PipelineModule(layers, loss_fn=F.mse_loss, topology=mesh.topology, seed_layers=True,
+                            partition_method="uniform")
+    dp = mesh.size("data")
+    micro = MICRO_SAMPLES // dp
+    cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": GAS,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "gradient_clipping": 0.05,
+           "zero_optimization": {"stage": 1}, "steps_per_print": 1000}
+    engine, *_ = dsrun.initialize(model=module, config=cfg)
+    gen = torch.Generator().manual_seed(7)
+    xs = torch.randn(GAS * MICRO_SAMPLES, HIDDEN, generator=gen)
+    ys = torch.randn(GAS * MICRO_SAMPLES, 2, generator=gen)
+    d = mesh.rank("data")
+    batches = [(xs[k * MICRO_SAMPLES + d * micro:k * MICRO_SAMPLES + (d + 1) * micro],
+                ys[k * MICRO_SAMPLES + d * micro:k * MICRO_SAMPLES + (d + 1) * micro]) for k in range(GAS)]
+    losses, norms = [], []
+    for _ in range(STEPS):
+        losses.append(float(engine.train_batch(iter(batches))))
+        norms.append(engine.get_global_grad_norm())
+    engine.destroy()
+    return losses, norms
+
+
+def _3d_vs_dp():
+    import dsrun
+    dsrun.init_distributed()
+    return _train_3d(1, 1), _train_3d(2, 2)
+
+
+@pytest.mark.slow
+def test_pipe_x_tensor_x_data_equals_data_parallel():
+    """pp=2 x tp=2 x dp=2 against dp=8, same layers and seeds (ZeRO-1): the
+    losses and clipped norms of every step, on every rank."""
+    results = run_ranks(_3d_vs_dp, 8, timeout=300)
+    for (want_loss, want_norm), (got_loss, got_norm) in results:
+        torch.testing.assert_close(torch.tensor(got_loss), torch.tensor(want_loss), **TOL)
+        torch.testing.assert_close(torch.tensor(got_norm), torch.tensor(want_norm), **TOL)
+    assert results[0][0][0][-1] < results[0][0][0][0]
+
+
+# -- sequence parallelism: partial gradients summed before the step ---------------------------
+SEQ = 8
+
+
+class _SPBlock(torch.nn.Module):
+    """Megatron's MLP block with sequence parallelism, (s/tp, b, H) -> (s/tp, b, H):
+    the LayerNorm sees this rank's tokens only (its parameters are marked
+    sequence_parallel, as is the row layer's bias)."""
+
+    def __init__(self, hidden: int) -> None:
+        from dsrun.runtime.parallel.tensor import ColumnParallelLinear, RowParallelLinear
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(hidden)
+        for p in self.norm.parameters():
+            p.sequence_parallel = True
+        self.up = ColumnParallelLinear(hidden, 4 * hidden, sequence_parallel=True)
+        self.down = RowParallelLinear(4 * hidden, hidden, sequence_parallel=True)
+
+    def forward(self, x):
+        return x + self.down(torch.tanh(self.up(self.norm(x))))
+
+
+class _SPModel(torch.nn.Module):
+    """x (s, b, H), y (s, b, 2) -> MSE loss; two sequence-parallel blocks and a replicated head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_SPBlock(HIDDEN) for _ in range(2))
+        self.head = torch.nn.Linear(HIDDEN, 2)
+
+    def forward(self, x, y):
+        import torch.nn.functional as F
+
+        from dsrun.runtime.parallel.mesh import current
+        from dsrun.runtime.parallel.tensor.mappings import (gather_from_sequence_region,
+                                                            scatter_to_sequence_region)
+        group = current().axis_group("model")
+        x = scatter_to_sequence_region(x, group)
+        for block in self.blocks:
+            x = block(x)
+        x = gather_from_sequence_region(x, group, reduce_grads=False)
+        return F.mse_loss(self.head(x), y)
+
+
+def _train_sp(model_ranks: int) -> tuple[list[float], list[float]]:
+    import torch.distributed as dist
+
+    import dsrun
+    from dsrun.runtime.parallel.mesh import ParallelMesh, set_current
+    set_current(ParallelMesh.build(dist.get_world_size(), model=model_ranks))
+    torch.manual_seed(0)
+    model = _SPModel()
+    dp = dist.get_world_size() // model_ranks
+    micro = 4 // dp
+    engine, *_ = dsrun.initialize(model=model, config=_config(2, micro))
+    gen = torch.Generator().manual_seed(3)
+    xs, ys = torch.randn(SEQ, 4, HIDDEN, generator=gen), torch.randn(SEQ, 4, 2, generator=gen)
+    d = dist.get_rank() // model_ranks
+    losses, norms = [], []
+    for _ in range(STEPS):
+        loss = engine(xs[:, d * micro:(d + 1) * micro], ys[:, d * micro:(d + 1) * micro])
+        engine.backward(loss)
+        engine.step()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(float(mean) / dist.get_world_size())
+        norms.append(engine.get_global_grad_norm())
+    engine.destroy()
+    return losses, norms
+
+
+def _sp_vs_dp():
+    import dsrun
+    dsrun.init_distributed()
+    return _train_sp(1), _train_sp(2)
+
+
+def test_sequence_parallel_tp_x_dp_equals_dp():
+    """A hand-built sequence-parallel model at tp=2 x dp=2 (ZeRO-2) against
+    dp=4: the LayerNorm and row-bias gradients are summed over the model
+    group before the step (Engine pre-step hook), so losses and norms match."""
+    (want_loss, want_norm), (got_loss, got_norm) = run_ranks(_sp_vs_dp, 4, timeout=240)[0]
+    torch.testing.assert_close(torch.tensor(got_loss), torch.tensor(want_loss), **TOL)
+    torch.testing.assert_close(torch.tensor(got_norm), torch.tensor(want_norm), **TOL)
+
+
+# -- errors --------------------------------------------------------------------------------------
+class _Unplaceable(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = torch.nn.Module()
+        self.mlp.fc = torch.nn.Linear(8, 16)
+        self.mlp.router = torch.nn.Linear(16, 8)  # no rule names it
+
+    def forward(self, x):
+        return self.mlp.router(self.mlp.fc(x))
+
+
+def _check_unplaceable() -> str:
+    import dsrun
+    dsrun.init_distributed()
+    model = _Unplaceable()
+    before = [p.clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"'mlp\.router'") as info:
+        dsrun.tp_model_init(model, 2)
+    assert isinstance(model.mlp.fc, torch.nn.Linear)  # nothing replaced: the plan is checked first
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    return str(info.value)
+
+
+def test_unplaceable_layer_is_named():
+    message = run_ranks(_check_unplaceable, 2, timeout=120)[0]
+    assert "cannot place layer 'mlp.router' (Linear)" in message

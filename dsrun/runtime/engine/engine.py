@@ -37,11 +37,12 @@ def build_strategy(cfg: DsConfig, module: torch.nn.Module, optimizer: torch.opti
     1-bit optimizers (which own gradient communication) and Lamb on flat
     buffers: `dsrun.runtime.compression.build_compression_strategy`.
     `data_group` is the process group gradients are averaged over (None:
-    every rank; a pipeline passes its mesh's data axis).
+    every rank; a pipeline or a tensor-parallel model passes its mesh's
+    data axis).
 
     Raises:
         ValueError: a data group with a strategy that cannot take one (the
-            1-bit optimizers, ZeRO stage 3).
+            1-bit optimizers).
     """
     if takes_over(cfg, optimizer):
         if data_group is not None:

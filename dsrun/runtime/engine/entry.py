@@ -126,24 +126,33 @@ def _replica_size(model: torch.nn.Module, source: ConfigSource) -> int:
                               "(ParallelMesh.build(world, pipe=P, model=T).topology), or set it to 1")
         topology = model.topology()
         return model.num_stages if topology is None else topology.world_size() // topology.get_dim("data")
-    if getattr(model, "ds_autotp_parsed", False):
+    if _is_sharded(model):
         sharded = current().size("model")
         if autotp not in (1, sharded):
-            raise ConfigError(f"tensor_parallel.autotp_size={autotp} but tp_model_init sharded the model over "
-                              f"{sharded} ranks; make them equal (or leave the key out)")
+            raise ConfigError(f"tensor_parallel.autotp_size={autotp} but the model is already sharded over "
+                              f"{sharded} ranks (the current mesh's model axis); make them equal (or leave "
+                              "the key out)")
         return sharded
     return autotp
 
 
+def _is_sharded(model: torch.nn.Module) -> bool:
+    """Whether `model` holds tensor-parallel layers: sharded by tp_model_init,
+    or built from ColumnParallelLinear/RowParallelLinear/VocabParallelEmbedding
+    (on the current mesh, whose model axis then splits it)."""
+    return getattr(model, "ds_autotp_parsed", False) or any(
+        getattr(p, "tensor_model_parallel", False) for p in model.parameters())
+
+
 def _tensor_parallel_mesh(model: torch.nn.Module, cfg: DsConfig) -> ParallelMesh | None:
     """The data x model mesh of a tensor-parallel model (sharding it now,
-    as tp_model_init, when the config's autotp_size asks and the script did
-    not; collective), or None for a model every rank holds whole."""
-    if not getattr(model, "ds_autotp_parsed", False):
+    as tp_model_init, when the config's autotp_size asks and the model is not
+    sharded yet; collective), or None for a model every rank holds whole."""
+    if not _is_sharded(model):
         if cfg.tensor_parallel.autotp_size == 1:
             return None
         tp_model_init(model, cfg.tensor_parallel.autotp_size)
-    return current()
+    return current() if current().size("model") > 1 else None
 
 
 def _check_model(model: torch.nn.Module) -> None:

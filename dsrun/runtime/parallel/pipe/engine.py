@@ -465,8 +465,9 @@ def check_pipeline_config(cfg, module: PipelineModule) -> None:
 
     Raises:
         ConfigError: stages, partition, seed_layers or virtual_stages differ
-            from the module's, the schedule does not fit virtual_stages, or
-            the optimizer is offloaded (not supported with a pipeline yet).
+            from the module's, the schedule does not fit virtual_stages,
+            ZeRO stage 3, or the optimizer is offloaded (not supported with
+            a pipeline yet).
     """
     pipe = cfg.pipeline
     problems = []
@@ -483,6 +484,10 @@ def check_pipeline_config(cfg, module: PipelineModule) -> None:
     if (pipe.schedule == "interleaved") != (module.virtual_stages > 1):
         problems.append(f"pipeline.schedule={pipe.schedule!r} with virtual_stages={module.virtual_stages}: the "
                         "interleaved schedule needs virtual_stages >= 2 and the others 1")
+    if cfg.zero_optimization.stage == 3:
+        problems.append("zero_optimization.stage=3 with a pipeline is not supported: stage 3's parameter "
+                        "gathers follow one forward and backward in order, while a pipeline interleaves "
+                        "micro-batches; use stage 1 or 2 (each stage already holds only its layers)")
     if cfg.zero_optimization.offload_optimizer.device != "none":
         problems.append("zero_optimization.offload_optimizer with a pipeline is not supported yet (its "
                         "gradients live in host memory, where the cross-stage norm does not read them yet); "

@@ -143,6 +143,30 @@ def _replicated_kv(weight: torch.Tensor, heads: _Heads) -> torch.Tensor:
     return per_head.repeat_interleave(heads.tp // heads.kv, dim=0).reshape(-1, *weight.shape[1:])
 
 
+def placement_plan(model: nn.Module) -> list[tuple[str, str, nn.Module]]:
+    """(module path, rule name, layer) of every linear layer of `model` that
+    tensor parallelism replaces (see [Note: which layer goes where]); the
+    output layers kept whole are left out. Changes nothing.
+
+    Raises:
+        ValueError: a linear layer that no rule places, naming its module path.
+    """
+    plan = []
+    for path, module in model.named_modules():
+        if not _is_linear(module) or not path:
+            continue
+        leaf = path.rsplit(".", 1)[-1]
+        if leaf in KEPT_WHOLE:
+            continue
+        if leaf not in COLUMN | FUSED_QKV | ROW:
+            raise ValueError(f"tensor parallelism cannot place layer {path!r} ({type(module).__name__}): "
+                             f"its name is none of column-parallel {sorted(COLUMN | FUSED_QKV)}, row-parallel "
+                             f"{sorted(ROW)} or kept whole {sorted(KEPT_WHOLE)}; rename it, or shard the model "
+                             "by hand with ColumnParallelLinear/RowParallelLinear")
+        plan.append((path, leaf, module))
+    return plan
+
+
 def shard_model(model: nn.Module, mesh: ParallelMesh, dtype: torch.dtype | None = None) -> nn.Module:
     """Replace, in place, the linear layers of `model` by tensor-parallel ones
     over `mesh`'s model axis (see [Note: which layer goes where] and [Note:
@@ -160,23 +184,12 @@ def shard_model(model: nn.Module, mesh: ParallelMesh, dtype: torch.dtype | None 
     tp = mesh.size("model")
     config = getattr(model, "config", None) or getattr(model, "cfg", None)
     modules = dict(model.named_modules())
-    plan = []
-    for path, module in modules.items():
-        if not _is_linear(module) or not path:
-            continue
-        leaf = path.rsplit(".", 1)[-1]
-        if leaf in KEPT_WHOLE:
-            continue
-        if leaf not in COLUMN | FUSED_QKV | ROW:
-            raise ValueError(f"tensor parallelism cannot place layer {path!r} ({type(module).__name__}): "
-                             f"its name is none of column-parallel {sorted(COLUMN | FUSED_QKV)}, row-parallel "
-                             f"{sorted(ROW)} or kept whole {sorted(KEPT_WHOLE)}; rename it, or shard the model "
-                             "by hand with ColumnParallelLinear/RowParallelLinear")
-        plan.append((path, leaf, module))
+    plan = placement_plan(model)
     if tp == 1:
         return model
     replica: MeshGroup | None = None
     attention_heads: dict[str, tuple[nn.Module, _Heads]] = {}
+    replacements = []  # applied once every layer is built: a ValueError leaves the model unchanged
     for path, leaf, module in plan:
         parent_path = path.rsplit(".", 1)[0] if "." in path else ""
         parent = modules[parent_path]
@@ -211,6 +224,8 @@ def shard_model(model: nn.Module, mesh: ParallelMesh, dtype: torch.dtype | None 
                 replica = mesh.data_blocks(tp // attention_heads[parent_path][1].kv, axis="model").block
             for p in new.parameters():
                 p.tp_replica_group = replica
+        replacements.append((parent, leaf, new))
+    for parent, leaf, new in replacements:
         setattr(parent, leaf, new)
     for attention, heads in attention_heads.values():
         heads.update(attention)
@@ -261,6 +276,7 @@ def tp_model_init(model: nn.Module, tp_size: int, dtype: torch.dtype | None = No
     world = comm.get_world_size()
     if world % tp_size:
         raise ValueError(f"tp_model_init: tp_size={tp_size} does not divide the world size {world}")
+    placement_plan(model)  # an unplaceable layer fails before anything changes
     with torch.no_grad():
         for tensor in list(model.parameters()) + list(model.buffers()):
             on_device = tensor.data.to(device)  # the backend's device (NCCL: cuda)
