@@ -212,7 +212,6 @@ def _3d_vs_dp():
     return _train_3d(1, 1), _train_3d(2, 2)
 
 
-@pytest.mark.slow
 def test_pipe_x_tensor_x_data_equals_data_parallel():
     """pp=2 x tp=2 x dp=2 against dp=8, same layers and seeds (ZeRO-1): the
     losses and clipped norms of every step, on every rank."""
