@@ -185,17 +185,19 @@ class _TPBlock(torch.nn.Module):
 
 
 def _train_3d(pipe: int, model: int) -> tuple[list[float], list[float]]:
-    """STEPS train_batch calls of a 4-block PipelineModule (plus a replicated
+    """STEPS train_batch calls of a 4-block PipelineModule (with a replicated
+    linear layer tied between the first and the last stage, and a replicated
     output layer) on the pipe x model x data mesh of 8 ranks, ZeRO-1."""
     import torch.distributed as dist
     import torch.nn.functional as F
 
     import dsrun
-    from dsrun.pipe import LayerSpec, PipelineModule
+    from dsrun.pipe import LayerSpec, PipelineModule, TiedLayerSpec
     from dsrun.runtime.parallel.mesh import ParallelMesh, set_current
     mesh = ParallelMesh.build(dist.get_world_size(), pipe=pipe, model=model)
     set_current(mesh)  # the layers take their model group from the current mesh
-    layers = [LayerSpec(_TPBlock, HIDDEN) for _ in range(4)] + [LayerSpec(torch.nn.Linear, HIDDEN, 2)]
+    tied = TiedLayerSpec("io", torch.nn.Linear, HIDDEN, HIDDEN, bias=False)
+    layers = [tied] + [LayerSpec(_TPBlock, HIDDEN) for _ in range(4)] + [tied, LayerSpec(torch.nn.Linear, HIDDEN, 2)]
     module = PipelineModule(layers, loss_fn=F.mse_loss, topology=mesh.topology, seed_layers=True,
                             partition_method="uniform")
     dp = mesh.size("data")
@@ -226,7 +228,9 @@ def _3d_vs_dp():
 
 def test_pipe_x_tensor_x_data_equals_data_parallel():
     """pp=2 x tp=2 x dp=2 against dp=8, same layers and seeds (ZeRO-1): the
-    losses and clipped norms of every step, on every rank."""
+    losses and clipped norms of every step, on every rank (the tied layer's
+    groups span each (data, model) coordinate; its copy on the last stage
+    counts once in the norm)."""
     results = run_ranks(_3d_vs_dp, 8, timeout=300)
     for (want_loss, want_norm), (got_loss, got_norm) in results:
         torch.testing.assert_close(torch.tensor(got_loss), torch.tensor(want_loss), **TOL)
