@@ -1,7 +1,7 @@
 """Automatic tensor parallelism (dsrun.tp_model_init, config
 "tensor_parallel.autotp_size") and tensor x data (x pipeline) training, on
 real gloo ranks: a tiny Hugging Face GPT-2 and Llama built from their
-configs (no download) and examples/gpt_model.py's GPT give the unsharded
+configs (no download), a Mistral likewise, and examples/gpt_model.py's GPT give the unsharded
 logits at tp=2 (and tp=4 with Llama's 2 key/value heads replicated);
 training losses at tp=2 x dp=2 equal dp=4; pp=2 x tp=2 x dp=2 with
 Megatron layers equals the data-parallel run; a layer AutoTP cannot place is
@@ -43,12 +43,19 @@ def _llama(kv_heads: int = 2):
     return LlamaForCausalLM(cfg)
 
 
+def _mistral():
+    from transformers import MistralConfig, MistralForCausalLM
+    cfg = MistralConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+                        num_hidden_layers=2, vocab_size=64, max_position_embeddings=16)
+    return MistralForCausalLM(cfg)
+
+
 def _byte_gpt():
     from gpt_model import GPT, GPTConfig
     return GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=4, n_embd=32, dropout=0.0))
 
 
-BUILDERS = {"gpt2": _gpt2, "llama": _llama, "gpt": _byte_gpt}
+BUILDERS = {"gpt2": _gpt2, "llama": _llama, "mistral": _mistral, "gpt": _byte_gpt}
 
 
 def _build(kind: str, seed: int = 0) -> torch.nn.Module:
@@ -66,17 +73,27 @@ def _logits(model, ids) -> torch.Tensor:
 
 
 def _check_logits(kind: str, tp: int) -> None:
+    """Each rank builds its model from another seed; tp_model_init shards
+    rank 0's (it broadcasts the full model first), so the logits are those
+    of the unsharded model built from rank 0's seed."""
     import dsrun
     dsrun.init_distributed()
-    want = _logits(_build(kind).eval(), _ids(1))
+    want = _logits(_build(kind, seed=1).eval(), _ids(1))
     model = dsrun.tp_model_init(_build(kind, seed=1 + torch.distributed.get_rank()), tp, torch.float32)
-    got = _logits(model.eval(), _ids(1))  # rank 0's weights: tp_model_init broadcasts them first
-    want_rank0 = _logits(_build(kind, seed=1).eval(), _ids(1))
-    torch.testing.assert_close(got, want_rank0, **TOL)
-    assert want.shape == got.shape
+    torch.testing.assert_close(_logits(model.eval(), _ids(1)), want, **TOL)
+    heads, kv = 4 // tp, max(2 // tp, 1)  # this rank's query heads; Llama/Mistral key/value heads
+    if kind == "gpt2":
+        attn = model.transformer.h[0].attn
+        assert (attn.num_heads, attn.split_size) == (heads, heads * 8)
+    elif kind == "gpt":
+        assert model.blocks[0].attn.n_head == heads
+    else:
+        attn = model.model.layers[0].self_attn
+        assert attn.num_key_value_groups == heads // kv
+        assert attn.k_proj.weight.shape == (kv * 8, 32)
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama", "gpt"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "mistral", "gpt"])
 def test_logits_equal_unsharded_at_tp2(kind):
     run_ranks(_check_logits, 2, kind, 2, timeout=120)
 

@@ -187,14 +187,15 @@ def shard_model(model: nn.Module, mesh: ParallelMesh, dtype: torch.dtype | None 
     plan = placement_plan(model)
     if tp == 1:
         return model
-    replica: MeshGroup | None = None
+    replicas: dict[int, MeshGroup] = {}  # ranks per replicated key/value head -> this rank's group
     attention_heads: dict[str, tuple[nn.Module, _Heads]] = {}
     replacements = []  # applied once every layer is built: a ValueError leaves the model unchanged
     for path, leaf, module in plan:
         parent_path = path.rsplit(".", 1)[0] if "." in path else ""
         parent = modules[parent_path]
         if leaf in _QUERY | _KEY_VALUE and parent_path not in attention_heads:
-            query = next((q for q in sorted(_QUERY) if _is_linear(getattr(parent, q, None) or nn.Identity())),
+            query = next((q for q in sorted(_QUERY)
+                          if isinstance(getattr(parent, q, None), nn.Module) and _is_linear(getattr(parent, q))),
                          None)
             if query is None:
                 raise ValueError(f"tensor parallelism: {path!r} has no query projection beside it "
@@ -220,10 +221,11 @@ def shard_model(model: nn.Module, mesh: ParallelMesh, dtype: torch.dtype | None 
         except ValueError as exc:
             raise ValueError(f"tensor parallelism cannot split layer {path!r}: {exc}") from None
         if replicate:
-            if replica is None:
-                replica = mesh.data_blocks(tp // attention_heads[parent_path][1].kv, axis="model").block
+            size = tp // attention_heads[parent_path][1].kv
+            if size not in replicas:
+                replicas[size] = mesh.data_blocks(size, axis="model").block
             for p in new.parameters():
-                p.tp_replica_group = replica
+                p.tp_replica_group = replicas[size]
         replacements.append((parent, leaf, new))
     for parent, leaf, new in replacements:
         setattr(parent, leaf, new)
