@@ -289,8 +289,7 @@ class _SPModel(torch.nn.Module):
         import torch.nn.functional as F
 
         from dsrun.runtime.parallel.mesh import current
-        from dsrun.runtime.parallel.tensor.mappings import (gather_from_sequence_region,
-                                                            scatter_to_sequence_region)
+        from dsrun.runtime.parallel.tensor.mappings import gather_from_sequence_region, scatter_to_sequence_region
         group = current().axis_group("model")
         x = scatter_to_sequence_region(x, group)
         for block in self.blocks:

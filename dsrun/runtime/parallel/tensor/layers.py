@@ -151,7 +151,7 @@ class ColumnParallelLinear(nn.Module):
     @classmethod
     def from_full(cls, weight: torch.Tensor, bias: torch.Tensor | None, mesh: ParallelMesh | None = None,
                   gather_output: bool = False, dtype: torch.dtype | None = None,
-                  device: torch.device | str | None = None) -> "ColumnParallelLinear":
+                  device: torch.device | str | None = None) -> ColumnParallelLinear:
         """The layer holding this rank's rows of a trained full layer: `weight`
         (out, in) and `bias` (out,) or None; dtype and device default to the
         weight's. Draws nothing from the random generator (automatic tensor
@@ -252,7 +252,7 @@ class RowParallelLinear(nn.Module):
     @classmethod
     def from_full(cls, weight: torch.Tensor, bias: torch.Tensor | None, mesh: ParallelMesh | None = None,
                   dtype: torch.dtype | None = None,
-                  device: torch.device | str | None = None) -> "RowParallelLinear":
+                  device: torch.device | str | None = None) -> RowParallelLinear:
         """The layer (input_is_parallel) holding this rank's columns of a
         trained full layer: `weight` (out, in) and `bias` (out,), kept whole,
         or None; dtype and device default to the weight's. Draws nothing
