@@ -238,7 +238,10 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
             or None to build it from the config (this one wins over the
             config's, with a notice).
         distributed_port: MASTER_PORT when the environment sets none.
-        mpu: model-parallel unit; not supported (must be None).
+        mpu: model-parallel unit; must be None (the groups come from the
+            parallelism mesh: dsrun.tp_model_init or config
+            tensor_parallel.autotp_size, or a mesh made current before
+            building Megatron layers).
         dist_init_required: False asserts the process group already exists.
         collate_fn: batch collation for the data loader.
         config, config_params: dict, path (.json/.yaml/.yml) or DsConfig.
@@ -259,8 +262,9 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
     if model is None:
         raise ValueError("initialize() needs model= (the torch.nn.Module to train)")
     if mpu is not None:
-        raise ValueError("initialize(mpu=...): model parallelism is not supported by dsrun; "
-                         "pass mpu=None")
+        raise ValueError("initialize(mpu=...): dsrun takes the tensor-parallel groups from its parallelism "
+                         "mesh, not from an mpu object; pass mpu=None and shard the model with "
+                         "dsrun.tp_model_init (or layers built on dsrun.runtime.parallel.mesh.current())")
     if dist_init_required is False and not comm.is_initialized():
         raise RuntimeError("dist_init_required=False but torch.distributed is not initialised; "
                            "call dsrun.init_distributed() first or drop the argument")
