@@ -7,7 +7,7 @@ unchanged; see README.md for what is supported. Public API:
 (DeepSpeed's optimizer names under `ops.adam`, `ops.lion`, `ops.adagrad`),
 `accelerator.get_accelerator`, `checkpointing` (activation checkpointing),
 `utils`, `zero`, `pipe` (pipeline parallelism: `PipelineModule`,
-`LayerSpec`, `TiedLayerSpec`). DeepSpeed names dsrun lacks raise an error naming the
+`LayerSpec`, `TiedLayerSpec`), `tp_model_init` (automatic tensor parallelism). DeepSpeed names dsrun lacks raise an error naming the
 feature (dsrun/compat/missing.py).
 """
 import importlib
@@ -47,6 +47,7 @@ _LAZY_API = {
     "pipe": ("dsrun.pipe", None),
     "PipelineModule": ("dsrun.runtime.parallel.pipe.module", "PipelineModule"),
     "PipelineEngine": ("dsrun.runtime.parallel.pipe.engine", "PipelineEngine"),
+    "tp_model_init": ("dsrun.runtime.parallel.tensor.autotp", "tp_model_init"),
 }
 # See [Note: missing DeepSpeed names] in dsrun/compat/missing.py.
 _missing.install(__name__)
@@ -74,4 +75,4 @@ def __dir__() -> list[str]:
 __all__ = ["DeepSpeedConfigError", "DeepSpeedEngine", "Engine", "Topology", "__version__", "accelerator",
            "add_config_arguments", "checkpoint", "checkpointing", "comm", "estimate_zero_memory",
            "get_accelerator", "init_distributed", "initialize", "log_dist", "logger", "ops", "pipe",
-           "PipelineEngine", "PipelineModule", "runtime", "utils", "zero"]
+           "PipelineEngine", "PipelineModule", "runtime", "tp_model_init", "utils", "zero"]

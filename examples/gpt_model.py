@@ -52,7 +52,8 @@ class CausalSelfAttention(nn.Module):
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.n_head = cfg.n_head
+        self.n_head = cfg.n_head  # this rank's heads under tensor parallelism (dsrun.tp_model_init)
+        self.head_dim = cfg.n_embd // cfg.n_head
         self.dropout = cfg.dropout
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
@@ -62,11 +63,11 @@ class CausalSelfAttention(nn.Module):
         """x: (B, T, C) float -> (B, T, C) float."""
         B, T, C = x.shape
         # (B, T, 3C) -> three (B, nh, T, hs)
-        q, k, v = self.qkv(x).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4)
+        q, k, v = self.qkv(x).view(B, T, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4)
         y = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
         )
-        y = y.transpose(1, 2).reshape(B, T, C)  # (B, nh, T, hs) -> (B, T, C)
+        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, nh, T, hs) -> (B, T, nh * hs)
         return self.resid_drop(self.proj(y))
 
 

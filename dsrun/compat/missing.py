@@ -70,7 +70,6 @@ MISSING_ATTRS: dict[str, tuple[str, str | None]] = {
     "DeepSpeedTransformerConfig": MISSING_MODULES["ops.transformer"],
     "replace_transformer_layer": MISSING_MODULES["module_inject"],
     "revert_transformer_layer": MISSING_MODULES["module_inject"],
-    "tp_model_init": ("automatic tensor parallelism (tp_model_init)", "train data-parallel with ZeRO"),
     "OnDevice": ("OnDevice (building a model on the meta device)", "build the model under dsrun.zero.Init"),
 }
 

@@ -345,15 +345,17 @@ def test_config_must_match_the_module():
 
 
 def test_zero3_with_a_pipeline_is_refused():
-    from dsrun.runtime.config import load_config
-    from dsrun.runtime.distributed.dist import init_distributed
-    from dsrun.runtime.zero import build_zero_strategy
-    topology = init_distributed()
-    model = torch.nn.Linear(2, 2)
-    cfg = load_config({"train_batch_size": 1, "zero_optimization": {"stage": 3}}, world_size=1)
-    with pytest.raises(ValueError, match="stage 3 cannot run with pipeline parallelism"):
-        build_zero_strategy(cfg, model, torch.optim.SGD(model.parameters(), lr=0.1), topology,
-                            group=torch.distributed.group.WORLD)
+    """Refused when the config meets the pipeline (stage 3 over a data axis
+    alone trains: tensor x data, tests/parallel/test_autotp.py)."""
+    from types import SimpleNamespace
+
+    from dsrun.runtime.config import ConfigError, load_config
+    from dsrun.runtime.parallel.pipe.engine import check_pipeline_config
+    module = SimpleNamespace(num_stages=2, partition_method="parameters", seed_layers=False, virtual_stages=1,
+                             activation_checkpoint_interval=0)
+    cfg = load_config({"train_batch_size": 2, "zero_optimization": {"stage": 3}}, world_size=2)
+    with pytest.raises(ConfigError, match="stage=3 with a pipeline is not supported"):
+        check_pipeline_config(cfg, module)
 
 
 def _train_with_csv_monitor(out_dir: str) -> float:

@@ -18,7 +18,7 @@ from dsrun.runtime.config.messages import _translate
 from dsrun.runtime.config.reading import _read_file
 from dsrun.runtime.config.registries import _unsupported, _unsupported_raw, _warn_no_effect
 from dsrun.runtime.config.schema import _BatchTriple, DsConfig, _set_values
-from dsrun.runtime.config.sections import _fill, OffloadParamConfig
+from dsrun.runtime.config.sections import _fill, OffloadParamConfig, TensorParallelConfig
 
 
 def offload_param_of(source: Mapping | str | os.PathLike | DsConfig) -> OffloadParamConfig:
@@ -44,6 +44,25 @@ def offload_param_of(source: Mapping | str | os.PathLike | DsConfig) -> OffloadP
         return OffloadParamConfig.model_validate(section or {})
     except ValidationError as exc:
         raise ConfigError(*(f"zero_optimization.offload_param.{'.'.join(map(str, e['loc']))}: {e['msg']}"
+                            for e in exc.errors()), source=name) from None
+
+
+def tensor_parallel_of(source: Mapping | str | os.PathLike | DsConfig) -> TensorParallelConfig:
+    """The `tensor_parallel` section of a ds_config, validated on its own.
+
+    `initialize()` needs the tensor-parallel degree before `load_config`,
+    whose batch triple counts only the data-parallel ranks. Raises
+    ConfigError when the file cannot be read or the section is invalid.
+    """
+    if isinstance(source, DsConfig):
+        return source.tensor_parallel
+    name = "dict" if isinstance(source, Mapping) else str(source)
+    raw = source if isinstance(source, Mapping) else _read_file(Path(source))
+    section = raw.get("tensor_parallel") if isinstance(raw, Mapping) else None
+    try:
+        return TensorParallelConfig.model_validate(section if isinstance(section, Mapping) else {})
+    except ValidationError as exc:
+        raise ConfigError(*(f"tensor_parallel.{'.'.join(map(str, e['loc']))}: {e['msg']}"
                             for e in exc.errors()), source=name) from None
 
 

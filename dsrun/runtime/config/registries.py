@@ -79,7 +79,7 @@ NO_EFFECT_YET: dict[str, Any] = {
     "zero_optimization.memory_efficient_linear": True,
     "zero_allow_untested_optimizer": True,
     "zero_optimization.mics_hierarchical_params_gather": False,  # one flat all-gather over the shard group
-    "pipeline.pipe_partitioned": True,  # no tensor-parallel axis yet: nothing to split
+    "pipeline.pipe_partitioned": True,  # sent whole to the same model rank of the next stage, not split yet
     "pipeline.grad_partitioned": True,
     "pipeline.use_reentrant": True,  # the PipelineModule's activation_checkpoint_func decides
     "activation_checkpointing.contiguous_memory_optimization": False,  # no copy into one buffer

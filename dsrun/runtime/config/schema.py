@@ -17,7 +17,7 @@ from pydantic import (
 )
 
 from dsrun.runtime.config.errors import _Problem
-from dsrun.runtime.config.sections import ActivationCheckpointingConfig, AioConfig, AutotuningConfig, Bf16Config, CheckpointConfig, CommsLoggerConfig, Count, DataTypesConfig, FlopsProfilerConfig, Fp16Config, MonitorConfig, NonNegReal, _NUMBER, OptimizerConfig, PipelineConfig, PosInt, PosReal, SchedulerConfig, _Section, WandbConfig, ZeroConfig
+from dsrun.runtime.config.sections import ActivationCheckpointingConfig, AioConfig, AutotuningConfig, Bf16Config, CheckpointConfig, CommsLoggerConfig, Count, DataTypesConfig, FlopsProfilerConfig, Fp16Config, MonitorConfig, NonNegReal, _NUMBER, OptimizerConfig, PipelineConfig, PosInt, PosReal, SchedulerConfig, _Section, TensorParallelConfig, WandbConfig, ZeroConfig
 
 class _BatchTriple(_Section):
     """The three batch keys, validated on their own (see [Note: order of the checks])."""
@@ -97,6 +97,8 @@ class DsConfig(_BatchTriple):
                                          description="Checkpoint saving and loading.")
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig,
                                      description="Pipeline parallelism (with a PipelineModule).")
+    tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig,
+                                                  description="Automatic tensor parallelism (AutoTP).")
     activation_checkpointing: ActivationCheckpointingConfig = Field(
         default_factory=ActivationCheckpointingConfig, description="Activation checkpointing options.")
     steps_per_print: Annotated[int, BeforeValidator(_never_for_inf), _NUMBER, at.Ge(1)] = Field(

@@ -462,6 +462,16 @@ class PipelineConfig(_Section):
                                                   "must equal PipelineModule(virtual_stages=...).")
 
 
+class TensorParallelConfig(_Section):
+    """`tensor_parallel`: DeepSpeed's AutoTP training. `initialize()` shards the model's attention
+    and MLP linear layers over `autotp_size` tensor-parallel ranks (as `dsrun.tp_model_init`; see
+    dsrun/runtime/parallel/tensor/autotp.py) and the data-parallel axis gets the other ranks."""
+
+    autotp_size: PosInt = Field(1, description="Tensor-parallel degree (ranks that each hold a slice of "
+                                               "every attention and MLP weight); 1 = off. Must divide "
+                                               "the world size (times the pipeline stages).")
+
+
 class ActivationCheckpointingConfig(_Section):
     """`activation_checkpointing`: options of dsrun.checkpointing (applied by initialize() unless the
     script called checkpointing.configure() first; see activation_checkpointing/checkpointing.py)."""

@@ -9,7 +9,7 @@ branches on the stage; `build_strategy` is the one place that does.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -38,11 +38,12 @@ def build_strategy(cfg: DsConfig, module: torch.nn.Module, optimizer: torch.opti
     1-bit optimizers (which own gradient communication) and Lamb on flat
     buffers: `dsrun.runtime.compression.build_compression_strategy`.
     `data_group` is the process group gradients are averaged over (None:
-    every rank; a pipeline passes its mesh's data axis).
+    every rank; a pipeline or a tensor-parallel model passes its mesh's
+    data axis).
 
     Raises:
         ValueError: a data group with a strategy that cannot take one (the
-            1-bit optimizers, ZeRO stage 3).
+            1-bit optimizers).
     """
     if cfg.sparse_gradients and topology.is_rank_zero and (
             takes_over(cfg, optimizer) or cfg.zero_optimization.stage > 0 or cfg.fp16.enabled
@@ -145,6 +146,7 @@ class Engine(DeepSpeedEngineCompat, torch.nn.Module):
         self._consecutive_nonfinite = 0
         self._backward_since_step = False
         self._destroyed = False
+        self._pre_step_hooks: list[Callable[[], None]] = []
         self._progress = ProgressLog(topology, config.steps_per_print)
         # monitors, timers, progress records and the flops profile (dsrun/runtime/engine/telemetry.py)
         self.monitor = MonitorMaster(config, topology.rank)
@@ -279,11 +281,20 @@ class Engine(DeepSpeedEngineCompat, torch.nn.Module):
             self._optimizer_step()
         self.micro_steps += 1
 
+    def register_pre_step_hook(self, hook: Callable[[], None]) -> None:
+        """Run `hook()` at every accumulation boundary after the gradients are
+        reduced and before the strategy's step (e.g. tensor parallelism's
+        gradient sums, dsrun/runtime/parallel/model_parallel.py). Every rank
+        registers the same hooks in the same order (they may communicate)."""
+        self._pre_step_hooks.append(hook)
+
     def _optimizer_step(self) -> None:
-        """The accumulation boundary: clip, optimizer step, LR step, zero
-        grads, counters, progress and telemetry (see `step`)."""
+        """The accumulation boundary: pre-step hooks, clip, optimizer step, LR
+        step, zero grads, counters, progress and telemetry (see `step`)."""
         self.checkpointer.release_pending()  # an async save stops reading what the step changes
         with self._phase("step"), self._telemetry.phase("step"):
+            for hook in self._pre_step_hooks:
+                hook()
             outcome = self.strategy.step(self.config.gradient_clipping)
             self._grad_norm = outcome.grad_norm
             self._step_applied = outcome.applied

@@ -21,7 +21,7 @@ from dsrun.runtime import comm
 from dsrun.runtime.observability import exit_report
 from dsrun.runtime.distributed.agreement import check_ranks_agree
 from dsrun.runtime.activation_checkpointing import checkpointing
-from dsrun.runtime.config import ConfigError, DsConfig, load_config
+from dsrun.runtime.config import ConfigError, DsConfig, load_config, tensor_parallel_of
 from dsrun.runtime.engine.dataloader import DistributedDataLoader, RepeatingLoader
 from dsrun.runtime.distributed.dist import Topology, init_distributed
 from dsrun.runtime.engine.engine import Engine, build_strategy
@@ -31,9 +31,11 @@ from dsrun.runtime.observability.logging import logger
 # is an attribute of `deepspeed.runtime` (Accelerate reads it so, without importing it).
 from dsrun.runtime.lr_schedules import build_lr_scheduler
 from dsrun.runtime.optim.optimizers import build_optimizer
-from dsrun.runtime.parallel.mesh import ParallelMesh, set_current
+from dsrun.runtime.parallel.mesh import ParallelMesh, current, set_current
+from dsrun.runtime.parallel.model_parallel import attach_model_parallel
 from dsrun.runtime.parallel.pipe.engine import PipelineEngine, check_pipeline_config, tie_weights
 from dsrun.runtime.parallel.pipe.module import PipelineModule
+from dsrun.runtime.parallel.tensor.autotp import tp_model_init
 
 ConfigSource = dict | str | Path | DsConfig
 
@@ -93,12 +95,65 @@ def _broadcast_module(module: torch.nn.Module, src: int = 0, group=None) -> None
 def pipeline_mesh(module: PipelineModule) -> ParallelMesh:
     """The job's mesh for a PipelineModule (its topology, or pipe x data with
     the module's stages), made the current mesh that `dsrun.utils.groups`
-    answers from. Collective: every rank creates every group."""
+    answers from. The current mesh is kept when it has the module's topology
+    (its tensor-parallel layers were built on it); otherwise collective:
+    every rank creates every group."""
     topology = module.topology()
     world = comm.get_world_size()
+    mine = current()
+    if topology is not None and (mine.topology.get_axis_names(), mine.topology.dims) == \
+            (topology.get_axis_names(), topology.dims):
+        return mine
     mesh = ParallelMesh(topology) if topology is not None else ParallelMesh.build(world, pipe=module.num_stages)
     set_current(mesh)
     return mesh
+
+
+def _replica_size(model: torch.nn.Module, source: ConfigSource) -> int:
+    """How many ranks hold one copy of the model (pipeline stages x
+    tensor-parallel ranks): the data-parallel size is the world size over it.
+
+    Raises:
+        ConfigError: an invalid `tensor_parallel` section; autotp_size with a
+            PipelineModule; autotp_size differing from the degree
+            tp_model_init sharded the model with.
+    """
+    autotp = tensor_parallel_of(source).autotp_size
+    if isinstance(model, PipelineModule):
+        if autotp > 1:
+            raise ConfigError(f"tensor_parallel.autotp_size={autotp} with a PipelineModule: automatic tensor "
+                              "parallelism shards ordinary models only; build the pipeline's layers from "
+                              "ColumnParallelLinear/RowParallelLinear on a topology with a model axis "
+                              "(ParallelMesh.build(world, pipe=P, model=T).topology), or set it to 1")
+        topology = model.topology()
+        return model.num_stages if topology is None else topology.world_size() // topology.get_dim("data")
+    if _is_sharded(model):
+        sharded = current().size("model")
+        if autotp not in (1, sharded):
+            raise ConfigError(f"tensor_parallel.autotp_size={autotp} but the model is already sharded over "
+                              f"{sharded} ranks (the current mesh's model axis); make them equal (or leave "
+                              "the key out)")
+        return sharded
+    return autotp
+
+
+def _is_sharded(model: torch.nn.Module) -> bool:
+    """Whether `model` holds tensor-parallel layers: sharded by tp_model_init,
+    or built from ColumnParallelLinear/RowParallelLinear/VocabParallelEmbedding
+    (on the current mesh, whose model axis then splits it)."""
+    return getattr(model, "ds_autotp_parsed", False) or any(
+        getattr(p, "tensor_model_parallel", False) for p in model.parameters())
+
+
+def _tensor_parallel_mesh(model: torch.nn.Module, cfg: DsConfig) -> ParallelMesh | None:
+    """The data x model mesh of a tensor-parallel model (sharding it now,
+    as tp_model_init, when the config's autotp_size asks and the model is not
+    sharded yet; collective), or None for a model every rank holds whole."""
+    if not _is_sharded(model):
+        if cfg.tensor_parallel.autotp_size == 1:
+            return None
+        tp_model_init(model, cfg.tensor_parallel.autotp_size)
+    return current() if current().size("model") > 1 else None
 
 
 def _check_model(model: torch.nn.Module) -> None:
@@ -184,7 +239,10 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
             or None to build it from the config (this one wins over the
             config's, with a notice).
         distributed_port: MASTER_PORT when the environment sets none.
-        mpu: model-parallel unit; not supported (must be None).
+        mpu: model-parallel unit; must be None (the groups come from the
+            parallelism mesh: dsrun.tp_model_init or config
+            tensor_parallel.autotp_size, or a mesh made current before
+            building Megatron layers).
         dist_init_required: False asserts the process group already exists.
         collate_fn: batch collation for the data loader.
         config, config_params: dict, path (.json/.yaml/.yml) or DsConfig.
@@ -205,8 +263,9 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
     if model is None:
         raise ValueError("initialize() needs model= (the torch.nn.Module to train)")
     if mpu is not None:
-        raise ValueError("initialize(mpu=...): model parallelism is not supported by dsrun; "
-                         "pass mpu=None")
+        raise ValueError("initialize(mpu=...): dsrun takes the tensor-parallel groups from its parallelism "
+                         "mesh, not from an mpu object; pass mpu=None and shard the model with "
+                         "dsrun.tp_model_init (or layers built on dsrun.runtime.parallel.mesh.current())")
     if dist_init_required is False and not comm.is_initialized():
         raise RuntimeError("dist_init_required=False but torch.distributed is not initialised; "
                            "call dsrun.init_distributed() first or drop the argument")
@@ -219,8 +278,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
     pipeline = isinstance(model, PipelineModule)
     cfg, error = None, None
     try:
-        # A pipeline's batch triple counts its data-parallel ranks, not every rank.
-        cfg = load_config(source, world_size=topology.world_size // (model.num_stages if pipeline else 1))
+        # The batch triple counts the data-parallel ranks, not every rank.
+        cfg = load_config(source, world_size=topology.world_size // _replica_size(model, source))
         if pipeline:
             check_pipeline_config(cfg, model)
     except ConfigError as exc:
@@ -228,7 +287,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
     # The first collective of training; raises on every rank when they disagree.
     check_ranks_agree(model, cfg, error, topology.rank, topology.device,
                       description=model.describe() if pipeline else None)
-    mesh = pipeline_mesh(model) if pipeline else None
+    mesh = pipeline_mesh(model) if pipeline else _tensor_parallel_mesh(model, cfg)
     if "activation_checkpointing" in cfg.model_fields_set and not checkpointing.is_configured():
         checkpointing.configure(None, deepspeed_config=cfg)  # DeepSpeed scripts may call configure() themselves
     comm.comms_logger.configure(cfg.comms_logger.enabled, cfg.comms_logger.verbose,
@@ -237,9 +296,10 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
     with (memory_profile.phase("initialize", since=started) if cfg.memory_breakdown
           else contextlib.nullcontext()):
         model.to(topology.device)
-        if pipeline:  # the ranks of one stage hold the same layers: its data-parallel group
-            _broadcast_module(model, src=mesh.stage_to_global(model.stage_id, data=0), group=mesh.group("data"))
-            tied = tie_weights(model, mesh)
+        if mesh is not None:  # the ranks of one stage and model rank hold the same slices: its data group
+            stage = model.stage_id if pipeline else 0
+            _broadcast_module(model, src=mesh.stage_to_global(stage, data=0), group=mesh.group("data"))
+            tied = tie_weights(model, mesh) if pipeline else []
         else:
             _broadcast_module(model)
         params = (list(model_parameters) if model_parameters is not None
@@ -248,14 +308,14 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
             params = [{"params": []}]
         basic_optimizer = _build_optimizer(optimizer, params, cfg)
         strategy = build_strategy(cfg, model, basic_optimizer, topology,
-                                  data_group=mesh.group("data") if pipeline else None)
+                                  data_group=mesh.group("data") if mesh is not None else None)
         allocator.trim()  # the model's original storage was just released
         scheduler = _build_scheduler(lr_scheduler, strategy.optimizer, cfg)
         loader = None
         if training_data is not None:
-            # A pipeline shards the data over its data axis: the stages of one replica read the same samples.
+            # Shard the data over the data axis: the stages and model ranks of one replica read the same samples.
             shard = (dataclasses.replace(topology, rank=mesh.rank("data"), world_size=mesh.size("data"))
-                     if pipeline else topology)
+                     if mesh is not None else topology)
             loader = DistributedDataLoader(training_data, cfg.train_micro_batch_size_per_gpu,
                                            shard, collate_fn=collate_fn)
         if pipeline:
@@ -264,6 +324,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
                 engine.set_dataiterator(iter(RepeatingLoader(loader)))
         else:
             engine = Engine(model, strategy, scheduler, cfg, topology)
+        if mesh is not None:
+            attach_model_parallel(model, mesh, strategy, engine.register_pre_step_hook)
         engine.training_dataloader = loader  # its position is checkpointed
     if engine.dump_state() and topology.is_rank_zero:
         print(describe_engine(engine), flush=True)

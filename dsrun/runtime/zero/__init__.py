@@ -50,10 +50,9 @@ def build_zero_strategy(cfg, module: torch.nn.Module, optimizer: torch.optim.Opt
 
     Stage 0 with bf16/fp16 uses the stage-1/2 machinery over the (nobody,
     world) group pair (see groups.py). `group`: the data-parallel process
-    group to partition and average over (None: every rank). Raises
-    ValueError for an unknown stage, and for stage 3 with a `group` (a
-    pipeline: stage 3's gather schedule is recorded over one forward and
-    backward in order, which the pipeline's interleaved micro-batches break).
+    group to partition and average over (None: every rank; the mesh's data
+    axis under tensor parallelism or a pipeline, whose initialize() refuses
+    stage 3 in check_pipeline_config). Raises ValueError for an unknown stage.
 
     `zero_optimization.mics_shard_size` > 0 (MiCS) shards stages 1-3 within
     blocks of that many data-parallel ranks and replicates across the
@@ -74,12 +73,8 @@ def build_zero_strategy(cfg, module: torch.nn.Module, optimizer: torch.optim.Opt
             allgather_bucket_size=zero.allgather_bucket_size, sub_group_size=zero.sub_group_size,
             group=group, optimizer_tier=tier, groups=mics)
     if zero.stage == 3:
-        if group is not None:
-            raise ValueError("ZeRO stage 3 cannot run with pipeline parallelism: its parameter gathers "
-                             "follow one forward and backward in order, while a pipeline interleaves "
-                             "micro-batches; use stage 1 or 2 (each stage already holds only its layers)")
         return PartitionedParamStrategy(
             module, optimizer, topology, precision, GatherPolicy.from_config(cfg), ZeroPPPolicy.from_config(cfg),
-            reduce_bucket_size=zero.reduce_bucket_size, sub_group_size=zero.sub_group_size,
+            reduce_bucket_size=zero.reduce_bucket_size, sub_group_size=zero.sub_group_size, group=group,
             optimizer_tier=tier, param_tier=build_param_tier(cfg, topology), groups=mics)
     raise ValueError(f"zero_optimization.stage={zero.stage} is not available")

@@ -22,7 +22,8 @@ the data-parallel reduction overlaps it as in data-parallel training; the
 schedule's `ReduceTiedGrads` then sums the gradients of weights tied across
 stages (after the data-parallel average, which gives the same sum), and
 `OptimizerStep` is the data-parallel engine's step, whose norm and overflow
-check span every stage (`StageSpan`).
+check span every stage and tensor-parallel rank (`StageSpan`, set by
+initialize through dsrun/runtime/parallel/model_parallel.py).
 
 [Note: zero bubble's split backward]
 `BackwardInput` (B) must produce the stage input's gradient, which the
@@ -45,6 +46,7 @@ on its path: correct, only slower.
 """
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -60,7 +62,6 @@ from dsrun.runtime.parallel.mesh import ParallelMesh
 from dsrun.runtime.parallel.pipe import schedule as sched
 from dsrun.runtime.parallel.pipe.module import PipelineModule
 from dsrun.runtime.parallel.pipe.p2p import StageLink, as_tensors
-from dsrun.runtime.strategy.data_parallel import StageSpan
 from dsrun.runtime.zero.groups import RankGroup
 
 
@@ -121,9 +122,6 @@ class PipelineEngine(Engine):
         self._data_iterator: Iterator | None = None
         self._batch_fn: Callable | None = None
         self._tied_groups = tied
-        if self.num_stages > 1:
-            duplicates = frozenset(id(p) for p in module.parameters() if getattr(p, "ds_pipe_replicated", False))
-            strategy.span_stages(StageSpan(mesh.group("pipe"), self.num_stages, duplicates))
         self.agg_train_loss: torch.Tensor | None = None
         self._capturing: list | None = None  # zero bubble: module outputs recorded by the forward hooks
         self._capture_hooks = []
@@ -450,18 +448,24 @@ def _model_split(module: PipelineModule, mesh: ParallelMesh) -> ModelSplit:
                       module.num_stages, ranks, duplicates)
 
 
+def _other_coords(mesh: ParallelMesh) -> list[dict[str, int]]:
+    """Every coordinate of the mesh's axes other than pipe (data, model, ...)."""
+    axes = [a for a in mesh.topology.get_axis_names() if a != "pipe"]
+    return [dict(zip(axes, c)) for c in itertools.product(*(range(mesh.topology.get_dim(a)) for a in axes))]
+
+
 def tie_weights(module: PipelineModule, mesh: ParallelMesh) -> TiedGroups:
     """Make the copies of weights tied across stages equal and say how to
     reduce their gradients: for each key of `tied_weight_broadcast_plan`,
     create the process groups of the ranks holding its copies (one group per
-    data coordinate; collective over the job, every rank in the same order),
+    data (and model) coordinate; collective over the job, every rank in the same order),
     broadcast the key's tensors from its lowest stage, and return, for the
     keys this rank holds, (its tied tensors, its group). Call before the
     gradient strategy copies the parameters."""
     out = []
     for plan in module.tied_weight_broadcast_plan():
-        group = mesh.make_group([tuple(mesh.stage_to_global(s, data=d) for s in plan.stages)
-                                 for d in range(mesh.size("data"))])
+        group = mesh.make_group([tuple(mesh.stage_to_global(s, **coords) for s in plan.stages)
+                                 for coords in _other_coords(mesh)])
         if group is not None:
             params = module.tied_parameters(plan.key)
             with torch.no_grad():
@@ -477,8 +481,9 @@ def check_pipeline_config(cfg, module: PipelineModule) -> None:
 
     Raises:
         ConfigError: stages, partition, seed_layers or virtual_stages differ
-            from the module's, the schedule does not fit virtual_stages, or
-            the optimizer is offloaded (not supported with a pipeline yet).
+            from the module's, the schedule does not fit virtual_stages,
+            ZeRO stage 3, or the optimizer is offloaded (not supported with
+            a pipeline yet).
     """
     pipe = cfg.pipeline
     problems = []
@@ -495,6 +500,10 @@ def check_pipeline_config(cfg, module: PipelineModule) -> None:
     if (pipe.schedule == "interleaved") != (module.virtual_stages > 1):
         problems.append(f"pipeline.schedule={pipe.schedule!r} with virtual_stages={module.virtual_stages}: the "
                         "interleaved schedule needs virtual_stages >= 2 and the others 1")
+    if cfg.zero_optimization.stage == 3:
+        problems.append("zero_optimization.stage=3 with a pipeline is not supported: stage 3's parameter "
+                        "gathers follow one forward and backward in order, while a pipeline interleaves "
+                        "micro-batches; use stage 1 or 2 (each stage already holds only its layers)")
     if cfg.zero_optimization.offload_optimizer.device != "none":
         problems.append("zero_optimization.offload_optimizer with a pipeline is not supported yet (its "
                         "gradients live in host memory, where the cross-stage norm does not read them yet); "

@@ -148,6 +148,27 @@ class ColumnParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
+    @classmethod
+    def from_full(cls, weight: torch.Tensor, bias: torch.Tensor | None, mesh: ParallelMesh | None = None,
+                  gather_output: bool = False, dtype: torch.dtype | None = None,
+                  device: torch.device | str | None = None) -> ColumnParallelLinear:
+        """The layer holding this rank's rows of a trained full layer: `weight`
+        (out, in) and `bias` (out,) or None; dtype and device default to the
+        weight's. Draws nothing from the random generator (automatic tensor
+        parallelism replaces a model's nn.Linear by this).
+
+        Raises:
+            ValueError: out is not divisible by tp.
+        """
+        weight = weight.detach()
+        dtype, device = dtype or weight.dtype, device or weight.device
+        layer = cls(weight.shape[1], weight.shape[0], bias=False, gather_output=gather_output, mesh=mesh,
+                    init_method=lambda full: full.copy_(weight), dtype=dtype, device=device)
+        if bias is not None:
+            layer.bias = _shard(bias.detach(), 0, layer.group, dtype, device)
+            _mark_sharded(layer.bias, 0)
+        return layer
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_last_dim(x, self.in_features, "ColumnParallelLinear", "in_features")
         if self.sequence_parallel:
@@ -227,6 +248,26 @@ class RowParallelLinear(nn.Module):
             self.bias.sequence_parallel = sequence_parallel
         else:
             self.register_parameter("bias", None)
+
+    @classmethod
+    def from_full(cls, weight: torch.Tensor, bias: torch.Tensor | None, mesh: ParallelMesh | None = None,
+                  dtype: torch.dtype | None = None,
+                  device: torch.device | str | None = None) -> RowParallelLinear:
+        """The layer (input_is_parallel) holding this rank's columns of a
+        trained full layer: `weight` (out, in) and `bias` (out,), kept whole,
+        or None; dtype and device default to the weight's. Draws nothing
+        from the random generator.
+
+        Raises:
+            ValueError: in is not divisible by tp.
+        """
+        weight = weight.detach()
+        dtype, device = dtype or weight.dtype, device or weight.device
+        layer = cls(weight.shape[1], weight.shape[0], bias=False, mesh=mesh,
+                    init_method=lambda full: full.copy_(weight), dtype=dtype, device=device)
+        if bias is not None:
+            layer.bias = nn.Parameter(bias.detach().to(dtype=dtype, device=device).clone())
+        return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.input_is_parallel:

@@ -1,0 +1,289 @@
+"""Automatic tensor parallelism (DeepSpeed's AutoTP training,
+`deepspeed.tp_model_init`): replace, in place, the linear layers of an
+ordinary transformer by the Megatron layers of layers.py.
+
+[Note: which layer goes where]
+A layer is placed by the last component of its module path, as DeepSpeed's
+AutoTP and torchtitan's parallelize plans do (a name-based plan, never a
+guess from shapes):
+
+    column-parallel   q_proj k_proj v_proj gate_proj up_proj (Llama, Mistral),
+                      c_fc (GPT-2), fc (examples/gpt_model.py)
+    fused q/k/v       c_attn (GPT-2), qkv (examples/gpt_model.py): the rows
+                      are q, k and v blocks, each head-major; rank r keeps
+                      heads [r*H/tp, (r+1)*H/tp) of each block, so its
+                      output is again [q | k | v] for its heads
+    row-parallel      o_proj down_proj (Llama, Mistral), c_proj (GPT-2,
+                      attention and MLP), proj (examples/gpt_model.py)
+    kept whole        lm_head, head (the output layer; with the embeddings
+                      it stays replicated: vocabulary parallelism is not
+                      applied automatically)
+
+Any other nn.Linear (or GPT-2's Conv1D, an nn.Linear with its weight stored
+transposed, (in, out)) raises ValueError naming its module path. Each
+column layer followed by a row layer is Megatron's MLP or attention block
+(Shoeybi et al. 2019, Section 3): one all-reduce in forward and one in
+backward per block.
+
+[Note: attention heads]
+The module holding q/k/v is the attention module. Its query heads H must be
+divisible by tp; each rank computes H/tp heads, so its head-count attributes
+(`num_heads`, `n_head`, `num_attention_heads`, `num_key_value_heads`,
+`num_key_value_groups`, and GPT-2's `split_size`, the width of one of q, k,
+v) are set to this rank's. Grouped-query attention with KV key/value heads:
+when tp divides KV each rank keeps KV/tp of them; when KV divides tp (fewer
+heads than ranks) rank r keeps head r // (tp/KV) whole, which serves
+exactly the query heads of rank r. Those k/v weights are then held by the
+tp/KV ranks of a "replica group" (the model axis split into blocks of tp/KV
+consecutive ranks, mesh.data_blocks(tp/KV, "model")); each rank's gradient
+is only its query heads' share, so the replicas' gradients are summed before
+the step and the norm counts them once (`tp_replica_group` on the
+parameter; see dsrun/runtime/parallel/model_parallel.py).
+
+[Note: sharding from one full model]
+tp_model_init first broadcasts the whole model from global rank 0, then
+every rank cuts its slices from the same full weights, so the sharded model
+computes what the original did whatever each rank's seed was (the cost: one
+broadcast of the full model). Dropout is not re-seeded per tensor-parallel
+rank: train with dropout 0 or accept dropout masks equal across the ranks
+of a model group.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dsrun.runtime import comm
+from dsrun.runtime.distributed.dist import init_distributed
+from dsrun.runtime.parallel.mesh import MeshGroup, ParallelMesh, current, set_current
+from dsrun.runtime.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
+
+COLUMN = frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "c_fc", "fc"})
+FUSED_QKV = frozenset({"c_attn", "qkv"})
+ROW = frozenset({"o_proj", "down_proj", "c_proj", "proj"})
+KEPT_WHOLE = frozenset({"lm_head", "head"})
+_QUERY = frozenset({"q_proj"}) | FUSED_QKV
+_KEY_VALUE = frozenset({"k_proj", "v_proj"})
+_HEAD_ATTRS = ("num_heads", "n_head", "num_attention_heads")
+_KV_ATTRS = ("num_key_value_heads", "num_kv_heads")
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    """Hugging Face's Conv1D (GPT-2): y = x W + b with W (in, out)."""
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "nx")
+
+
+def _is_linear(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) or _is_conv1d(module)
+
+
+def _full_weight(module: nn.Module) -> torch.Tensor:
+    """The (out, in) weight of an nn.Linear or a Conv1D."""
+    return module.weight.detach().t() if _is_conv1d(module) else module.weight.detach()
+
+
+def _first_int(obj, names) -> int | None:
+    for name in names:
+        value = getattr(obj, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+class _Heads:
+    """The head layout of one attention module: H query heads, KV key/value
+    heads, head_dim channels each."""
+
+    def __init__(self, path: str, attention: nn.Module, config, tp: int, q_out: int, fused: bool) -> None:
+        heads = _first_int(attention, _HEAD_ATTRS) or _first_int(config, ("num_attention_heads", "n_head"))
+        if heads is None:
+            raise ValueError(f"tensor parallelism: cannot find the number of attention heads of {path!r} "
+                             f"(no attribute {' / '.join(_HEAD_ATTRS)} on it or on the model's config)")
+        kv = _first_int(attention, _KV_ATTRS) or _first_int(config, ("num_key_value_heads",)) or heads
+        if fused:
+            kv = heads
+        width = q_out // 3 if fused else q_out
+        if width % heads:
+            raise ValueError(f"tensor parallelism: {path!r} has {width} query features, not a multiple of "
+                             f"its {heads} heads")
+        if heads % tp:
+            raise ValueError(f"tensor parallelism: {path!r} has {heads} attention heads, which "
+                             f"{tp} tensor-parallel ranks cannot split; choose a tp_size dividing {heads}")
+        if kv % tp and tp % kv:
+            raise ValueError(f"tensor parallelism: {path!r} has {kv} key/value heads and tp_size={tp}: one "
+                             "must divide the other (heads are split, or replicated when fewer than tp)")
+        self.heads, self.kv, self.head_dim, self.tp = heads, kv, width // heads, tp
+
+    def update(self, attention: nn.Module) -> None:
+        """Set the attention module's head attributes to this rank's (see [Note: attention heads])."""
+        q_local, kv_local = self.heads // self.tp, max(self.kv // self.tp, 1)
+        for name in _HEAD_ATTRS:
+            if _first_int(attention, (name,)) is not None:
+                setattr(attention, name, q_local)
+        for name in _KV_ATTRS:
+            if _first_int(attention, (name,)) is not None:
+                setattr(attention, name, kv_local)
+        if _first_int(attention, ("num_key_value_groups",)) is not None:
+            attention.num_key_value_groups = q_local // kv_local
+        if _first_int(attention, ("split_size",)) is not None:
+            attention.split_size = q_local * self.head_dim
+
+
+def _fused_qkv_order(weight: torch.Tensor, tp: int) -> torch.Tensor:
+    """Rows of a fused (3*H*d, ...) q/k/v weight (or bias) reordered so that
+    chunk r of tp is [q_r | k_r | v_r], rank r's heads of each block."""
+    blocks = weight.reshape(3, tp, weight.shape[0] // (3 * tp), *weight.shape[1:])
+    return blocks.transpose(0, 1).reshape(weight.shape)
+
+
+def _replicated_kv(weight: torch.Tensor, heads: _Heads) -> torch.Tensor:
+    """A (KV*d, ...) key or value weight (or bias) with each head repeated
+    tp/KV times, so that chunk r of tp is head r // (tp/KV)."""
+    per_head = weight.reshape(heads.kv, heads.head_dim, *weight.shape[1:])
+    return per_head.repeat_interleave(heads.tp // heads.kv, dim=0).reshape(-1, *weight.shape[1:])
+
+
+def placement_plan(model: nn.Module) -> list[tuple[str, str, nn.Module]]:
+    """(module path, rule name, layer) of every linear layer of `model` that
+    tensor parallelism replaces (see [Note: which layer goes where]); the
+    output layers kept whole are left out. Changes nothing.
+
+    Raises:
+        ValueError: a linear layer that no rule places, naming its module path.
+    """
+    plan = []
+    for path, module in model.named_modules():
+        if not _is_linear(module) or not path:
+            continue
+        leaf = path.rsplit(".", 1)[-1]
+        if leaf in KEPT_WHOLE:
+            continue
+        if leaf not in COLUMN | FUSED_QKV | ROW:
+            raise ValueError(f"tensor parallelism cannot place layer {path!r} ({type(module).__name__}): "
+                             f"its name is none of column-parallel {sorted(COLUMN | FUSED_QKV)}, row-parallel "
+                             f"{sorted(ROW)} or kept whole {sorted(KEPT_WHOLE)}; rename it, or shard the model "
+                             "by hand with ColumnParallelLinear/RowParallelLinear")
+        plan.append((path, leaf, module))
+    return plan
+
+
+def shard_model(model: nn.Module, mesh: ParallelMesh, dtype: torch.dtype | None = None) -> nn.Module:
+    """Replace, in place, the linear layers of `model` by tensor-parallel ones
+    over `mesh`'s model axis (see [Note: which layer goes where] and [Note:
+    attention heads]); every rank must hold the same full weights.
+    Collective over the job when grouped-query key/value heads are
+    replicated (creates the replica groups).
+
+    Returns:
+        `model` itself.
+
+    Raises:
+        ValueError: a linear layer no rule places (its module path named), a
+            head count or width the model axis cannot split.
+    """
+    tp = mesh.size("model")
+    config = getattr(model, "config", None) or getattr(model, "cfg", None)
+    modules = dict(model.named_modules())
+    plan = placement_plan(model)
+    if tp == 1:
+        return model
+    replicas: dict[int, MeshGroup] = {}  # ranks per replicated key/value head -> this rank's group
+    attention_heads: dict[str, tuple[nn.Module, _Heads]] = {}
+    replacements = []  # applied once every layer is built: a ValueError leaves the model unchanged
+    for path, leaf, module in plan:
+        parent_path = path.rsplit(".", 1)[0] if "." in path else ""
+        parent = modules[parent_path]
+        if leaf in _QUERY | _KEY_VALUE and parent_path not in attention_heads:
+            query = next((q for q in sorted(_QUERY)
+                          if isinstance(getattr(parent, q, None), nn.Module) and _is_linear(getattr(parent, q))),
+                         None)
+            if query is None:
+                raise ValueError(f"tensor parallelism: {path!r} has no query projection beside it "
+                                 f"({' / '.join(sorted(_QUERY))}) to count its attention heads")
+            q_out = _full_weight(getattr(parent, query)).shape[0]
+            attention_heads[parent_path] = (parent, _Heads(parent_path or "<model>", parent, config, tp,
+                                                            q_out, fused=query in FUSED_QKV))
+        weight = _full_weight(module)
+        bias = module.bias.detach() if getattr(module, "bias", None) is not None else None
+        if leaf in FUSED_QKV:
+            weight = _fused_qkv_order(weight, tp)
+            bias = _fused_qkv_order(bias, tp) if bias is not None else None
+        replicate = leaf in _KEY_VALUE and attention_heads[parent_path][1].kv < tp
+        if replicate:
+            heads = attention_heads[parent_path][1]
+            weight = _replicated_kv(weight, heads)
+            bias = _replicated_kv(bias, heads) if bias is not None else None
+        try:
+            if leaf in ROW:
+                new = RowParallelLinear.from_full(weight, bias, mesh=mesh, dtype=dtype)
+            else:
+                new = ColumnParallelLinear.from_full(weight, bias, mesh=mesh, dtype=dtype)
+        except ValueError as exc:
+            raise ValueError(f"tensor parallelism cannot split layer {path!r}: {exc}") from None
+        if replicate:
+            size = tp // attention_heads[parent_path][1].kv
+            if size not in replicas:
+                replicas[size] = mesh.data_blocks(size, axis="model").block
+            for p in new.parameters():
+                p.tp_replica_group = replicas[size]
+        replacements.append((parent, leaf, new))
+    for parent, leaf, new in replacements:
+        setattr(parent, leaf, new)
+    for attention, heads in attention_heads.values():
+        heads.update(attention)
+    if dtype is not None:
+        model.to(dtype=dtype)
+    return model
+
+
+def tensor_parallel_mesh(tp_size: int) -> ParallelMesh:
+    """The job's mesh with a model axis of `tp_size` (the current one when it
+    already has it, else a new data x model mesh made current; collective)."""
+    mesh = current()
+    if mesh.size("model") == tp_size:
+        return mesh
+    mesh = ParallelMesh.build(comm.get_world_size(), model=tp_size)
+    set_current(mesh)
+    return mesh
+
+
+def tp_model_init(model: nn.Module, tp_size: int, dtype: torch.dtype | None = None) -> nn.Module:
+    """DeepSpeed's `deepspeed.tp_model_init`: shard `model` in place over
+    `tp_size` tensor-parallel ranks (see [Note: which layer goes where]).
+    Call on every rank after `dsrun.init_distributed()` (or under the
+    launcher, which it initialises), before `dsrun.initialize`, which then
+    trains it over the data axis. Broadcasts the full model from global
+    rank 0 first ([Note: sharding from one full model]); makes the data x
+    model mesh current (so `dsrun.utils.groups` answers the tensor-parallel
+    group); marks the model `ds_autotp_parsed` as DeepSpeed does.
+
+    Args:
+        model: a Hugging Face GPT-2 / Llama / Mistral-style model or
+            examples/gpt_model.py's GPT, on any device.
+        tp_size: tensor-parallel degree; must divide the world size.
+        dtype: cast the model to this dtype (None: keep).
+
+    Returns:
+        `model` itself, sharded.
+
+    Raises:
+        ValueError: tp_size < 1 or not dividing the world size, a layer no
+            rule places (named), heads that tp_size cannot split.
+    """
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+        raise ValueError(f"tp_model_init: tp_size={tp_size!r}; give a positive integer")
+    if getattr(model, "ds_autotp_parsed", False):
+        raise ValueError("tp_model_init: this model is already sharded (ds_autotp_parsed); call it once")
+    device = init_distributed().device
+    world = comm.get_world_size()
+    if world % tp_size:
+        raise ValueError(f"tp_model_init: tp_size={tp_size} does not divide the world size {world}")
+    placement_plan(model)  # an unplaceable layer fails before anything changes
+    with torch.no_grad():
+        for tensor in list(model.parameters()) + list(model.buffers()):
+            on_device = tensor.data.to(device)  # the backend's device (NCCL: cuda)
+            comm.broadcast(on_device, src=0)
+            tensor.data.copy_(on_device)
+    shard_model(model, tensor_parallel_mesh(tp_size), dtype)
+    model.ds_autotp_parsed = True
+    return model
