@@ -122,6 +122,11 @@ def node_local(tmp_path_factory):
     return root, run_ranks(_same_layout, 4, root, timeout=240)
 
 
+def _read(path):
+    with open(path, "rb") as f:
+        return f.read()
+
+
 def _equal(a, b):
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -132,7 +137,7 @@ def test_each_node_holds_its_ranks_files_and_a_copy_of_the_index(node_local):
     for k, d in enumerate(dirs):
         shards = sorted(f for f in os.listdir(os.path.join(d, TAG)) if f.endswith(".safetensors"))
         assert shards == [f"rank{r:05d}-of-00004.safetensors" for r in (2 * k, 2 * k + 1)]
-    indexes = [open(os.path.join(d, TAG, "index.json"), "rb").read() for d in dirs]
+    indexes = [_read(os.path.join(d, TAG, "index.json")) for d in dirs]
     assert indexes[0] == indexes[1]  # rank 0's index, the same bytes on every node
     index = json.loads(indexes[0])
     assert index["written_on"] == {f"rank{r:05d}-of-00004.safetensors": r // 2 for r in range(4)}
@@ -158,7 +163,7 @@ def test_failed_index_write_on_one_node_commits_nothing(node_local):
     # Node 0 may hold the failed tag's index and `latest` (written beside node 1's failure): the load
     # still takes the newest tag complete on every node.
     assert not os.path.exists(os.path.join(root, "node1", "ckpt", "t_failed", "index.json"))
-    assert open(os.path.join(root, "node1", "ckpt", "latest")).read() == TAG
+    assert _read(os.path.join(root, "node1", "ckpt", "latest")) == TAG.encode()
     assert [out["after_failure"] for out in outs] == [os.path.join(LOCAL, TAG)] * 4
 
 
@@ -173,6 +178,6 @@ def test_other_layout_names_the_files_to_copy_then_loads(node_local):
         assert "rank00000" not in error and "rank00001" not in error  # node 0 holds those
         assert out["read_before_error"] == []
         path, client, state = out["loaded"]
-        assert client == {"epoch": 3}
+        assert path == os.path.join(LOCAL, TAG) and client == {"epoch": 3}
         for saved, loaded in zip(outs[0]["saved"], state):
             assert _equal(saved, loaded)

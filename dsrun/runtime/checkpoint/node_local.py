@@ -42,13 +42,23 @@ not apply).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 
 from dsrun.runtime.checkpoint.rendezvous import Rendezvous, raise_unless_all
-from dsrun.runtime.checkpoint.store import CheckpointError, Index, index_time, resolve_tag, tag_is_complete, tag_names
+from dsrun.runtime.checkpoint.store import (
+    CheckpointError,
+    Index,
+    index_time,
+    resolve_tag,
+    tag_is_complete,
+    tag_names,
+)
 from dsrun.runtime.distributed import nodes as nodes_mod
 from dsrun.runtime.distributed.dist import Topology
+
+log = logging.getLogger("dsrun.checkpoint")
 
 
 def node_map(topology: Topology) -> nodes_mod.NodeMap:
@@ -101,7 +111,13 @@ def agree_on_tag(rdv: Rendezvous, load_dir: str, tag: str | None) -> tuple[str |
     if not common:
         return None, skipped
     # The copies of one tag's index are the same bytes on every node, so every rank picks the same.
-    return max(sorted(common), key=lambda t: index_time(os.path.join(load_dir, t))), skipped
+    chosen = max(sorted(common), key=lambda t: index_time(os.path.join(load_dir, t)))
+    if rdv.rank == 0:
+        found = ", ".join(f"rank {r}: {rec['tag']!r}" for r, rec in enumerate(records))
+        log.warning("%s: the nodes' latest complete tags in %s differ (%s; a save failed between the nodes' "
+                    "index writes?): loading %r, the newest tag complete on every node", rdv.what, load_dir,
+                    found, chosen)
+    return chosen, skipped
 
 
 def files_needed(index: Index, requests: list[tuple[str, int, int]], full_keys: list[str]) -> list[str]:

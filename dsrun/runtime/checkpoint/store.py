@@ -36,6 +36,9 @@ rank 0 builds the index from the headers without moving any data.
    fsync, rename, directory fsync), then replaces `latest` the same way
    (and prunes old tags for checkpoint.keep_last: index first, then the
    files, moved aside and deleted in the background).
+   With checkpoint.use_node_local_storage rank 0 builds the index from the
+   ranks' reports instead of the headers, and each node's local rank 0
+   writes its copy (see [Note: node-local checkpoints] in node_local.py).
 5. A final agreement: save returns (or, with async_save, the background
    job ends) on every rank only once the tag is committed.
 A tag directory without index.json is never loaded; loading without a tag
