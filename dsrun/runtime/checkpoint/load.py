@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from dsrun.runtime import comm
+from dsrun.runtime.checkpoint import node_local
 from dsrun.runtime.checkpoint.parts import held_pieces, model_names
 from dsrun.runtime.checkpoint.pieces import HeldPiece, even_part
 from dsrun.runtime.checkpoint.reader import SliceReader
@@ -61,11 +62,13 @@ def _check_names(current: dict, index: Index, strict: bool, tag_dir: str) -> set
     return {n for n in current if n in stored}
 
 
-def _load_tensors(parts: TrainingParts, index: Index, reader: SliceReader, names: set[str],
-                  optimizer_states: bool) -> list[tuple[HeldPiece, torch.Tensor]]:
-    """See [Note: resharding on load]. Returns the replicated pieces' tensors
-    (the value or an optimizer state, 1-D, hi - lo elements) of which this
-    rank read only its part: `_fill_replicated` completes them."""
+def _tensor_reads(parts: TrainingParts, index: Index, names: set[str], optimizer_states: bool
+                  ) -> tuple[list[tuple[str, int, int, torch.Tensor]], list[tuple[HeldPiece, torch.Tensor]]]:
+    """See [Note: resharding on load]. Returns the reads this rank makes
+    (global name, lo, hi, destination: `SliceReader.read_many`'s requests)
+    and the replicated pieces' tensors (the value or an optimizer state,
+    1-D, hi - lo elements) of which it reads only its part:
+    `_fill_replicated` completes them."""
     optim_keys: dict[str, list[str]] = {}
     for gname in index.tensors:
         if gname.startswith("optim/"):
@@ -96,8 +99,7 @@ def _load_tensors(parts: TrainingParts, index: Index, reader: SliceReader, names
                     requests.append((gname, a, b, t[a - p.lo:b - p.lo]))
                 if share:
                     shared.append((p, t))
-        reader.read_many(requests)
-    return shared
+    return requests, shared
 
 
 def _fill_replicated(shared: list[tuple[HeldPiece, torch.Tensor]]) -> None:
@@ -149,6 +151,23 @@ def _same_layout(parts: TrainingParts, index: Index) -> bool:
     return index.world_size == parts.topology.world_size and index.pipeline_stages == stages
 
 
+def _full_reads(parts: TrainingParts, index: Index, optim: bool, module_only: bool) -> list[str]:
+    """The names this rank reads whole: its RNG states (same layout only,
+    see `_read_rng`), client_state's tensors, a 1-bit optimizer's buffers
+    (see `_load_optimizer_extras`)."""
+    rank = parts.topology.rank
+    names = []
+    if not module_only:
+        if _same_layout(parts, index) and index.rng:
+            names += [n for n in (f"rng/rank{rank}/torch_cpu", f"rng/rank{rank}/cuda") if n in index.tensors
+                      and (n.endswith("cpu") or parts.topology.device.type == "cuda")]
+        names += node_local.client_keys(index.client_state)
+    if optim and isinstance(parts.optimizer, CompressedCommOptimizer):
+        own = f"optim_rank/rank{rank}/" if index.world_size == parts.topology.world_size else None
+        names += [n for n in index.tensors if n.startswith("optim_shared/") or (own and n.startswith(own))]
+    return names
+
+
 def _read_rng(topology: Topology, index: Index, reader: SliceReader,
               same_layout: bool) -> dict[str, torch.Tensor] | None:
     """This rank's saved torch RNG states ({"cpu", "cuda"?}), or None when
@@ -198,13 +217,24 @@ def load(parts: TrainingParts, rdv: Rendezvous, load_dir: str, tag: str | None, 
     `Checkpointer.load`). Returns (tag directory, client_state), or
     (None, None) when load_dir holds no complete checkpoint.
 
+    With `checkpoint.use_node_local_storage` load_dir is each node's own
+    directory: the ranks agree on the tag, and check that each finds the
+    files it needs there before any reads (see [Note: node-local
+    checkpoints] in node_local.py).
+
     Raises CheckpointError (on every rank) naming the file or key: missing
     tag, incomplete tag, corrupted/truncated file, a checkpoint of another
     model (missing/unexpected keys under load_module_strict, shape mismatch
-    always). A failure while reading may leave some tensors loaded.
+    always), with node-local storage a file missing from the node that
+    needs it (then before anything is read). A failure while reading may
+    leave some tensors loaded.
     """
     topo = parts.topology
-    tag, skipped = resolve_tag(load_dir, tag)
+    nodes = node_local.node_map(topo) if parts.config.checkpoint.use_node_local_storage else None
+    if nodes is None:
+        tag, skipped = resolve_tag(load_dir, tag)
+    else:
+        tag, skipped = node_local.agree_on_tag(rdv, load_dir, tag)
     if skipped and topo.rank == 0:
         log.warning("skipped incomplete checkpoint tag(s) in %s (no %s): %s", load_dir, INDEX, ", ".join(skipped))
     if tag is None:
@@ -214,15 +244,26 @@ def load(parts: TrainingParts, rdv: Rendezvous, load_dir: str, tag: str | None, 
     tag_dir = os.path.join(load_dir, tag)
     error, index, reader, rng, client_state, shared = None, None, None, None, None, []
     current = model_names(parts)  # collective over a split model's parts: before anything may raise
+    optim = load_optimizer_states and not load_module_only
     try:
         index = load_index(tag_dir)
         names = _check_names(current, index, load_module_strict, tag_dir)
+        requests, shared = _tensor_reads(parts, index, names, optim)
         # Each file's checksum is checked by one rank (file i by rank i mod
         # world size) as it reads; the "read" agreement fails every rank.
-        reader = SliceReader(tag_dir, index, verify_files=set(sorted(index.files)[topo.rank::topo.world_size]),
-                             aio=parts.config.aio)
-        optim = load_optimizer_states and not load_module_only
-        shared = _load_tensors(parts, index, reader, names, optim)
+        verify = set(sorted(index.files)[topo.rank::topo.world_size])
+        if nodes is not None:  # each rank checks what it reads, from its node's directory
+            verify = set(node_local.files_needed(index, [r[:3] for r in requests],
+                                                 _full_reads(parts, index, optim, load_module_only)))
+    except Exception as e:
+        error = e
+    if nodes is not None:  # before any byte is read; raises on every rank
+        node_local.check_local(rdv, tag_dir, index, sorted(verify) if error is None else [], error, nodes)
+    try:
+        if error is not None:
+            raise error
+        reader = SliceReader(tag_dir, index, verify_files=verify, aio=parts.config.aio)
+        reader.read_many(requests)
         if optim:
             _restore_param_groups(parts.optimizer, index.param_groups, tag_dir)
         if not load_module_only:  # read now, so that a bad file fails every rank together

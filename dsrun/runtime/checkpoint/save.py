@@ -12,14 +12,15 @@ from typing import Any, Callable
 import torch
 
 import dsrun
-from dsrun.runtime.checkpoint import discard
+from dsrun.runtime.checkpoint import discard, node_local
 from dsrun.runtime.checkpoint.parts import held_pieces, model_names, optimizer_extras, written_elsewhere
 from dsrun.runtime.checkpoint.pieces import HeldPiece
 from dsrun.runtime.checkpoint.rendezvous import Rendezvous, raise_unless_all
-from dsrun.runtime.checkpoint.store import (INDEX, LATEST, CheckpointError, FileEntry, Index, StoredSlice,
-                                            TensorEntry, atomic_write, dtype_name, fsync_dir, index_time,
-                                            is_shard_file, read_shard_metadata, shard_name, tag_is_complete,
-                                            tag_names, write_json_atomic)
+from dsrun.runtime.checkpoint.store import (INDEX, LATEST, CheckpointError, FileEntry, Index, NodeRecord,
+                                            StoredSlice, TensorEntry, atomic_write, dtype_name, fsync_dir,
+                                            index_time, is_shard_file, read_shard_metadata, shard_name,
+                                            tag_is_complete, tag_names)
+from dsrun.runtime.distributed.nodes import NodeMap
 from dsrun.runtime.checkpoint.writer import ShardWriter, StagingBuffer
 from dsrun.runtime.engine.train_state import TrainingParts
 
@@ -77,6 +78,10 @@ def prepare_save(parts: TrainingParts, rdv: Rendezvous, save_dir: str, tag: str,
     Returns the job that writes and commits (run it, or start it in the
     background; see [Note: copy-on-write snapshot] in writer.py).
 
+    With `checkpoint.use_node_local_storage` each node's local rank 0
+    prepares its node's tag directory (see [Note: node-local checkpoints]
+    in node_local.py).
+
     Raises CheckpointError (on every rank) when the tag is invalid, a rank
     failed to prepare, or state is not JSON-able (LR scheduler, client_state).
     """
@@ -85,9 +90,13 @@ def prepare_save(parts: TrainingParts, rdv: Rendezvous, save_dir: str, tag: str,
     rank = parts.topology.rank
     tag_dir = os.path.join(save_dir, tag)
     error, tensors, meta, stepped, fields = None, {}, {}, set(), None
+    nodes, keeper = None, rank == 0  # keeper: prepares the tag directory, writes the index and `latest`
     names = model_names(parts)  # collective over a split model's parts: before anything may raise
     try:
-        if rank == 0:
+        if parts.config.checkpoint.use_node_local_storage:
+            nodes = node_local.node_map(parts.topology)
+            keeper = node_local.is_node_leader(nodes, rank)
+        if keeper:
             os.makedirs(tag_dir, exist_ok=True)
             if os.path.exists(os.path.join(tag_dir, INDEX)):
                 os.unlink(os.path.join(tag_dir, INDEX))  # overwriting: incomplete first, never mixed
@@ -111,7 +120,8 @@ def prepare_save(parts: TrainingParts, rdv: Rendezvous, save_dir: str, tag: str,
     background = parts.config.checkpoint.async_save
     writer = ShardWriter(os.path.join(tag_dir, shard_name(rank, parts.topology.world_size)), tensors,
                          {"dsrun": json.dumps(meta)}, stepped if background else set(tensors), parts.config.aio)
-    return SaveJob(rdv, save_dir, tag, writer, fields, save_latest, parts.config.checkpoint.keep_last, fault)
+    return SaveJob(rdv, save_dir, tag, writer, fields, save_latest, parts.config.checkpoint.keep_last, fault,
+                   keeper, nodes, json.dumps(meta) if nodes is not None else None)
 
 
 def rank_payload(parts: TrainingParts, pieces: list[HeldPiece], client_state, exclude_frozen: bool):
@@ -171,11 +181,19 @@ def rank_payload(parts: TrainingParts, pieces: list[HeldPiece], client_state, ex
 
 class SaveJob:
     """Write one rank's shard and commit the tag (see [Note: commit protocol]);
-    holds no reference to the engine, so it can run in a background thread."""
+    holds no reference to the engine, so it can run in a background thread.
+
+    keeper: this rank writes the index and `latest` (rank 0; with node-local
+    storage, each node's local rank 0). nodes: the job's nodes with
+    node-local storage, else None; meta: then this rank's description (the
+    shard header's JSON), sent to rank 0 (see [Note: node-local checkpoints]
+    in node_local.py)."""
 
     def __init__(self, rdv: Rendezvous, save_dir: str, tag: str, writer: ShardWriter, fields: dict | None,
-                 save_latest: bool, keep_last: int | None, fault: Callable[[str], None]):
+                 save_latest: bool, keep_last: int | None, fault: Callable[[str], None], keeper: bool,
+                 nodes: NodeMap | None = None, meta: str | None = None):
         self.rdv, self.save_dir, self.tag = rdv, save_dir, tag
+        self.keeper, self.nodes, self.meta = keeper, nodes, meta
         self.tag_dir = os.path.join(save_dir, tag)
         self.writer, self.fields, self.fault = writer, fields, fault
         self.staging: StagingBuffer | None = None
@@ -221,19 +239,29 @@ class SaveJob:
             os.makedirs(self.tag_dir, exist_ok=True)
             self.fault("before_shard")
             written = self.writer.write().model_dump_json()
+            if self.nodes is not None:
+                written = json.dumps({"file": json.loads(written), "meta": self.meta, "host": node_local.host()})
             self.fault("after_shard")
         except Exception as e:
             error = e
         results = self.rdv.agree("written", error is None, written)
         raise_unless_all(results, error, f"saving checkpoint {self.tag_dir}")
-        error = None
+        error, index = None, b""
         if rank == 0:
             try:
+                index = self._index([r for _, r in results])
+            except Exception as e:
+                error = e
+        if self.nodes is not None:  # every node's keeper writes rank 0's index
+            shared = self.rdv.agree("index", error is None, index.decode())
+            raise_unless_all(shared, error, f"building the index of checkpoint {self.tag_dir}")
+            index = shared[0][1].encode()
+        if self.keeper and error is None:
+            try:
                 fsync_dir(self.tag_dir)
-                index = _build_index(self.fields, self.tag, self.tag_dir, world,
-                                     [FileEntry.model_validate_json(r) for _, r in results])
                 self.fault("before_index")
-                write_json_atomic(os.path.join(self.tag_dir, INDEX), index.model_dump(mode="json"))
+                atomic_write(os.path.join(self.tag_dir, INDEX), [index])
+                fsync_dir(self.tag_dir)
                 if self.save_latest:
                     self.fault("before_latest")
                     atomic_write(os.path.join(self.save_dir, LATEST), [self.tag.encode()])
@@ -245,7 +273,27 @@ class SaveJob:
         raise_unless_all(self.rdv.agree("committed", error is None), error,
                           f"committing checkpoint {self.tag_dir}")
         if rank == 0:
-            log.info("saved checkpoint %s (%d rank files)", self.tag_dir, world)
+            log.info("saved checkpoint %s (%d rank files%s)", self.tag_dir, world,
+                     "" if self.nodes is None else f", node-local on {self.nodes.num_nodes} node(s)")
+
+    def _index(self, reports: list[str]) -> bytes:
+        """Rank 0: the index's bytes from every rank's "written" report."""
+        world = self.rdv.world
+        if self.nodes is None:
+            return _index_bytes(_build_index(self.fields, self.tag, self.tag_dir, world,
+                                             [FileEntry.model_validate_json(r) for r in reports]))
+        records = [json.loads(r) for r in reports]
+        nodes = [NodeRecord(host=records[ranks[0]]["host"], ranks=list(ranks)) for ranks in self.nodes.nodes]
+        written_on = {shard_name(r, world): self.nodes.node_of(r) for r in range(world)}
+        index = _build_index(self.fields, self.tag, self.tag_dir, world,
+                             [FileEntry.model_validate(rec["file"]) for rec in records],
+                             [json.loads(rec["meta"]) for rec in records])
+        return _index_bytes(index.model_copy(update={"nodes": nodes, "written_on": written_on}))
+
+
+def _index_bytes(index: Index) -> bytes:
+    # no indent: json then uses its C encoder (an index lists every tensor slice)
+    return json.dumps(index.model_dump(mode="json"), separators=(",", ":")).encode()
 
 
 def _prune(save_dir: str, keep: int, just_saved: str) -> None:
@@ -283,9 +331,11 @@ def _index_fields(parts: TrainingParts, names: dict, scheduler, param_groups, da
                 excluded_frozen=frozen if exclude_frozen else [])
 
 
-def _build_index(fields: dict, tag: str, tag_dir: str, world: int, written: list[FileEntry]) -> Index:
+def _build_index(fields: dict, tag: str, tag_dir: str, world: int, written: list[FileEntry],
+                 metas: list[dict] | None = None) -> Index:
     """Rank 0: `fields` plus every shard's header description merged into the
-    index; `written`: each rank's file (size and checksum), in rank order."""
+    index; `written`: each rank's file (size and checksum), in rank order;
+    `metas`: each rank's description (None: read from the shards' headers)."""
     tensors: dict[str, TensorEntry] = {}
     scalars: dict[str, dict] = {}
     rng, client = [], None
@@ -294,7 +344,7 @@ def _build_index(fields: dict, tag: str, tag_dir: str, world: int, written: list
         file = shard_name(r, world)
         path = os.path.join(tag_dir, file)
         files[file] = written[r]
-        meta = read_shard_metadata(path)
+        meta = read_shard_metadata(path) if metas is None else metas[r]
         for gname, e in meta["tensors"].items():
             entry = tensors.setdefault(gname, TensorEntry(shape=e["shape"], dtype=e["dtype"]))
             entry.slices.append(StoredSlice(file=file, key=gname, lo=e["lo"], hi=e["hi"]))

@@ -36,6 +36,9 @@ rank 0 builds the index from the headers without moving any data.
    fsync, rename, directory fsync), then replaces `latest` the same way
    (and prunes old tags for checkpoint.keep_last: index first, then the
    files, moved aside and deleted in the background).
+   With checkpoint.use_node_local_storage rank 0 builds the index from the
+   ranks' reports instead of the headers, and each node's local rank 0
+   writes its copy (see [Note: node-local checkpoints] in node_local.py).
 5. A final agreement: save returns (or, with async_save, the background
    job ends) on every rank only once the tag is committed.
 A tag directory without index.json is never loaded; loading without a tag
@@ -107,6 +110,14 @@ class FileEntry(BaseModel):
         return data
 
 
+class NodeRecord(BaseModel):
+    """A node that saved a checkpoint on node-local storage (see [Note:
+    node-local checkpoints] in node_local.py)."""
+
+    host: str = Field(description="Host name of the node's local rank 0.")
+    ranks: list[int] = Field(description="Global ranks on the node, in order.")
+
+
 class Index(BaseModel):
     """index.json: everything a load needs besides the tensor bytes."""
 
@@ -139,6 +150,10 @@ class Index(BaseModel):
     excluded_frozen: list[str] = Field(default_factory=list,
                                        description="Frozen parameters left out (exclude_frozen_parameters).")
     files: dict[str, FileEntry] = Field(default_factory=dict)
+    nodes: list[NodeRecord] | None = Field(None, description="With checkpoint.use_node_local_storage: the nodes "
+                                           "that saved, by node id; None: one directory every rank saw.")
+    written_on: dict[str, int] = Field(default_factory=dict, description="With node-local storage: file -> "
+                                       "id of the node whose directory holds it.")
 
 
 def shard_name(rank: int, world_size: int) -> str:

@@ -40,8 +40,6 @@ def _on(value: Any) -> bool:
 
 NOT_YET_SUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("fp16.fp16_master_weights_and_grads", _on, "fp16 master weights"),
-    Unsupported("checkpoint.use_node_local_storage", _on, "node-local checkpoint storage (dsrun needs "
-                "one directory every rank can read)"),
 )
 
 

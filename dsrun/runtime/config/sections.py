@@ -607,4 +607,6 @@ class CheckpointConfig(_Section):
                                "with a warning.")
     load_universal: bool = Field(False, description="Load a DeepSpeed universal checkpoint; every dsrun "
                                  "checkpoint loads on any world size and stage, so this has no effect.")
-    use_node_local_storage: bool = Field(False, description="Each node writes to its own storage.")
+    use_node_local_storage: bool = Field(False, description="save_dir/load_dir name each node's own "
+                                         "storage: each rank writes its files there, each node keeps a copy of "
+                                         "the index and `latest` (see docs/checkpoints.md).")
