@@ -60,7 +60,7 @@ import psutil
 from pydantic import ValidationError
 
 from dsrun.launcher.env import rank_argv, rank_process_env
-from dsrun.launcher.failure import RankFailure, StderrTail, exit_status, signal_name
+from dsrun.launcher.failure import RankFailure, StderrTail, exit_status, lost_a_peer, signal_name
 from dsrun.launcher.job import NodeJob
 from dsrun.runtime.offload import registry
 
@@ -394,6 +394,10 @@ class Agent:
                 self._begin_stop(signal.SIGTERM)  # stop the others first, then collect the report
                 for rank in newly_failed:
                     self._drain(rank)
+                # Ranks seen dead in the same poll: one that merely lost its peer's
+                # connection is recorded after the one that died (the root cause).
+                newly_failed.sort(key=lambda r: lost_a_peer(r.tail.lines()))
+                for rank in newly_failed:
                     failure = self._record(rank, rank.popen.pid, exit_status(rank.returncode), signal_name(rank.returncode))
                     self._failures.append(failure)
                     self._emit_record(failure)

@@ -53,6 +53,17 @@ class RankFailure(BaseModel):
         return cls.model_validate_json(line[len(FAILURE_PREFIX):])
 
 
+# What a rank prints when the process group lost a peer (gloo's TCP pair,
+# torch's store): a consequence of another rank's failure, not a cause.
+_PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+
+
+def lost_a_peer(stderr_lines: list[str]) -> bool:
+    """Whether a failed rank's stderr says it lost a peer's connection (so
+    its failure followed another rank's)."""
+    return any(marker in line for line in stderr_lines for marker in _PEER_LOST)
+
+
 def exit_status(returncode: int) -> int:
     """Shell-style exit status of a Popen returncode: a signal N (returncode -N) becomes 128+N.
 
