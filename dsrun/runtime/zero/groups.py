@@ -42,10 +42,8 @@ the same group as `node_groups().intra`.
 """
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 
-import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from dsrun.runtime import comm
@@ -132,32 +130,18 @@ class NodeGroups:
     inter: RankGroup
 
 
-class _Cache:
-    pg: weakref.ref | None = None  # the default group the cached groups belong to
-    groups: dict[tuple[tuple[int, ...], ...], RankGroup] = {}
-
-
 def _subgroup(parts: tuple[tuple[int, ...], ...]) -> RankGroup:
     """This rank's group among `parts` (disjoint global-rank tuples covering
-    the job); creates every part's process group the first time, in order
-    (collective over all ranks), cached per default group."""
-    world = dist.group.WORLD
-    if _Cache.pg is None or _Cache.pg() is not world:
-        _Cache.pg, _Cache.groups = weakref.ref(world), {}
-    if parts not in _Cache.groups:
-        rank, mine = comm.get_rank(), RankGroup.alone()
-        for part in parts:
-            if len(part) == comm.get_world_size():
-                group = RankGroup.of(None)
-            elif len(part) == 1:
-                group = RankGroup.alone()
-            else:
-                pg = dist.new_group(list(part))  # every rank creates every group
-                group = RankGroup(pg, part.index(rank), len(part)) if rank in part else None
-            if rank in part:
-                mine = group
-        _Cache.groups[parts] = mine
-    return _Cache.groups[parts]
+    the job), made by the job's parallelism mesh -- the one place process
+    groups are created (collective over all ranks the first time, cached
+    there per default group). The whole job is the default group (None);
+    a rank in no part is alone."""
+    made = mesh.current().make_group(list(parts))
+    if made is None or made.size == 1:
+        return RankGroup.alone()
+    if made.size == comm.get_world_size():
+        return RankGroup.of(None)
+    return RankGroup(made.group, made.rank, made.size)
 
 
 def node_groups() -> NodeGroups:
