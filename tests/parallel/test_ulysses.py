@@ -183,7 +183,7 @@ def _samples():
     return ids[:, :-1], ids[:, 1:], mask
 
 
-def _train(sequence: int) -> tuple[list[float], torch.Tensor]:
+def _train(sequence: int, stage: int = 2) -> tuple[list[float], torch.Tensor]:
     """STEPS steps on the 4 samples. data=4: one sample per rank. sequence=2
     x data=2: data rank d takes samples 2d and 2d+1 as two micro-batches of
     one (gradient accumulation 2), each sequence rank its half of the
@@ -202,7 +202,7 @@ def _train(sequence: int) -> tuple[list[float], torch.Tensor]:
     torch.manual_seed(0)
     model = _Block(groups._get_sequence_parallel_group() if sequence > 1 else None)
     cfg = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 1, "sequence_parallel_size": sequence,
-           "optimizer": {"type": "Adam", "params": {"lr": 1e-2}}, "zero_optimization": {"stage": 2},
+           "optimizer": {"type": "Adam", "params": {"lr": 1e-2}}, "zero_optimization": {"stage": stage},
            "gradient_clipping": 0.0, "steps_per_print": 1000}
     engine, *_ = dsrun.initialize(model=model, config=cfg)
     assert engine.gradient_accumulation_steps() == 4 // data
@@ -226,7 +226,8 @@ def _train(sequence: int) -> tuple[list[float], torch.Tensor]:
             total += loss.detach()
         dist.all_reduce(total)  # sequence ranks hold the same loss: divide by them too
         losses.append(float(total) / (4 // data) / world)
-    params = torch.cat([p.detach().flatten() for p in engine.module.parameters()])
+    with dsrun.zero.GatheredParameters(list(engine.module.parameters())):  # ZeRO-3 holds shards
+        params = torch.cat([p.detach().flatten().clone() for p in engine.module.parameters()])
     engine.destroy()
     return losses, params
 
@@ -238,19 +239,22 @@ def _sequence_vs_data():
     want = _train(1)
     set_current(None)
     got = _train(2)
-    return want, got
+    got3 = _train(2, stage=3)
+    return want, got, got3
 
 
 def test_training_sequence_x_data_equals_data_parallel():
-    """sequence=2 x data=2 with ZeRO-2 gives data=4's losses and parameters
+    """sequence=2 x data=2 with ZeRO-2 (and ZeRO-3) gives data=4's losses and parameters
     (fp32, 1e-5) on padded samples whose sequence halves count different
     numbers of tokens: the loss is averaged over tokens, not ranks."""
     results = run_ranks(_sequence_vs_data, 4, timeout=180)
-    (want_loss, want_params), (got_loss, got_params) = results[0]
+    (want_loss, want_params), (got_loss, got_params), (got3_loss, got3_params) = results[0]
     torch.testing.assert_close(torch.tensor(got_loss), torch.tensor(want_loss), **TOL)
     torch.testing.assert_close(got_params, want_params, **TOL)
+    torch.testing.assert_close(torch.tensor(got3_loss), torch.tensor(want_loss), **TOL)  # ZeRO-3 too
+    torch.testing.assert_close(got3_params, want_params, **TOL)
     assert want_loss[-1] < want_loss[0]  # it trains
-    for _, (_, params) in results[1:]:  # every rank holds the same parameters
+    for _, (_, params), _ in results[1:]:  # every rank holds the same parameters
         torch.testing.assert_close(params, got_params, rtol=0, atol=0)
 
 
