@@ -4,7 +4,7 @@
 A script written for DeepSpeed that reaches a feature dsrun lacks must stop
 with a message naming that feature, never with a bare AttributeError or
 ModuleNotFoundError that reads like a broken install. Three kinds of names:
-- modules (`deepspeed.inference`, `deepspeed.sequence`, ...): `MISSING_MODULES`,
+- modules (`deepspeed.inference`, `deepspeed.elasticity`, ...): `MISSING_MODULES`,
   served by `MissingModuleFinder`, which sits at the end of sys.meta_path
   and answers only for dsrun's own names that no file provides: importing
   one raises `FeatureNotImplementedError` (an ImportError).
@@ -49,8 +49,8 @@ MISSING_MODULES: dict[str, tuple[str, str | None]] = {
     "compression": ("compression training (quantization, pruning)", None),
     "autotuning": ("the autotuner", None),
     "elasticity": ("elastic training", None),
-    "sequence": ("sequence parallelism (Ulysses)", None),
-    "runtime.sequence_parallel": ("sequence parallelism (Ulysses)", None),
+    "runtime.sequence_parallel": ("ALST (Ulysses for Hugging Face models: UlyssesSPAttentionHF, ...)",
+                                  "wrap the attention in dsrun.sequence.layer.DistributedAttention"),
     "runtime.hybrid_engine": ("the hybrid engine (RLHF)", None),
     "runtime.domino": ("Domino tensor parallelism", None),
     "linear": ("LoRA-optimized linear layers", None),
@@ -102,10 +102,10 @@ class MissingModuleFinder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname: str, path=None, target=None):
         prefix = self.package + "."
         if not fullname.startswith(prefix):
-            return None
+            return
         entry = missing_module(fullname[len(prefix):])
         if entry is None:
-            return None
+            return
         raise FeatureNotImplementedError(message(fullname, *entry), name=fullname)
 
 

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from pydantic import (
+    TypeAdapter,
     ValidationError,
 )
 
@@ -18,7 +19,9 @@ from dsrun.runtime.config.messages import _translate
 from dsrun.runtime.config.reading import _read_file
 from dsrun.runtime.config.registries import _unsupported, _unsupported_raw, _warn_no_effect
 from dsrun.runtime.config.schema import _BatchTriple, DsConfig, _set_values
-from dsrun.runtime.config.sections import _fill, OffloadParamConfig, TensorParallelConfig
+from dsrun.runtime.config.sections import _fill, OffloadParamConfig, PosInt, TensorParallelConfig
+
+_SEQUENCE_SIZE = TypeAdapter(PosInt)
 
 
 def offload_param_of(source: Mapping | str | os.PathLike | DsConfig) -> OffloadParamConfig:
@@ -64,6 +67,24 @@ def tensor_parallel_of(source: Mapping | str | os.PathLike | DsConfig) -> Tensor
     except ValidationError as exc:
         raise ConfigError(*(f"tensor_parallel.{'.'.join(map(str, e['loc']))}: {e['msg']}"
                             for e in exc.errors()), source=name) from None
+
+
+def sequence_parallel_size_of(source: Mapping | str | os.PathLike | DsConfig) -> int:
+    """The `sequence_parallel_size` of a ds_config, validated on its own
+    (1 when absent): like tensor_parallel_of, initialize() needs it before
+    `load_config`, whose batch triple counts only the data-parallel ranks.
+    Raises ConfigError when the file cannot be read or the value is not an
+    integer >= 1.
+    """
+    if isinstance(source, DsConfig):
+        return source.sequence_parallel_size
+    name = "dict" if isinstance(source, Mapping) else str(source)
+    raw = source if isinstance(source, Mapping) else _read_file(Path(source))
+    value = raw.get("sequence_parallel_size", 1) if isinstance(raw, Mapping) else 1
+    try:
+        return _SEQUENCE_SIZE.validate_python(value)
+    except ValidationError as exc:
+        raise ConfigError(*(f"sequence_parallel_size: {e['msg']}" for e in exc.errors()), source=name) from None
 
 
 def load_config(source: Mapping | str | os.PathLike | DsConfig, world_size: int | None = None,

@@ -99,6 +99,9 @@ class DsConfig(_BatchTriple):
                                      description="Pipeline parallelism (with a PipelineModule).")
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig,
                                                   description="Automatic tensor parallelism (AutoTP).")
+    sequence_parallel_size: PosInt = Field(1, description="Ulysses sequence parallelism: ranks that split "
+                                           "each sample's tokens (the mesh's sequence axis; data parallelism "
+                                           "takes the rest, and ZeRO partitions over data x sequence).")
     activation_checkpointing: ActivationCheckpointingConfig = Field(
         default_factory=ActivationCheckpointingConfig, description="Activation checkpointing options.")
     steps_per_print: Annotated[int, BeforeValidator(_never_for_inf), _NUMBER, at.Ge(1)] = Field(

@@ -21,7 +21,7 @@ from dsrun.runtime import comm
 from dsrun.runtime.observability import exit_report
 from dsrun.runtime.distributed.agreement import check_ranks_agree
 from dsrun.runtime.activation_checkpointing import checkpointing
-from dsrun.runtime.config import ConfigError, DsConfig, load_config, tensor_parallel_of
+from dsrun.runtime.config import ConfigError, DsConfig, load_config, sequence_parallel_size_of, tensor_parallel_of
 from dsrun.runtime.engine.dataloader import DistributedDataLoader, RepeatingLoader
 from dsrun.runtime.distributed.dist import Topology, init_distributed
 from dsrun.runtime.engine.engine import Engine, build_strategy
@@ -135,6 +135,44 @@ def _replica_size(model: torch.nn.Module, source: ConfigSource) -> int:
                               "the key out)")
         return sharded
     return autotp
+
+
+def _sequence_size(model: torch.nn.Module, source: ConfigSource, world: int) -> int:
+    """The config's sequence_parallel_size, checked against the job.
+
+    Raises:
+        ConfigError: it does not divide the world size, or it is combined
+            with a PipelineModule or a tensor-parallel model (not supported
+            yet).
+    """
+    size = sequence_parallel_size_of(source)
+    if size == 1:
+        return 1
+    if isinstance(model, PipelineModule) or _is_sharded(model) or tensor_parallel_of(source).autotp_size > 1:
+        raise ConfigError(f"sequence_parallel_size={size} with a pipeline or tensor-parallel model: Ulysses "
+                          "sequence parallelism runs with data parallelism (and ZeRO) only in this release; "
+                          "set sequence_parallel_size to 1 or train the model unsharded")
+    if world % size:
+        raise ConfigError(f"sequence_parallel_size={size} does not divide the {world} ranks of the job; "
+                          f"choose a divisor of {world} (data parallelism takes the rest)")
+    return size
+
+
+def _sequence_parallel_mesh(cfg: DsConfig) -> ParallelMesh | None:
+    """The data x sequence mesh for config sequence_parallel_size > 1, made
+    the current mesh, or None without sequence parallelism. The current mesh
+    is kept when it already is that mesh (the model's DistributedAttention
+    layers were built on its sequence group); otherwise collective: every
+    rank creates every group."""
+    size = cfg.sequence_parallel_size
+    if size == 1:
+        return None
+    mine = current()
+    if (mine.size("sequence"), mine.size("pipe"), mine.size("model")) == (size, 1, 1):
+        return mine
+    mesh = ParallelMesh.build(comm.get_world_size(), sequence=cfg.sequence_parallel_size)
+    set_current(mesh)
+    return mesh
 
 
 def _is_sharded(model: torch.nn.Module) -> bool:
@@ -279,7 +317,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
     cfg, error = None, None
     try:
         # The batch triple counts the data-parallel ranks, not every rank.
-        cfg = load_config(source, world_size=topology.world_size // _replica_size(model, source))
+        cfg = load_config(source, world_size=topology.world_size // _replica_size(model, source)
+                          // _sequence_size(model, source, topology.world_size))
         if pipeline:
             check_pipeline_config(cfg, model)
     except ConfigError as exc:
@@ -287,7 +326,10 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
     # The first collective of training; raises on every rank when they disagree.
     check_ranks_agree(model, cfg, error, topology.rank, topology.device,
                       description=model.describe() if pipeline else None)
-    mesh = pipeline_mesh(model) if pipeline else _tensor_parallel_mesh(model, cfg)
+    mesh = pipeline_mesh(model) if pipeline else (_sequence_parallel_mesh(cfg) or _tensor_parallel_mesh(model, cfg))
+    # The ranks holding the same parameters: ZeRO's group. Under sequence parallelism
+    # it spans data x sequence, as in DeepSpeed (gradients averaged over both).
+    data_axis = "sequence_data" if cfg.sequence_parallel_size > 1 else "data"
     if "activation_checkpointing" in cfg.model_fields_set and not checkpointing.is_configured():
         checkpointing.configure(None, deepspeed_config=cfg)  # DeepSpeed scripts may call configure() themselves
     comm.comms_logger.configure(cfg.comms_logger.enabled, cfg.comms_logger.verbose,
@@ -297,8 +339,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
           else contextlib.nullcontext()):
         model.to(topology.device)
         if mesh is not None:  # the ranks of one stage and model rank hold the same slices: its data group
-            stage = model.stage_id if pipeline else 0
-            _broadcast_module(model, src=mesh.stage_to_global(stage, data=0), group=mesh.group("data"))
+            _broadcast_module(model, src=mesh.ranks(data_axis)[0], group=mesh.group(data_axis))
             tied = tie_weights(model, mesh) if pipeline else []
         else:
             _broadcast_module(model)
@@ -308,12 +349,13 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
             params = [{"params": []}]
         basic_optimizer = _build_optimizer(optimizer, params, cfg)
         strategy = build_strategy(cfg, model, basic_optimizer, topology,
-                                  data_group=mesh.group("data") if mesh is not None else None)
+                                  data_group=mesh.group(data_axis) if mesh is not None else None)
         allocator.trim()  # the model's original storage was just released
         scheduler = _build_scheduler(lr_scheduler, strategy.optimizer, cfg)
         loader = None
         if training_data is not None:
-            # Shard the data over the data axis: the stages and model ranks of one replica read the same samples.
+            # Shard the data over the data axis: the stages, model ranks and sequence ranks of one
+            # replica read the same samples (each sequence rank keeps its tokens: shard_sequence).
             shard = (dataclasses.replace(topology, rank=mesh.rank("data"), world_size=mesh.size("data"))
                      if mesh is not None else topology)
             loader = DistributedDataLoader(training_data, cfg.train_micro_batch_size_per_gpu,

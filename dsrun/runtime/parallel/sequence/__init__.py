@@ -1,0 +1,30 @@
+"""Ulysses sequence parallelism (Jacobs et al. 2023, arXiv 2309.14509):
+DistributedAttention (attention.py) with its all-to-alls (all_to_all.py),
+each rank's slice of a sample (data.py) and the token-averaged loss
+(loss.py).
+
+Use (DeepSpeed's `deepspeed.sequence` path works too):
+
+    config["sequence_parallel_size"] = P        # data parallelism takes world / P
+    mesh = ParallelMesh.build(world, sequence=P); set_current(mesh)   # optional: lets
+        # the model be built on the sequence group before initialize(), which keeps
+        # this mesh; without it initialize() builds the same mesh
+    attention = DistributedAttention(local_attention, groups._get_sequence_parallel_group())
+    engine, *_ = dsrun.initialize(model=model, config=config)
+    for batch in loader:                        # the sequence ranks of a replica read the same samples
+        ids, labels, mask, positions = (shard_sequence(t, dim=1) for t in ...)
+        per_token = cross_entropy(engine(ids, positions)..., reduction="none")
+        engine.backward(sequence_parallel_loss(per_token, mask))   # tokens counted, not ranks
+        engine.step()
+
+Positions (rotary or learned) must be the tokens' places in the whole
+sequence, and a causal mask is the local attention's (it sees the whole
+sequence). ZeRO partitions and averages gradients over the mesh's
+"sequence_data" group (data x sequence), as DeepSpeed; the batch triple
+counts the data ranks only.
+"""
+from dsrun.runtime.parallel.sequence.attention import DistributedAttention
+from dsrun.runtime.parallel.sequence.data import shard_sequence
+from dsrun.runtime.parallel.sequence.loss import sequence_parallel_loss
+
+__all__ = ["DistributedAttention", "sequence_parallel_loss", "shard_sequence"]

@@ -1,0 +1,75 @@
+"""The loss of a sample whose tokens are split over the sequence-parallel
+ranks, averaged over tokens rather than ranks.
+
+[Note: the loss under sequence parallelism]
+Under Ulysses each rank of a sequence group sees only its N/P tokens of
+every sample, and the engine averages gradients over all data x sequence
+ranks (ZeRO's sequence_data group), dividing by D * P. If each rank
+returned the mean of its own tokens, the result would weigh every rank
+equally, which is wrong whenever ranks hold different numbers of counted
+tokens (padding, masked prompts: DeepSpeed issue #5248). The correct loss
+of a replica is sum(loss * mask) / count over ALL its sequence ranks. So
+each rank computes
+
+    L_r = P * local_sum_r / total_count    (total_count summed over the group),
+
+whose gradients, summed over the P ranks and divided by P by the engine,
+are exactly the gradients of the replica's token mean; averaging over the
+D replicas as well gives the data-parallel mean, as without sequence
+parallelism. The value returned is the replica's token mean itself (equal
+on every sequence rank, what the user logs), with L_r's gradient: value
+and gradient come from one all-reduce of (sum, count) in forward, none in
+backward.
+"""
+from __future__ import annotations
+
+import torch
+from torch.distributed import ProcessGroup
+
+from dsrun.runtime import comm
+from dsrun.runtime.parallel.mesh import MeshGroup, current
+
+
+def sequence_parallel_loss(per_token_loss: torch.Tensor, mask: torch.Tensor | None = None,
+                           group: ProcessGroup | MeshGroup | None = None) -> torch.Tensor:
+    """The token mean of a loss over this rank's tokens and those of the
+    other sequence ranks, for engine.backward (see [Note: the loss under
+    sequence parallelism]).
+
+    Args:
+        per_token_loss: any shape, floating: this rank's per-token losses
+            (e.g. cross_entropy(..., reduction="none")).
+        mask: same shape, bool or 0/1: which tokens count (None: all).
+        group: the sequence-parallel group (default: the current mesh's
+            "sequence" axis).
+
+    Returns:
+        A 0-d tensor whose value is the mean over the counted tokens of the
+        whole sequence group (equal on every sequence rank), and whose
+        gradient is P * (this rank's masked sum) / (total count).
+
+    Raises:
+        ValueError: the mask's shape differs from the loss's, or no token of
+            the whole sequence group is counted (the mean is undefined).
+    """
+    if isinstance(group, MeshGroup):
+        group = group.group
+    elif group is None:
+        group = current().axis_group("sequence").group
+    weights = (torch.ones_like(per_token_loss) if mask is None
+               else mask.to(per_token_loss.dtype))
+    if weights.shape != per_token_loss.shape:
+        raise ValueError(f"sequence_parallel_loss: mask shape {tuple(mask.shape)} differs from the loss "
+                         f"shape {tuple(per_token_loss.shape)}; give one mask entry per token")
+    local_sum = (per_token_loss * weights).sum()
+    totals = torch.stack([local_sum.detach(), weights.sum()]).float()
+    world = 1
+    if group is not None:
+        comm.all_reduce(totals, group=group)
+        world = comm.get_world_size(group)
+    if totals[1] <= 0:
+        raise ValueError("sequence_parallel_loss: the mask counts no token in the whole sequence group; "
+                         "there is no mean to take (drop the sample or count at least one token)")
+    count = totals[1].to(per_token_loss.dtype)
+    scaled = local_sum * world / count
+    return scaled + (totals[0].to(per_token_loss.dtype) / count - scaled).detach()
