@@ -13,6 +13,8 @@ from collections import OrderedDict
 
 import torch
 
+from dsrun.runtime.parallel.mesh import current as current_mesh
+
 
 
 def _pipeline_only(name: str):
@@ -130,11 +132,21 @@ class DeepSpeedEngineCompat:
 
     @property
     def dp_world_size(self) -> int:
-        return self.topology.world_size
+        """Data-parallel ranks: the size of the job's mesh's data axis (as
+        DeepSpeed's, without the sequence-parallel ranks, over which
+        gradients are averaged too: `seq_dp_world_size`)."""
+        return current_mesh().size("data")
+
+    @property
+    def seq_dp_world_size(self) -> int:
+        """Data x sequence-parallel ranks: those gradients are averaged over."""
+        mesh = current_mesh()
+        return mesh.size("data") * mesh.size("sequence")
 
     @property
     def mp_world_size(self) -> int:
-        return 1  # no model parallelism
+        """Tensor-parallel ranks (the mesh's model axis)."""
+        return current_mesh().size("model")
 
     def module_state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False,
                           exclude_frozen_parameters: bool = False):
