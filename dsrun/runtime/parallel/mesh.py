@@ -367,3 +367,12 @@ def current() -> ParallelMesh:
         default = _Current.default = ParallelMesh.build(comm.get_world_size())
     return default
 
+
+
+def torch_group(record: MeshGroup) -> ProcessGroup | None:
+    """The process group to pass to a collective for `record`: its own, or
+    for a group of this rank alone a one-rank group (see ParallelMesh.group);
+    None when torch.distributed is not initialised."""
+    if record.group is not None or not dist.is_initialized():
+        return record.group
+    return _alone_group()
