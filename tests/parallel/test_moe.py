@@ -295,3 +295,98 @@ def _cases(cases) -> list[dict]:
 
 def test_ep2_on_2_ranks_equals_all_experts_local():
     _check_cases(run_ranks(_cases, 2, CASES_2, timeout=120), CASES_2)
+
+
+class _Net(torch.nn.Module):
+    """A tiny regression model with one MoE layer; the loss adds 0.01 x l_aux."""
+
+    def __init__(self, ep: int) -> None:
+        super().__init__()
+        from dsrun.moe.layer import MoE
+        self.inp = torch.nn.Linear(HIDDEN, HIDDEN)
+        expert = torch.nn.Sequential(torch.nn.Linear(HIDDEN, 16), torch.nn.ReLU(), torch.nn.Linear(16, HIDDEN))
+        self.moe = MoE(HIDDEN, expert, num_experts=EXPERTS, ep_size=ep, k=2, capacity_factor=1.0, min_capacity=1,
+                       top2_2nd_expert_sampling=False, use_residual=True)
+        self.head = torch.nn.Linear(HIDDEN, 1)
+
+    def forward(self, x, y):
+        h = torch.relu(self.inp(x))
+        m, l_aux, _ = self.moe(h)
+        return F.mse_loss(self.head(h + m).squeeze(-1), y) + 0.01 * l_aux
+
+
+def _train(ep: int, reference: dict | None) -> tuple[list[float], list[float], dict]:
+    """4 steps of AdamW with clipping; returns (mean loss over ranks, grad
+    norm) per step and the initial weights (of the ep=1 model: by global name)."""
+    import torch.distributed as dist
+
+    import dsrun
+    from dsrun.moe.utils import split_params_into_different_moe_groups_for_optimizer
+    from dsrun.utils import groups
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    net = _Net(ep)
+    L = net.moe.num_local_experts
+    if reference is None:
+        _make_experts_distinct(net.moe.deepspeed_moe.experts, 7)
+    else:
+        first = groups._get_expert_parallel_rank(f"ep_size_{ep}") * L
+        with torch.no_grad():
+            for name, p in net.named_parameters():
+                if ".deepspeed_experts." in name:
+                    head, _, rest = name.partition(".deepspeed_experts.")
+                    index, _, tail = rest.partition(".")
+                    name = f"{head}.deepspeed_experts.{first + int(index)}.{tail}"
+                p.copy_(reference[name])
+    initial = {n: p.detach().clone() for n, p in net.named_parameters()}
+    params = split_params_into_different_moe_groups_for_optimizer({"params": net.parameters(), "name": "parameters"})
+    engine, *_ = dsrun.initialize(model=net, model_parameters=params, config={
+        "train_micro_batch_size_per_gpu": 12, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "gradient_clipping": 0.1, "steps_per_print": 1000})
+    losses, norms = [], []
+    for step in range(4):
+        gen = torch.Generator().manual_seed(1000 * step + rank)
+        x, y = torch.randn(12, HIDDEN, generator=gen), torch.randn(12, generator=gen)
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(float(mean) / world)
+        norms.append(engine.get_global_grad_norm())
+    engine.destroy()
+    return losses, norms, initial
+
+
+def _world4() -> dict:
+    import dsrun
+    dsrun.init_distributed()
+    cases = [_ep_case(*case) for case in CASES_4]
+    want_loss, want_norm, initial = _train(1, None)
+    got_loss, got_norm, _ = _train(2, initial)
+    return {"cases": cases, "want": (want_loss, want_norm), "got": (got_loss, got_norm)}
+
+
+CASES_4 = [(2, 2, True, False), (2, 1, False, True), (4, 1, True, False)]
+
+
+def test_world4_ep2_matches_all_experts_local_and_trains_alike():
+    """4 ranks: ep=2 x expert-data=2 (and ep=4) layers against all experts
+    local; then training (AdamW, clipping at 0.1 below the gradient norm, the
+    stage-0 strategy reducing experts over their expert-data group) at ep=2
+    against ep=1 on the same samples: losses and norms equal to 1e-5 relative."""
+    results = run_ranks(_world4, 4, timeout=180)
+    _check_cases([r["cases"] for r in results], CASES_4)
+    want_loss, want_norm = results[0]["want"]
+    got_loss, got_norm = results[0]["got"]
+    assert want_loss[-1] < want_loss[0]  # it trains
+    assert got_loss == pytest.approx(want_loss, rel=1e-5) and got_norm == pytest.approx(want_norm, rel=1e-5)
+    assert all(r["got"] == results[0]["got"] for r in results)
+
+
+def test_zero_stages_refuse_expert_parameters():
+    import dsrun
+    with pytest.raises(NotImplementedError, match="Mixture-of-Experts parameters .* stage 0"):
+        dsrun.initialize(model=_Net(1), config={"train_micro_batch_size_per_gpu": 1,
+                                                "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+                                                "zero_optimization": {"stage": 2}})
