@@ -244,10 +244,11 @@ def _ep_case(ep: int, k: int, drop: bool, residual: bool) -> dict:
     comms_logger.reset()
     out, l_aux, counts = layer(x)
     a2a_forward = comms_logger.snapshot()["all_to_all_single"].calls
+    a2a_bytes = comms_logger.snapshot()["all_to_all_single"].bytes
     (out * w).sum().backward()
     a2a_total = comms_logger.snapshot()["all_to_all_single"].calls
-    dispatched = int(layer.deepspeed_moe.gate(x.detach().reshape(-1, HIDDEN),
-                                              ep_group=layer.deepspeed_moe.groups().ep_group).dispatch_mask.sum())
+    routed = layer.deepspeed_moe.gate(x.detach().reshape(-1, HIDDEN), ep_group=layer.deepspeed_moe.groups().ep_group)
+    dispatched, slots = int(routed.dispatch_mask.sum()), routed.combine_weights.shape[-1]
 
     want_grads = [torch.zeros_like(p) for p in full.deepspeed_moe.experts.parameters()]
     for r in ep_ranks:  # the expert-parallel group's tokens, each batch gated alone
@@ -267,7 +268,7 @@ def _ep_case(ep: int, k: int, drop: bool, residual: bool) -> dict:
             "counts": (counts.tolist(), mine[2]),
             "gate_grad": float((layer.deepspeed_moe.gate.wg.weight.grad - mine[3]).abs().max()),
             "expert_grad": max(float((g - e).abs().max()) for g, e in zip(got_local, want_local)),
-            "a2a": (a2a_forward, a2a_total), "dispatched": dispatched, "tokens": x.shape[0] * x.shape[1]}
+            "a2a": (a2a_forward, a2a_total), "a2a_bytes": (a2a_bytes, 2 * EXPERTS * slots * HIDDEN * 4), "dispatched": dispatched, "tokens": x.shape[0] * x.shape[1]}
 
 
 def _check_cases(results: list[list[dict]], cases) -> None:
@@ -278,6 +279,7 @@ def _check_cases(results: list[list[dict]], cases) -> None:
             assert got["l_aux"][0] == pytest.approx(got["l_aux"][1], rel=1e-6), where
             assert got["counts"][0] == got["counts"][1], where
             assert got["a2a"] == (2, 4), where  # one all-to-all each way, forward and backward
+            assert got["a2a_bytes"][0] == got["a2a_bytes"][1], where  # E x C x M fp32 elements each way
             if drop:
                 assert got["dispatched"] < got["tokens"] * k, where  # the skew makes experts overflow
             else:

@@ -26,14 +26,16 @@ class Experts(torch.nn.Module):
         expert: a module mapping [..., M] to [..., M] (or a tuple whose
             first element is that).
         num_local_experts: the copies this rank holds.
-        group_name: the expert groups' name, set on every parameter.
+        expert_group_name: the expert groups' name ("ep_size_<P>"), set on
+            every parameter.
     """
 
-    def __init__(self, expert: torch.nn.Module, num_local_experts: int, group_name: str) -> None:
+    def __init__(self, expert: torch.nn.Module, num_local_experts: int = 1,
+                 expert_group_name: str = "ep_size_1") -> None:
         super().__init__()
         self.deepspeed_experts = torch.nn.ModuleList(copy.deepcopy(expert) for _ in range(num_local_experts))
         self.num_local_experts = num_local_experts
-        mark_expert_params(self, group_name)
+        mark_expert_params(self, expert_group_name)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [G, L, C, M] (G source ranks, L = num_local_experts, C slots)

@@ -94,6 +94,10 @@ class MoE(torch.nn.Module):
         use_rts: Random Token Selection for top-1 drops.
         top2_2nd_expert_sampling: Gumbel-noised second choice for k = 2.
 
+    The expert groups are made at construction when torch.distributed is
+    initialised (collective: every rank builds its layers in one order),
+    else at the first forward.
+
     Raises:
         ValueError: num_experts not a multiple of ep_size; ep_size not a
             divisor of the data-parallel size; a bad gate argument.
