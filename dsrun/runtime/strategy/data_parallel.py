@@ -446,9 +446,10 @@ class AllReduceStrategy(GradientStrategy):
         # Gradients are identical on every rank after the all-reduce, so the
         # local norm is the data-parallel norm: no communication needed
         # (unless the model is split over stages or holds experts).
-        norm = torch.nn.utils.get_total_norm([sparse.norm_view(p.grad) for p in params], norm_type=2.0)
         if self._experts:
             norm = self._with_experts_norm(params)
+        else:
+            norm = torch.nn.utils.get_total_norm([sparse.norm_view(p.grad) for p in params], norm_type=2.0)
         if self.stages is not None:
             dup = [sparse.norm_view(p.grad) for p in params if id(p) in self.stages.duplicates]
             dup_sq = torch.nn.utils.get_total_norm(dup, norm_type=2.0).square() if dup else 0.0
