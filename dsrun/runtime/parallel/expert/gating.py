@@ -73,10 +73,11 @@ def multiplicative_jitter(x: torch.Tensor, epsilon: float = 1e-2) -> torch.Tenso
     return x * torch.empty_like(x).uniform_(1.0 - epsilon, 1.0 + epsilon)
 
 
-def _dropless_capacity(exp_counts: torch.Tensor, ep_group) -> int:
-    """The largest per-expert token count over the expert-parallel group
-    (an all-reduce MAX, collective over `ep_group` when it has > 1 rank)."""
-    most = exp_counts.max().reshape(1).to(torch.int64)
+def _dropless_capacity(counts: torch.Tensor, ep_group) -> int:
+    """The largest per-expert token count (`counts` [E], on the tokens'
+    device) over the expert-parallel group (an all-reduce MAX, collective
+    over `ep_group` when it has > 1 rank)."""
+    most = counts.max().reshape(1).to(torch.int64)
     if ep_group is not None and comm.get_world_size(ep_group) > 1:
         comm.all_reduce(most, op=comm.ReduceOp.MAX, group=ep_group)
     return max(int(most.item()), 1)
@@ -108,7 +109,7 @@ def top1_gating(logits: torch.Tensor, capacity_factor: float, min_capacity: int,
     mask = F.one_hot(chooser.argmax(dim=1), num_classes=num_experts)
     if used_token is not None:
         mask = mask * used_token.reshape(-1, 1).to(mask.dtype)
-    exp_counts = mask.sum(dim=0).detach().cpu()
+    counts = mask.sum(dim=0).detach()
     l_aux = (gates.mean(dim=0) * mask.float().mean(dim=0)).sum() * num_experts
     if drop_tokens:
         if num_tokens < min_capacity:
@@ -122,10 +123,10 @@ def top1_gating(logits: torch.Tensor, capacity_factor: float, min_capacity: int,
         else:
             mask = mask * ((mask.cumsum(dim=0) - 1) < cap)
     else:
-        cap = _dropless_capacity(exp_counts, ep_group)
+        cap = _dropless_capacity(counts, ep_group)
     locations = mask.cumsum(dim=0) - 1
     combine = _slots(mask, locations, gates, cap)
-    return GateOutput(l_aux, combine, combine.bool(), exp_counts)
+    return GateOutput(l_aux, combine, combine.bool(), counts.cpu())
 
 
 def top2_gating(logits: torch.Tensor, capacity_factor: float, min_capacity: int, *,
@@ -143,19 +144,19 @@ def top2_gating(logits: torch.Tensor, capacity_factor: float, min_capacity: int,
     mask2 = F.one_hot(noisy.masked_fill(mask1.bool(), float("-inf")).argmax(dim=1), num_classes=num_experts)
     locations1 = mask1.cumsum(dim=0) - 1
     locations2 = mask2.cumsum(dim=0) - 1 + mask1.sum(dim=0, keepdim=True)
-    exp_counts = (mask1 + mask2).sum(dim=0).detach().cpu()
+    counts = (mask1 + mask2).sum(dim=0).detach()
     l_aux = (gates.mean(dim=0) * mask1.float().mean(dim=0)).sum() * num_experts
     if drop_tokens:
         cap = capacity(num_tokens, num_experts, capacity_factor * 2, min_capacity)
         mask1 = mask1 * (locations1 < cap)
         mask2 = mask2 * (locations2 < cap)
     else:
-        cap = _dropless_capacity(exp_counts, ep_group)
+        cap = _dropless_capacity(counts, ep_group)
     gate1 = (gates * mask1).sum(dim=1, keepdim=True)
     gate2 = (gates * mask2).sum(dim=1, keepdim=True)
     denom = (gate1 + gate2).clamp(min=torch.finfo(gates.dtype).eps)
     combine = _slots(mask1, locations1, gate1 / denom, cap) + _slots(mask2, locations2, gate2 / denom, cap)
-    return GateOutput(l_aux, combine, combine.bool(), exp_counts)
+    return GateOutput(l_aux, combine, combine.bool(), counts.cpu())
 
 
 def topk_gating(logits: torch.Tensor, k: int, capacity_factor: float, min_capacity: int, *,
@@ -167,7 +168,7 @@ def topk_gating(logits: torch.Tensor, k: int, capacity_factor: float, min_capaci
     num_tokens, num_experts = logits.shape
     gates = F.softmax(logits, dim=1)
     mask = torch.zeros_like(gates, dtype=torch.int64).scatter_(1, gates.topk(k, dim=1).indices, 1)
-    exp_counts = mask.sum(dim=0).detach().cpu()
+    counts = mask.sum(dim=0).detach()
     l_aux = (gates.mean(dim=0) * mask.float().mean(dim=0)).sum() * num_experts / k
     if drop_tokens:
         cap = capacity(num_tokens, num_experts, capacity_factor * k, min_capacity)
@@ -175,12 +176,12 @@ def topk_gating(logits: torch.Tensor, k: int, capacity_factor: float, min_capaci
         kept = torch.zeros_like(mask).scatter_(0, score.topk(min(cap, num_tokens), dim=0).indices, 1)
         mask = mask * kept
     else:
-        cap = _dropless_capacity(exp_counts, ep_group)
+        cap = _dropless_capacity(counts, ep_group)
     locations = mask.cumsum(dim=0) - 1
     kept_gates = gates * mask
     weights = kept_gates / kept_gates.sum(dim=1, keepdim=True).clamp(min=torch.finfo(gates.dtype).eps)
     combine = _slots(mask, locations, weights, cap)
-    return GateOutput(l_aux, combine, combine.bool(), exp_counts)
+    return GateOutput(l_aux, combine, combine.bool(), counts.cpu())
 
 
 class TopKGate(torch.nn.Module):
