@@ -143,6 +143,8 @@ def test_residual_mix_and_outputs():
     assert l_aux.dim() == 0 and counts.sum() == 12
     assert all(p.allreduce is False and p.group_name == "ep_size_1" for p in layer.deepspeed_moe.experts.parameters())
     assert not hasattr(layer.mlp.weight, "allreduce")
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the router stays fp32 under autocast
+        assert layer(x)[1].dtype == torch.float32
     with pytest.raises(ValueError, match="multiple of ep_size"):
         MoE(HIDDEN, torch.nn.Linear(HIDDEN, HIDDEN), num_experts=3, ep_size=2)
 

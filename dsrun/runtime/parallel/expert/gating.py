@@ -233,7 +233,8 @@ class TopKGate(torch.nn.Module):
         policy = self.noisy_gate_policy if self.training else None
         if policy == "Jitter":
             x = multiplicative_jitter(x)
-        logits = F.linear(x, self.wg.weight.float())
+        with torch.autocast(device_type=x.device.type, enabled=False):  # routing stays fp32 under autocast
+            logits = F.linear(x, self.wg.weight.float())
         factor = self.capacity_factor if self.training else self.eval_capacity_factor
         if self.k == 1:
             return top1_gating(logits, factor, self.min_capacity, noisy_gate_policy=policy,
