@@ -1,4 +1,4 @@
-"""`deepspeed.moe`: Mixture of Experts. The expert-parallel layer is not
-implemented (`layer.MoE` raises naming the feature); `utils` has the
-parameter-group helper scripts call unconditionally, which works on any model."""
-from dsrun.moe import layer, utils  # noqa: F401 - `deepspeed.moe.layer.MoE` as an attribute path
+"""`deepspeed.moe`: Mixture of Experts with expert parallelism (`layer.MoE`,
+`experts.Experts`; implemented in dsrun/runtime/parallel/expert/) and
+`utils`, the optimizer parameter-group helper for expert parameters."""
+from dsrun.moe import experts, layer, utils  # noqa: F401 - `deepspeed.moe.layer.MoE` as an attribute path

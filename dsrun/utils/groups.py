@@ -12,11 +12,13 @@ DeepSpeed's meanings, which differ between the private and public names:
 - `_get_sequence_data_parallel_*`: data x sequence, ZeRO's group under
   sequence parallelism.
 
-Expert parallelism is not part of the mesh yet: its world size is 1.
+- `_get_expert_*(group_name)`: the expert-parallel and expert-data-parallel
+  groups of the MoE layers (runtime/parallel/expert/groups.py).
 A group of one rank is a one-rank process group (ParallelMesh.group).
 """
 from __future__ import annotations
 
+from dsrun.runtime.parallel.expert.groups import create_expert_groups, expert_group_names, expert_groups
 from dsrun.runtime.parallel.mesh import current
 
 
@@ -77,8 +79,70 @@ def _get_broadcast_src_rank() -> int:
     return current().ranks("sequence_data")[0]
 
 
-def _get_expert_parallel_world_size(group_name: str | None = None) -> int:
-    return 1
+# Expert parallelism (runtime/parallel/expert/groups.py [Note: expert groups]):
+# `group_name` is "ep_size_<P>", the name an MoE layer gives its expert
+# parameters; asking for a name no layer made yet makes its groups
+# (collective over the job, as DeepSpeed's _create_expert_and_data_parallel).
+
+def _create_expert_and_data_parallel(expert_parallel_size_: int) -> None:
+    """Make the expert-parallel and expert-data-parallel groups of degree
+    `expert_parallel_size_` (collective over every rank)."""
+    create_expert_groups(expert_parallel_size_)
+
+
+def _get_expert_parallel_group(group_name: str):
+    return expert_groups(group_name).ep_group
+
+
+def _get_expert_parallel_group_dict() -> dict:
+    return {name: expert_groups(name).ep_group for name in expert_group_names()}
+
+
+def _get_expert_parallel_world_size(group_name: str) -> int:
+    return expert_groups(group_name).expert_parallel.size
+
+
+def _get_expert_parallel_rank(group_name: str) -> int:
+    return expert_groups(group_name).expert_parallel.rank
+
+
+def _get_expert_parallel_src_rank(group_name: str) -> int:
+    """The first global rank of this rank's expert-parallel group."""
+    return expert_groups(group_name).expert_parallel.ranks[0]
+
+
+def _get_expert_parallel_group_ranks(group_name: str) -> list[int]:
+    return list(expert_groups(group_name).expert_parallel.ranks)
+
+
+def _get_expert_data_parallel_group(group_name: str):
+    return expert_groups(group_name).expert_data_group
+
+
+def _get_expert_data_parallel_group_dict() -> dict:
+    return {name: expert_groups(name).expert_data_group for name in expert_group_names()}
+
+
+def _get_expert_data_parallel_world_size(group_name: str) -> int:
+    return expert_groups(group_name).expert_data_parallel.size
+
+
+def _get_expert_data_parallel_rank(group_name: str) -> int:
+    return expert_groups(group_name).expert_data_parallel.rank
+
+
+def _get_expert_data_parallel_group_ranks(group_name: str) -> list[int]:
+    return list(expert_groups(group_name).expert_data_parallel.ranks)
+
+
+def _get_max_expert_size() -> int | None:
+    """The largest expert-parallel degree made so far (None: no MoE layer)."""
+    sizes = [expert_groups(name).expert_parallel.size for name in expert_group_names()]
+    return max(sizes) if sizes else None
+
+
+def _get_max_expert_size_name() -> str:
+    return f"ep_size_{_get_max_expert_size()}"
 
 
 def get_tensor_model_parallel_group():

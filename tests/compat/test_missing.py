@@ -30,20 +30,19 @@ def test_from_import_of_missing_module():
         from dsrun.inference import InferenceEngine  # noqa: F401
 
 
-def test_moe_layer_raises_and_param_groups_split():
+def test_moe_layer_marks_experts_and_param_groups_split():
     """CIFAR-10's example imports deepspeed.moe.utils unconditionally and builds
-    deepspeed.moe.layer.MoE only with --moe."""
+    deepspeed.moe.layer.MoE with --moe: its expert parameters go to a group of
+    their own, named after the expert groups."""
     from dsrun.moe.layer import MoE
     from dsrun.moe.utils import split_params_into_different_moe_groups_for_optimizer
-    with pytest.raises(NotImplementedError, match="Mixture of Experts layer"):
-        deepspeed.moe.layer.MoE(hidden_size=8, expert=torch.nn.Linear(8, 8), num_experts=2)
-    assert MoE is deepspeed.moe.layer.MoE
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
-    expert = model[1].weight
-    expert.allreduce, expert.group_name = False, "ep_size_1"
+    assert MoE is deepspeed.moe.layer.MoE and deepspeed.moe.experts.Experts
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), MoE(hidden_size=4, expert=torch.nn.Linear(4, 4),
+                                                           num_experts=2))
     groups = split_params_into_different_moe_groups_for_optimizer({"params": model.parameters(), "lr": 0.1})
-    assert [len(g["params"]) for g in groups] == [3, 1] and groups[1]["moe"] and groups[1]["name"] == "ep_size_1"
-    assert groups[1]["params"][0] is expert and groups[0]["lr"] == groups[1]["lr"] == 0.1
+    assert [len(g["params"]) for g in groups] == [3, 4] and groups[1]["moe"] and groups[1]["name"] == "ep_size_1"
+    experts = set(map(id, model[1].deepspeed_moe.experts.parameters()))
+    assert set(map(id, groups[1]["params"])) == experts and groups[0]["lr"] == groups[1]["lr"] == 0.1
 
 
 @pytest.mark.parametrize("name", sorted(MISSING_ATTRS))

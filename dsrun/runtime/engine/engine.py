@@ -19,6 +19,7 @@ from dsrun.runtime.compression import build_compression_strategy, takes_over
 from dsrun.runtime.config import DsConfig
 from dsrun.runtime.strategy.data_parallel import AllReduceStrategy, GradientStrategy
 from dsrun.runtime.distributed.dist import Topology
+from dsrun.runtime.parallel.expert.groups import is_expert_param
 from dsrun.runtime.engine.compat import DeepSpeedEngineCompat
 from dsrun.runtime.observability.logging import ProgressLog, log_rank0, logger
 from dsrun.runtime.memory.profile import MemoryProfiler, format_memory_profile, no_phase, recorded_phases
@@ -44,20 +45,27 @@ def build_strategy(cfg: DsConfig, module: torch.nn.Module, optimizer: torch.opti
     Raises:
         ValueError: a data group with a strategy that cannot take one (the
             1-bit optimizers).
+        NotImplementedError: expert (MoE) parameters with any strategy but
+            AllReduceStrategy (see [Note: expert gradients] in
+            strategy/data_parallel.py).
     """
-    if cfg.sparse_gradients and topology.is_rank_zero and (
-            takes_over(cfg, optimizer) or cfg.zero_optimization.stage > 0 or cfg.fp16.enabled
-            or cfg.bf16.enabled or cfg.communication_data_type not in (None, "fp32")):
+    zero_path = takes_over(cfg, optimizer) or cfg.zero_optimization.stage > 0 or cfg.fp16.enabled \
+        or cfg.bf16.enabled or cfg.communication_data_type not in (None, "fp32")
+    if cfg.sparse_gradients and topology.is_rank_zero and zero_path:
         logger.warning("sparse_gradients acts at ZeRO stage 0 in fp32 only (DeepSpeed's ZeRO and 1-bit "
                        "optimizers also reduce every gradient densely); embedding gradients are reduced "
                        "densely in this run")
+    if zero_path and any(is_expert_param(p) for p in module.parameters()):
+        raise NotImplementedError(
+            "the model has Mixture-of-Experts parameters (allreduce=False), which dsrun reduces over their "
+            "expert-data-parallel group at ZeRO stage 0 in fp32 only so far; set zero_optimization.stage "
+            "to 0, leave fp16/bf16 off and use a plain torch optimizer (not 1-bit)")
     if takes_over(cfg, optimizer):
         if data_group is not None:
             raise ValueError("the 1-bit optimizers (OneBitAdam, ZeroOneAdam, OneBitLamb) average over "
                              "every rank and cannot run inside a pipeline yet; use Adam/AdamW")
         return build_compression_strategy(cfg, module, optimizer, topology)
-    if (cfg.zero_optimization.stage > 0 or cfg.fp16.enabled or cfg.bf16.enabled
-            or cfg.communication_data_type not in (None, "fp32")):
+    if zero_path:
         return build_zero_strategy(cfg, module, optimizer, topology, group=data_group)
     return AllReduceStrategy(module, optimizer, topology,
                              bucket_size=cfg.zero_optimization.reduce_bucket_size, group=data_group,

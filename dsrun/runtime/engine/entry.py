@@ -31,6 +31,7 @@ from dsrun.runtime.observability.logging import logger
 # is an attribute of `deepspeed.runtime` (Accelerate reads it so, without importing it).
 from dsrun.runtime.lr_schedules import build_lr_scheduler
 from dsrun.runtime.optim.optimizers import build_optimizer
+from dsrun.runtime.parallel.expert.groups import expert_group_name_of, expert_groups, is_expert_param
 from dsrun.runtime.parallel.mesh import ParallelMesh, current, set_current
 from dsrun.runtime.parallel.model_parallel import attach_model_parallel
 from dsrun.runtime.parallel.pipe.engine import PipelineEngine, check_pipeline_config, tie_weights
@@ -86,10 +87,17 @@ def _config_source(args: Any, config: ConfigSource | None,
 
 def _broadcast_module(module: torch.nn.Module, src: int = 0, group=None) -> None:
     """Give every rank of `group` (default: all) global rank `src`'s parameters
-    and buffers (different seeds must not diverge)."""
+    and buffers (different seeds must not diverge). An expert parameter of an
+    MoE layer comes instead from the first rank of its expert-data-parallel
+    group (the ranks of an expert-parallel group hold different experts)."""
     with torch.no_grad():
         for tensor in list(module.parameters()) + list(module.buffers()):
-            comm.broadcast(tensor.data, src=src, group=group)
+            if is_expert_param(tensor):
+                experts = expert_groups(expert_group_name_of(tensor))
+                comm.broadcast(tensor.data, src=experts.expert_data_parallel.ranks[0],
+                               group=experts.expert_data_group)
+            else:
+                comm.broadcast(tensor.data, src=src, group=group)
 
 
 def pipeline_mesh(module: PipelineModule) -> ParallelMesh:

@@ -233,10 +233,7 @@ class ParallelMesh:
         made on first request by this rank only (not collective), so that
         DeepSpeed-style code passing it to a collective never reaches the
         whole job; None when torch.distributed is not initialised."""
-        record = self.axis_group(axis)
-        if record.group is not None or not dist.is_initialized():
-            return record.group
-        return _alone_group()
+        return torch_group(self.axis_group(axis))
 
     def rank(self, axis: str) -> int:
         """This rank's rank in its group along `axis` (its coordinate on a
@@ -367,3 +364,12 @@ def current() -> ParallelMesh:
         default = _Current.default = ParallelMesh.build(comm.get_world_size())
     return default
 
+
+
+def torch_group(record: MeshGroup) -> ProcessGroup | None:
+    """The process group to pass to a collective for `record`: its own, or
+    for a group of this rank alone a one-rank group (see ParallelMesh.group);
+    None when torch.distributed is not initialised."""
+    if record.group is not None or not dist.is_initialized():
+        return record.group
+    return _alone_group()

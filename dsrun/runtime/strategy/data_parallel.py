@@ -25,6 +25,7 @@ from dsrun.runtime import comm
 from dsrun.runtime.checkpoint.pieces import HeldPiece
 from dsrun.runtime.comm.collectives import overlapped_all_reduce
 from dsrun.runtime.distributed.dist import Topology
+from dsrun.runtime.parallel.expert.groups import expert_group_name_of, expert_groups, is_expert_param
 from dsrun.runtime.strategy import sparse
 from dsrun.runtime.strategy.hooks import HookSet
 from dsrun.runtime.memory.accounting import tensor_breakdown
@@ -260,6 +261,7 @@ class _Bucket:
 
     params: list[torch.nn.Parameter]
     flat: torch.Tensor
+    group: object = None  # the process group it is summed over (None: every rank)
     ready: set[int] = dataclasses.field(default_factory=set)
     handle: comm.Handle | None = None
 
@@ -267,8 +269,10 @@ class _Bucket:
         return len(self.ready) == len(self.params)
 
 
-def plan_buckets(params: list[torch.nn.Parameter], bucket_size: int) -> list[list[torch.nn.Parameter]]:
-    """Split `params` (in order) into runs of at most `bucket_size` elements of one dtype/device.
+def plan_buckets(params: list[torch.nn.Parameter], bucket_size: int,
+                 key=lambda p: None) -> list[list[torch.nn.Parameter]]:
+    """Split `params` (in order) into runs of at most `bucket_size` elements
+    of one dtype/device and one `key(p)` (e.g. the group they are reduced over).
 
     A parameter larger than `bucket_size` gets a bucket of its own.
 
@@ -281,7 +285,8 @@ def plan_buckets(params: list[torch.nn.Parameter], bucket_size: int) -> list[lis
     current: list[torch.nn.Parameter] = []
     size = 0
     for p in params:
-        same_kind = not current or (p.dtype == current[0].dtype and p.device == current[0].device)
+        same_kind = not current or (p.dtype == current[0].dtype and p.device == current[0].device
+                                    and key(p) == key(current[0]))
         if current and (size + p.numel() > bucket_size or not same_kind):
             buckets.append(current)
             current, size = [], 0
@@ -317,6 +322,17 @@ class AllReduceStrategy(GradientStrategy):
     or partly before it (prescale_gradients, gradient_predivide_factor: see
     [Note: dividing around the reduction] in optim/precision.py).
 
+    [Note: expert gradients]
+    An expert parameter of an MoE layer (`allreduce = False`, `group_name`;
+    runtime/parallel/expert/groups.py) sits in buckets of its own, summed
+    over its expert-data-parallel group only (the ranks holding the same
+    experts), then divided like the others by the data-parallel size: each
+    copy of an expert has seen the tokens of its whole expert-parallel
+    group, so the sum over its expert-data group covers every data rank
+    once and the result is the data-parallel average. Expert gradients
+    differ across an expert-parallel group, so the step's norm adds their
+    squares over it (each expert counted once).
+
     Args:
         module: the model (parameters with requires_grad are reduced).
         optimizer: a torch optimizer over (some of) module's parameters.
@@ -340,18 +356,29 @@ class AllReduceStrategy(GradientStrategy):
         self._before, self._after = division.divisors(comm.get_world_size(group))
         self._params = [p for p in module.parameters() if p.requires_grad]
         self._by_rows = sparse.embedding_weights(module) if sparse_gradients else []
-        by_rows = {id(p) for p in self._by_rows}
+        self._experts = {name: expert_groups(name) for name in
+                         sorted({expert_group_name_of(p) for p in self._params if is_expert_param(p)})}
+        by_rows = {id(p) for p in self._by_rows if not is_expert_param(p)}
+        self._by_rows = [p for p in self._by_rows if id(p) in by_rows]
         allocator.adopt_parameters(module.parameters())  # kept in place: onto dsrun's huge pages
         self._names = {id(p): n for n, p in module.named_parameters()}
         self._buckets = [
-            _Bucket(ps, torch.zeros(sum(p.numel() for p in ps), dtype=ps[0].dtype, device=ps[0].device))
-            for ps in plan_buckets([p for p in reversed(self._params) if id(p) not in by_rows], bucket_size)
+            _Bucket(ps, torch.zeros(sum(p.numel() for p in ps), dtype=ps[0].dtype, device=ps[0].device),
+                    self._reduction_group(ps[0]))
+            for ps in plan_buckets([p for p in reversed(self._params) if id(p) not in by_rows], bucket_size,
+                                   key=lambda p: expert_group_name_of(p) if is_expert_param(p) else None)
         ]
         self._attach_grads()
         self._bucket_of = {id(p): i for i, b in enumerate(self._buckets) for p in b.params}
         self._next_bucket = 0
         self._syncing = False
         self._register_hooks()
+
+    def _reduction_group(self, param: torch.nn.Parameter):
+        """The group `param`'s gradient is summed over (see [Note: expert gradients])."""
+        if is_expert_param(param):
+            return self._experts[expert_group_name_of(param)].expert_data_group
+        return self._group
 
     def _register_hooks(self) -> None:
         """The gradient hook of every trainable parameter (see [Note: bucket order])."""
@@ -395,7 +422,7 @@ class AllReduceStrategy(GradientStrategy):
             bucket = self._buckets[self._next_bucket]
             if self._before != 1.0:
                 bucket.flat.div_(self._before)
-            bucket.handle = overlapped_all_reduce(bucket.flat, group=self._group)
+            bucket.handle = overlapped_all_reduce(bucket.flat, group=bucket.group)
             self._next_bucket += 1
 
     def _flush(self) -> None:
@@ -418,8 +445,11 @@ class AllReduceStrategy(GradientStrategy):
         params = [p for p in self._params if p.grad is not None]
         # Gradients are identical on every rank after the all-reduce, so the
         # local norm is the data-parallel norm: no communication needed
-        # (unless the model is split over stages).
-        norm = torch.nn.utils.get_total_norm([sparse.norm_view(p.grad) for p in params], norm_type=2.0)
+        # (unless the model is split over stages or holds experts).
+        if self._experts:
+            norm = self._with_experts_norm(params)
+        else:
+            norm = torch.nn.utils.get_total_norm([sparse.norm_view(p.grad) for p in params], norm_type=2.0)
         if self.stages is not None:
             dup = [sparse.norm_view(p.grad) for p in params if id(p) in self.stages.duplicates]
             dup_sq = torch.nn.utils.get_total_norm(dup, norm_type=2.0).square() if dup else 0.0
@@ -433,6 +463,23 @@ class AllReduceStrategy(GradientStrategy):
             torch.nn.utils.clip_grads_with_norm_(params, max_grad_norm, norm)
         self.optimizer.step()
         return StepOutcome(grad_norm=float(norm), applied=True)
+
+    def _with_experts_norm(self, params: list[torch.nn.Parameter]) -> torch.Tensor:
+        """The norm over this rank's plain gradients and every expert's
+        gradient of its expert-parallel groups (see [Note: expert gradients];
+        an all-reduce per expert group name)."""
+        def sq_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+            if not grads:
+                return torch.zeros(1, dtype=torch.float32, device=params[0].device if params else "cpu")
+            return torch.nn.utils.get_total_norm(grads, norm_type=2.0).float().square().reshape(1)
+
+        total = sq_norm([sparse.norm_view(p.grad) for p in params if not is_expert_param(p)])
+        for name, groups in self._experts.items():
+            sq = sq_norm([p.grad for p in params if is_expert_param(p) and expert_group_name_of(p) == name])
+            if groups.expert_parallel.size > 1:
+                comm.all_reduce(sq, group=groups.ep_group)
+            total = total + sq
+        return total.sqrt()[0]
 
     def zero_grad(self) -> None:
         for bucket in self._buckets:

@@ -1,0 +1,247 @@
+"""Token-choice gating for Mixture of Experts: top-1 (Switch), top-2
+(GShard) and top-k, with expert capacity and the load-balancing loss.
+
+[Note: the gating outputs]
+For S tokens and E experts a gate returns, in fp32:
+
+- combine_weights [S, E, C]: the weight of token s in expert e's output at
+  capacity slot c (zero where s is not in that slot);
+- dispatch_mask [S, E, C] (bool): combine_weights != 0, the token-to-slot
+  assignment the dispatch uses;
+- l_aux (scalar): the auxiliary load-balancing loss;
+- exp_counts [E] (int64, CPU): how many tokens chose each expert before any
+  was dropped (with k > 1 each choice counts).
+
+C, the capacity, is ceil(S / E x capacity_factor x k), at least
+`min_capacity`; a token whose choice of expert finds the expert full is
+dropped for that choice (its output there is zero; the layer's residual
+connection, if any, carries it). With drop_tokens=False the capacity is the
+largest number of tokens any expert got on any rank of the expert-parallel
+group (an all-reduce MAX over it), so no token is dropped and every rank
+still exchanges blocks of one size.
+
+Which tokens keep their place when an expert is full:
+- top-1 with use_rts (Random Token Selection, DeepSpeed-MoE): a uniformly
+  random subset of the tokens that chose it; without it, the first in
+  token order (GShard's policy);
+- top-2: first choices before second choices, each in token order (GShard,
+  Lepikhin et al. 2020, Algorithm 1);
+- top-k (k > 2): the tokens with the largest gate probability for it.
+
+The load-balancing loss is E x sum_e(me_e x ce_e) with me_e the mean gate
+probability of expert e over the tokens and ce_e the fraction of tokens
+whose first choice is e (Switch Transformer, Fedus et al. 2021, eq. 4-6;
+GShard); for k > 2 ce counts every choice and the loss is divided by k.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from dsrun.runtime import comm
+
+NOISY_GATE_POLICIES = (None, "Jitter", "RSample")
+
+
+class GateOutput(NamedTuple):
+    """What a gate returns (see [Note: the gating outputs]), in the order of
+    DeepSpeed's gating functions' tuples."""
+
+    l_aux: torch.Tensor
+    combine_weights: torch.Tensor
+    dispatch_mask: torch.Tensor
+    exp_counts: torch.Tensor
+
+
+def capacity(num_tokens: int, num_experts: int, capacity_factor: float, min_capacity: int) -> int:
+    """Slots per expert: ceil(num_tokens / num_experts x capacity_factor), at least min_capacity."""
+    return max(math.ceil(num_tokens / num_experts * capacity_factor), min_capacity)
+
+
+def gumbel_noise(shape: torch.Size, device: torch.device) -> torch.Tensor:
+    """Standard Gumbel samples (fp32) of `shape`: -log(-log(U)), U ~ Uniform(0, 1)."""
+    u = torch.rand(shape, device=device).clamp_(min=1e-20, max=1.0 - 1e-7)
+    return -torch.log(-torch.log(u))
+
+
+def multiplicative_jitter(x: torch.Tensor, epsilon: float = 1e-2) -> torch.Tensor:
+    """`x` times noise uniform in [1 - epsilon, 1 + epsilon] (Switch
+    Transformer's input jitter; DeepSpeed's "Jitter" policy)."""
+    return x * torch.empty_like(x).uniform_(1.0 - epsilon, 1.0 + epsilon)
+
+
+def _dropless_capacity(counts: torch.Tensor, ep_group) -> int:
+    """The largest per-expert token count (`counts` [E], on the tokens'
+    device) over the expert-parallel group (an all-reduce MAX, collective
+    over `ep_group` when it has > 1 rank)."""
+    most = counts.max().reshape(1).to(torch.int64)
+    if ep_group is not None and comm.get_world_size(ep_group) > 1:
+        comm.all_reduce(most, op=comm.ReduceOp.MAX, group=ep_group)
+    return max(int(most.item()), 1)
+
+
+def _slots(mask: torch.Tensor, locations: torch.Tensor, weights: torch.Tensor, cap: int) -> torch.Tensor:
+    """combine weights [S, E, cap]: weights[s, e] at slot locations[s, e]
+    wherever mask[s, e]."""
+    slot = F.one_hot((locations * mask).long(), num_classes=cap).to(weights.dtype)
+    return (weights * mask).unsqueeze(-1) * slot
+
+
+def top1_gating(logits: torch.Tensor, capacity_factor: float, min_capacity: int, *,
+                noisy_gate_policy: str | None = None, drop_tokens: bool = True, use_rts: bool = True,
+                ep_group=None, used_token: torch.Tensor | None = None) -> GateOutput:
+    """Top-1 (Switch) gating over `logits` [S, E] (fp32); see [Note: the gating outputs].
+
+    noisy_gate_policy "RSample" picks each token's expert on logits plus
+    Gumbel noise (the gate weight stays the noiseless probability).
+    used_token [S] (0/1), when given, masks tokens out of routing.
+
+    Raises:
+        ValueError: fewer tokens than min_capacity with drop_tokens (too
+            few tokens per batch to fill the minimum capacity).
+    """
+    num_tokens, num_experts = logits.shape
+    gates = F.softmax(logits, dim=1)
+    chooser = logits + gumbel_noise(logits.shape, logits.device) if noisy_gate_policy == "RSample" else gates
+    mask = F.one_hot(chooser.argmax(dim=1), num_classes=num_experts)
+    if used_token is not None:
+        mask = mask * used_token.reshape(-1, 1).to(mask.dtype)
+    counts = mask.sum(dim=0).detach()
+    l_aux = (gates.mean(dim=0) * mask.float().mean(dim=0)).sum() * num_experts
+    if drop_tokens:
+        if num_tokens < min_capacity:
+            raise ValueError(f"MoE gate: {num_tokens} tokens is fewer than min_capacity={min_capacity}; "
+                             "feed more tokens per batch or lower min_capacity")
+        cap = capacity(num_tokens, num_experts, capacity_factor, min_capacity)
+        if use_rts:
+            score = mask * torch.rand(mask.shape, device=mask.device)
+            kept = torch.zeros_like(mask).scatter_(0, score.topk(min(cap, num_tokens), dim=0).indices, 1)
+            mask = mask * kept
+        else:
+            mask = mask * ((mask.cumsum(dim=0) - 1) < cap)
+    else:
+        cap = _dropless_capacity(counts, ep_group)
+    locations = mask.cumsum(dim=0) - 1
+    combine = _slots(mask, locations, gates, cap)
+    return GateOutput(l_aux, combine, combine.bool(), counts.cpu())
+
+
+def top2_gating(logits: torch.Tensor, capacity_factor: float, min_capacity: int, *,
+                drop_tokens: bool = True, ep_group=None, second_expert_sampling: bool = True) -> GateOutput:
+    """Top-2 (GShard) gating over `logits` [S, E] (fp32), E >= 2; see
+    [Note: the gating outputs]. The second expert is the best other than the
+    first on logits plus Gumbel noise when `second_expert_sampling`
+    (DeepSpeed's top2_2nd_expert_sampling), else on the logits. A token's
+    gate weights are renormalised to sum to 1 over the choices that kept a
+    place (a token that lost one puts weight 1 on the other)."""
+    num_tokens, num_experts = logits.shape
+    gates = F.softmax(logits, dim=1)
+    mask1 = F.one_hot(gates.argmax(dim=1), num_classes=num_experts)
+    noisy = logits + gumbel_noise(logits.shape, logits.device) if second_expert_sampling else logits
+    mask2 = F.one_hot(noisy.masked_fill(mask1.bool(), float("-inf")).argmax(dim=1), num_classes=num_experts)
+    locations1 = mask1.cumsum(dim=0) - 1
+    locations2 = mask2.cumsum(dim=0) - 1 + mask1.sum(dim=0, keepdim=True)
+    counts = (mask1 + mask2).sum(dim=0).detach()
+    l_aux = (gates.mean(dim=0) * mask1.float().mean(dim=0)).sum() * num_experts
+    if drop_tokens:
+        cap = capacity(num_tokens, num_experts, capacity_factor * 2, min_capacity)
+        mask1 = mask1 * (locations1 < cap)
+        mask2 = mask2 * (locations2 < cap)
+    else:
+        cap = _dropless_capacity(counts, ep_group)
+    gate1 = (gates * mask1).sum(dim=1, keepdim=True)
+    gate2 = (gates * mask2).sum(dim=1, keepdim=True)
+    denom = (gate1 + gate2).clamp(min=torch.finfo(gates.dtype).eps)
+    combine = _slots(mask1, locations1, gate1 / denom, cap) + _slots(mask2, locations2, gate2 / denom, cap)
+    return GateOutput(l_aux, combine, combine.bool(), counts.cpu())
+
+
+def topk_gating(logits: torch.Tensor, k: int, capacity_factor: float, min_capacity: int, *,
+                drop_tokens: bool = True, ep_group=None) -> GateOutput:
+    """Top-k gating over `logits` [S, E] (fp32), k <= E; see [Note: the
+    gating outputs]. Each token goes to its k most probable experts, with
+    its kept probabilities renormalised to sum to 1; a full expert keeps the
+    tokens most probable for it."""
+    num_tokens, num_experts = logits.shape
+    gates = F.softmax(logits, dim=1)
+    mask = torch.zeros_like(gates, dtype=torch.int64).scatter_(1, gates.topk(k, dim=1).indices, 1)
+    counts = mask.sum(dim=0).detach()
+    l_aux = (gates.mean(dim=0) * mask.float().mean(dim=0)).sum() * num_experts / k
+    if drop_tokens:
+        cap = capacity(num_tokens, num_experts, capacity_factor * k, min_capacity)
+        score = gates.detach().masked_fill(mask == 0, float("-inf"))
+        kept = torch.zeros_like(mask).scatter_(0, score.topk(min(cap, num_tokens), dim=0).indices, 1)
+        mask = mask * kept
+    else:
+        cap = _dropless_capacity(counts, ep_group)
+    locations = mask.cumsum(dim=0) - 1
+    kept_gates = gates * mask
+    weights = kept_gates / kept_gates.sum(dim=1, keepdim=True).clamp(min=torch.finfo(gates.dtype).eps)
+    combine = _slots(mask, locations, weights, cap)
+    return GateOutput(l_aux, combine, combine.bool(), counts.cpu())
+
+
+class TopKGate(torch.nn.Module):
+    """The router: a bias-free fp32 linear map from the model dimension to
+    E logits, then top-k gating (top1_gating, top2_gating, topk_gating).
+
+    Args:
+        model_dim: the hidden size M.
+        num_experts: E.
+        k: experts per token (1 <= k <= E).
+        capacity_factor / eval_capacity_factor: in training / eval mode.
+        min_capacity: fewest slots per expert.
+        noisy_gate_policy: None, "Jitter" (multiplicative noise on the
+            router's input) or "RSample" (Gumbel noise on the top-1 choice);
+            training only.
+        drop_tokens, use_rts: see [Note: the gating outputs].
+        second_expert_sampling: top-2's Gumbel-noised second choice.
+
+    Raises:
+        ValueError: k outside [1, E], or an unknown noisy_gate_policy
+            ("RSample" acts on top-1 gating only, as DeepSpeed's).
+    """
+
+    def __init__(self, model_dim: int, num_experts: int, k: int = 1, capacity_factor: float = 1.0,
+                 eval_capacity_factor: float = 1.0, min_capacity: int = 4,
+                 noisy_gate_policy: str | None = None, drop_tokens: bool = True, use_rts: bool = True,
+                 second_expert_sampling: bool = True) -> None:
+        super().__init__()
+        if not 1 <= k <= num_experts:
+            raise ValueError(f"MoE gate: k={k} must be between 1 and num_experts={num_experts}")
+        if noisy_gate_policy not in NOISY_GATE_POLICIES:
+            raise ValueError(f"MoE gate: noisy_gate_policy={noisy_gate_policy!r}; choose one of "
+                             f"{NOISY_GATE_POLICIES}")
+        self.wg = torch.nn.Linear(model_dim, num_experts, bias=False).float()
+        self.k = k
+        self.capacity_factor = capacity_factor
+        self.eval_capacity_factor = eval_capacity_factor
+        self.min_capacity = min_capacity
+        self.noisy_gate_policy = noisy_gate_policy
+        self.drop_tokens = drop_tokens
+        self.use_rts = use_rts
+        self.second_expert_sampling = second_expert_sampling
+
+    def forward(self, tokens: torch.Tensor, used_token: torch.Tensor | None = None,
+                ep_group=None) -> GateOutput:
+        """Gate `tokens` [S, M] (any float dtype; routed in fp32).
+        `ep_group` is needed with drop_tokens=False (the capacity agreement)."""
+        x = tokens.float()
+        policy = self.noisy_gate_policy if self.training else None
+        if policy == "Jitter":
+            x = multiplicative_jitter(x)
+        with torch.autocast(device_type=x.device.type, enabled=False):  # routing stays fp32 under autocast
+            logits = F.linear(x, self.wg.weight.float())
+        factor = self.capacity_factor if self.training else self.eval_capacity_factor
+        if self.k == 1:
+            return top1_gating(logits, factor, self.min_capacity, noisy_gate_policy=policy,
+                               drop_tokens=self.drop_tokens, use_rts=self.use_rts, ep_group=ep_group,
+                               used_token=used_token)
+        if self.k == 2:
+            return top2_gating(logits, factor, self.min_capacity, drop_tokens=self.drop_tokens,
+                               ep_group=ep_group, second_expert_sampling=self.second_expert_sampling)
+        return topk_gating(logits, self.k, factor, self.min_capacity, drop_tokens=self.drop_tokens,
+                           ep_group=ep_group)

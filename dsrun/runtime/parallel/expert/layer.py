@@ -1,0 +1,142 @@
+"""DeepSpeed's MoE layer: a gate, experts split over an expert-parallel
+group, and the two all-to-alls between them (DeepSpeed-MoE, Rajbhandari et
+al., ICML 2022; GShard, Lepikhin et al. 2020, section 2.2).
+
+[Note: one MoE forward]
+With S tokens on this rank, E experts over P expert-parallel ranks (L = E/P
+each) and capacity C:
+
+1. the gate assigns tokens to slots: dispatch [S, E, C];
+2. the tokens are packed into [E, C, M] (zeros in empty slots);
+3. all-to-all over the expert-parallel group: block p (experts p*L ..
+   p*L+L-1) goes to rank p, which receives [P, L, C, M], the slots of its
+   experts from every rank of the group;
+4. each local expert runs on its [P, C, M] slice;
+5. all-to-all back, so this rank again holds [E, C, M] for its own tokens;
+6. each token's output is the combine-weighted sum of its slots.
+
+Expert i of rank p is global expert p*L + i, so the same model with P = 1
+holds the same experts in the same order. Every rank exchanges E x C x M
+elements each way whatever the routing, so a rank that routes no token to
+an expert still takes part (no hang).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from dsrun.runtime import comm
+from dsrun.runtime.parallel.expert.experts import Experts, all_to_all
+from dsrun.runtime.parallel.expert.gating import TopKGate
+from dsrun.runtime.parallel.expert.groups import ExpertGroups, create_expert_groups, group_name
+
+
+class MOELayer(torch.nn.Module):
+    """The gate, this rank's experts and the exchange ([Note: one MoE forward]).
+
+    Attributes after a forward: l_aux (the gate's load-balancing loss),
+    exp_counts ([E] int64, tokens per expert before drops, this rank).
+    """
+
+    def __init__(self, gate: TopKGate, experts: Experts, ep_size: int, num_local_experts: int) -> None:
+        super().__init__()
+        self.gate = gate
+        self.experts = experts
+        self.ep_size = ep_size
+        self.num_local_experts = num_local_experts
+        self.expert_group_name = group_name(ep_size)
+        self.l_aux: torch.Tensor | None = None
+        self.exp_counts: torch.Tensor | None = None
+
+    def groups(self) -> ExpertGroups:
+        """This layer's expert groups on the current mesh (made on the first
+        call: collective, see groups.py)."""
+        return create_expert_groups(self.ep_size)
+
+    def forward(self, hidden_states: torch.Tensor, used_token: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden_states [..., M] -> [..., M], same dtype. Collective over the
+        expert-parallel group (two all-to-alls; a MAX all-reduce too with
+        drop_tokens=False)."""
+        model_dim = hidden_states.shape[-1]
+        tokens = hidden_states.reshape(-1, model_dim)
+        ep_group = self.groups().ep_group  # None before torch.distributed is initialised (one rank)
+        routed = self.gate(tokens, used_token, ep_group=ep_group)
+        self.l_aux, self.exp_counts = routed.l_aux, routed.exp_counts
+        dispatched = torch.einsum("sec,sm->ecm", routed.dispatch_mask.to(tokens.dtype), tokens)
+        slots = dispatched.shape[1]
+        received = all_to_all(dispatched, ep_group)
+        out = self.experts(received.reshape(self.ep_size, self.num_local_experts, slots, model_dim))
+        returned = all_to_all(out.reshape(-1, slots, model_dim), ep_group)
+        combined = torch.einsum("sec,ecm->sm", routed.combine_weights.to(tokens.dtype), returned)
+        return combined.reshape(hidden_states.shape)
+
+
+class MoE(torch.nn.Module):
+    """DeepSpeed's `deepspeed.moe.layer.MoE`.
+
+    Args:
+        hidden_size: M, the last dimension of the input.
+        expert: the expert module ([..., M] -> [..., M]); this rank holds
+            num_experts / ep_size deep copies of it.
+        num_experts: E, experts in the layer over all expert-parallel ranks.
+        ep_size: P, the expert-parallel degree (a divisor of the data-parallel
+            size and of E); see groups.py [Note: expert groups].
+        k: experts per token (1: Switch, 2: GShard, more: top-k).
+        capacity_factor / eval_capacity_factor: capacity in training / eval
+            ([Note: the gating outputs] in gating.py).
+        min_capacity: fewest slots per expert.
+        use_residual: PR-MoE (DeepSpeed-MoE section 4.1): `expert` itself is
+            also kept as a dense MLP, and the output is
+            softmax(coefficient(x))[0] x moe(x) + [1] x mlp(x).
+        noisy_gate_policy: None, "Jitter" or "RSample" (training only).
+        drop_tokens: False for dropless routing (capacity agreed over the
+            expert-parallel group).
+        use_rts: Random Token Selection for top-1 drops.
+        top2_2nd_expert_sampling: Gumbel-noised second choice for k = 2.
+
+    The expert groups are made at construction when torch.distributed is
+    initialised (collective: every rank builds its layers in one order),
+    else at the first forward.
+
+    Raises:
+        ValueError: num_experts not a multiple of ep_size; ep_size not a
+            divisor of the data-parallel size; a bad gate argument.
+    """
+
+    def __init__(self, hidden_size: int, expert: torch.nn.Module, num_experts: int = 1, ep_size: int = 1,
+                 k: int = 1, capacity_factor: float = 1.0, eval_capacity_factor: float = 1.0,
+                 min_capacity: int = 4, use_residual: bool = False, noisy_gate_policy: str | None = None,
+                 drop_tokens: bool = True, use_rts: bool = True, top2_2nd_expert_sampling: bool = True) -> None:
+        super().__init__()
+        if isinstance(ep_size, bool) or not isinstance(ep_size, int) or ep_size < 1 \
+                or not isinstance(num_experts, int) or num_experts < 1 or num_experts % ep_size:
+            raise ValueError(f"MoE: num_experts={num_experts!r} must be a positive multiple of "
+                             f"ep_size={ep_size!r} (each expert-parallel rank holds num_experts / ep_size)")
+        self.use_residual = use_residual
+        self.enable_expert_tensor_parallelism = False
+        self.ep_size = ep_size
+        self.num_experts = num_experts
+        self.num_local_experts = num_experts // ep_size
+        self.expert_group_name = group_name(ep_size)
+        gate = TopKGate(hidden_size, num_experts, k, capacity_factor, eval_capacity_factor, min_capacity,
+                        noisy_gate_policy, drop_tokens, use_rts, top2_2nd_expert_sampling)
+        experts = Experts(expert, self.num_local_experts, self.expert_group_name)
+        self.deepspeed_moe = MOELayer(gate, experts, ep_size, self.num_local_experts)
+        if use_residual:
+            self.mlp = expert
+            self.coefficient = torch.nn.Linear(hidden_size, 2)
+        if comm.is_initialized():
+            self.deepspeed_moe.groups()  # collective: every rank builds its layers in one order
+
+    def forward(self, hidden_states: torch.Tensor, used_token: torch.Tensor | None = None):
+        """hidden_states [..., M] -> (output [..., M], l_aux (scalar fp32),
+        exp_counts ([E] int64 on CPU: tokens per expert on this rank before
+        drops)). The caller adds l_aux (times its coefficient) to the loss."""
+        output = self.deepspeed_moe(hidden_states, used_token)
+        if self.use_residual:
+            dense = self.mlp(hidden_states)
+            if isinstance(dense, tuple):
+                dense = dense[0]
+            mix = F.softmax(self.coefficient(hidden_states), dim=-1)
+            output = output * mix[..., 0:1] + dense * mix[..., 1:]
+        return output, self.deepspeed_moe.l_aux, self.deepspeed_moe.exp_counts
