@@ -110,6 +110,7 @@ def evaluate(engine, x: torch.Tensor, y: torch.Tensor) -> float:
         total += torch.tensor([engine(xb, yb).item() * xb.shape[0], xb.shape[0]], dtype=torch.float64)
     engine.train()
     if dist.is_initialized():
+        total = total.to(engine.device)  # NCCL reduces device tensors only
         dist.all_reduce(total)
     return (total[0] / total[1]).item()
 
@@ -137,6 +138,7 @@ def evaluate_pipeline(engine, x: torch.Tensor, y: torch.Tensor) -> float:
             for loss, (xb, _) in zip(losses, batches):
                 total += torch.tensor([loss.item() * xb.shape[0], xb.shape[0]], dtype=torch.float64)
     if dist.is_initialized():
+        total = total.to(engine.device)  # NCCL reduces device tensors only
         dist.all_reduce(total)
     return (total[0] / total[1]).item()
 
