@@ -50,6 +50,12 @@ def _channels(name: str, rank: int, peer: int, pids: list[int], tags, timeout_s:
     return out, inp
 
 
+def _close(*ends: dict) -> None:
+    for end in ends:
+        for ch in end.values():
+            ch.close()
+
+
 def _streams(name: str, count: int) -> int:
     import torch.distributed as dist
     rank, peer, pids = _setup(name)
@@ -67,8 +73,7 @@ def _streams(name: str, count: int) -> int:
     for h in handles:
         assert h.wait()
     dist.barrier()
-    for ch in (*out.values(), *inp.values()):
-        ch.close()
+    _close(out, inp)
     return received
 
 
@@ -131,6 +136,7 @@ def _sender_closes(name: str):
     assert torch.equal(inp[1].recv(torch.empty(3)), torch.ones(3))
     with pytest.raises(shm_comm.ShmChannelError) as info:
         inp[1].recv(torch.empty(3))
+    _close(out)
     return str(info.value)
 
 
@@ -150,6 +156,7 @@ def _silent_sender(name: str):
             inp[1].recv(torch.empty(4))
         result = (str(info.value), time.monotonic() - started)
     dist.barrier()  # rank 0 stays alive, sending nothing, until rank 1 gave up
+    _close(out, inp)
     return result
 
 
@@ -173,6 +180,7 @@ def _mismatch(name: str):
         with pytest.raises(shm_comm.ShmChannelError, match="failed earlier"):
             inp[2].recv(torch.empty(4))
     dist.barrier()
+    _close(out, inp)
     return result
 
 
