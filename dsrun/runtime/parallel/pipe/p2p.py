@@ -25,8 +25,8 @@ tag), a ring of slots the sender copies into and the receiver copies out of,
 so activations and gradients stay separate ordered streams as with tags.
 Elsewhere (ranks on different nodes, GPU tensors, DSRUN_SHM_COMM=0, the
 native op unavailable on either rank) they go through torch.distributed's
-isend/irecv (gloo over loopback TCP on one node, 2-10x slower per message:
-bench/pipeline/p2p_shm.py). Which ranks use which is agreed once when the
+isend/irecv (gloo over loopback TCP: on one node its median one-way time
+was 4-31x shm's up to 1 MiB and 1.6-3x above, bench/pipeline/README.md). Which ranks use which is agreed once when the
 link is made (shm_peers.py), so both ends of a pair always pick the same
 transport; every message of the pair then uses it. Sends stay asynchronous:
 a message that fits the ring's free slots is copied at once, the rest of a
