@@ -122,9 +122,9 @@ def _human(size: int) -> str:
 
 
 def report(samples: dict, sizes: list[int]) -> str:
-    """The table: per size and pattern, min / median / spread per transport, gloo / shm."""
-    lines = [f"{'size':>7} {'pattern':<9} {'transport':<5} {'best':>10} {'median':>10} {'spread':>7}  "
-             f"{'gloo/shm':>8}"]
+    """The table: per size and pattern, best / median / spread per transport, and the ratio of medians."""
+    lines = [(f"{'size':>7} {'pattern':<9} {'transport':<5} {'best':>10} {'median':>10} {'spread':>7}  "
+              f"{'gloo/shm':>8}")]
     for size in sizes:
         for pattern, unit, scale in (("latency", "us", 1e6), ("bandwidth", "GB/s", 1e-9)):
             med = {k: statistics.median(samples[(size, pattern, k)]) for k in ("shm", "gloo")}

@@ -273,7 +273,7 @@ class SendHandle:
     wholly in the channel's ring (the tensor may then change) and raises
     ShmChannelError if the send failed."""
 
-    __slots__ = ("_tensor", "_done", "_error")
+    __slots__ = ("_done", "_error", "_tensor")
 
     def __init__(self, tensor: torch.Tensor | None) -> None:
         self._tensor = tensor  # kept alive while the sender thread copies it
