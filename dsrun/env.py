@@ -207,10 +207,11 @@ RENDEZVOUS_TIMEOUT = Seconds("DSRUN_RENDEZVOUS_TIMEOUT", None,
                              "seconds the ranks wait for each other at start (set by the launcher from "
                              "--rendezvous_timeout); unset: init_distributed's timeout")
 SHM_COMM = Flag("DSRUN_SHM_COMM", True,
-                "1: collectives of ranks on one node go through shared memory where they apply; "
-                "0: torch.distributed for every collective")
+                "1: collectives of ranks on one node, and pipeline sends between them, go through shared "
+                "memory where they apply; 0: torch.distributed for every collective and send")
 SHM_TIMEOUT = Seconds("DSRUN_SHM_TIMEOUT", 300.0,
-                      "seconds a rank waits for the others inside a shared-memory collective before failing")
+                      "seconds a rank waits for the others inside a shared-memory collective or pipeline "
+                      "send/receive before failing")
 STRICT_CONFIG = Flag("DSRUN_STRICT_CONFIG", False,
                      "1: unknown config keys and checkpoint paths that differ between ranks are errors, "
                      "not warnings")

@@ -49,7 +49,13 @@
 #include <atomic>
 #include <string>
 
+#include "shm_comm/shm_common.h"
+
 namespace {
+
+using dsrun_shm::alive;
+using dsrun_shm::now_s;
+using dsrun_shm::set_err;
 
 constexpr uint64_t kMagic = 0x647372756e73686dULL;  // "dsrunshm"
 constexpr int64_t kHeaderBytes = 4096;
@@ -98,35 +104,6 @@ struct Group {
 size_t segment_bytes(int world, int64_t slot_bytes) {
   const int64_t ctl_bytes = ((static_cast<int64_t>(sizeof(RankCtl)) * world + 4095) / 4096) * 4096;
   return static_cast<size_t>(kHeaderBytes + ctl_bytes + 2 * world * slot_bytes);
-}
-
-void set_err(char* err, int errlen, const char* fmt, ...) __attribute__((format(printf, 3, 4)));
-void set_err(char* err, int errlen, const char* fmt, ...) {
-  va_list ap;
-  va_start(ap, fmt);
-  if (err && errlen > 0) vsnprintf(err, errlen, fmt, ap);
-  va_end(ap);
-}
-
-double now_s() {
-  timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
-// True unless the process is gone or a zombie (dead, not yet reaped).
-bool alive(int pid) {
-  if (pid <= 0) return true;  // not attached yet: cannot tell
-  if (kill(pid, 0) != 0 && errno == ESRCH) return false;
-  char path[64], buf[256];
-  snprintf(path, sizeof path, "/proc/%d/stat", pid);
-  FILE* f = fopen(path, "r");
-  if (!f) return errno != ENOENT;
-  const size_t n = fread(buf, 1, sizeof buf - 1, f);
-  fclose(f);
-  buf[n] = 0;
-  const char* close_paren = strrchr(buf, ')');  // the name may contain spaces
-  return !(close_paren && close_paren[1] == ' ' && (close_paren[2] == 'Z' || close_paren[2] == 'X'));
 }
 
 // Returns 0, or -1 with a message when a rank died, failed, or time ran out.

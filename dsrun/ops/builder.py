@@ -130,10 +130,11 @@ OPS: dict[str, OpSpec] = {
     ),
     "shm_comm": OpSpec(
         name="shm_comm",
-        sources=("shm_comm/shm_comm.cpp",),
+        sources=("shm_comm/shm_comm.cpp", "shm_comm/shm_channel.cpp"),
         cflags=("-O3",),
         ldflags=("-lrt",),
-        description="shared-memory all_reduce/reduce_scatter/all_gather/broadcast for one node",
+        description="shared-memory all_reduce/reduce_scatter/all_gather/broadcast and point-to-point "
+                    "channels for one node",
         hashed_dirs=("shm_comm",),
     ),
     "host_alloc": OpSpec(

@@ -13,18 +13,44 @@ semantics.
     group.all_gather(out, inp)             # inp [n] -> out [world * n]
     group.broadcast(t, src=0)
 
+Point-to-point, between two ranks of this node (pipeline activations and
+gradients, dsrun/runtime/parallel/pipe/p2p.py):
+
+    out = ShmChannel(name, rank, src=rank, dst=peer, tag=1)
+    handle = out.send(t)                   # returns once t is copied or queued
+    handle.wait()                          # before t may change
+    inp = ShmChannel(name, rank, src=peer, dst=rank, tag=1)
+    inp.recv(t)                            # blocks until the next message is in t
+
 Every rank of the group must make the same calls in the same order with the
 same sizes, as with any collective; a call that differs on some rank
 (operation, dtype, element count, root, reduce op, or its place in the
 sequence) fails on every rank with a ShmCollectiveError naming rank 0's call
 and the differing rank's, before any data is read. See [Note: shm collective
 protocol], [Note: shm call check] and [Note: shm crash safety] in
-csrc/shm_comm/shm_comm.cpp.
+csrc/shm_comm/shm_comm.cpp, and [Note: shm channel protocol] and [Note: shm
+channel set-up and crash safety] in csrc/shm_comm/shm_channel.cpp.
+
+[Note: asynchronous channel sends]
+`ShmChannel.send` copies the message into the channel's ring at once as far
+as free slots allow (all of it when the message fits, the common case for
+activations); what does not fit is finished by the channel's sender thread
+(one per channel, started on first need), which waits for the receiver to
+free slots. The caller goes on computing either way, as with gloo's isend,
+and `wait()` on the handle blocks until the last byte is in the ring (not
+until it was received). A message queued behind the thread keeps its place:
+later sends on the channel queue behind it, so messages stay in order. The
+thread matters for correctness, not only speed: finishing a large send only
+in `wait()` would deadlock a pipeline whose receiver needs that message
+before it sends what the sender waits for. ctypes releases the GIL while
+the thread copies or waits.
 """
 from __future__ import annotations
 
+import collections
 import ctypes
 import os
+import threading
 from typing import Callable
 
 import torch
@@ -41,11 +67,19 @@ DTYPE_CODES = {dt: i for i, dt in enumerate((
 _OTHER_DTYPE = 255
 OPS = {"sum": 0, "max": 1, "min": 2}
 DEFAULT_SLOT_BYTES = 4 << 20  # 2 buffers x 2 ranks x 4 MiB stay in a 32 MiB L3 between copy and read
+CHANNEL_SLOT_BYTES = 1 << 20  # a point-to-point channel's ring: 8 slots of 1 MiB (bench/pipeline/p2p_shm.py)
+CHANNEL_SLOTS = 8
 _ERRLEN = 512
 
 
 class ShmCollectiveError(RuntimeError):
     """A shared-memory collective failed: a rank died, flagged an error, or timed out."""
+
+
+class ShmChannelError(RuntimeError):
+    """A shared-memory point-to-point transfer failed: the peer died, closed the
+    channel, a message had another size than the receiver expected, or the
+    wait timed out (DSRUN_SHM_TIMEOUT)."""
 
 
 def _native():
@@ -66,6 +100,13 @@ def _native():
                                              ctypes.c_int, ctypes.c_int64, *err]
         lib.dsrun_shm_broadcast.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
                                             ctypes.c_int, ctypes.c_int64, *err]
+        lib.dsrun_shm_chan_open.restype = ctypes.c_void_p
+        lib.dsrun_shm_chan_open.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                            ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_double, *err]
+        lib.dsrun_shm_chan_abort.argtypes = [ctypes.c_void_p]
+        lib.dsrun_shm_chan_close.argtypes = [ctypes.c_void_p]
+        lib.dsrun_shm_chan_send.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, *err]
+        lib.dsrun_shm_chan_recv.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, *err]
         lib._dsrun_typed = True
     return lib
 
@@ -138,7 +179,8 @@ class ShmGroup:
             self._h = None
 
     def __del__(self):
-        self.close()
+        if hasattr(self, "_cond"):  # __init__ got that far
+            self.close()
 
     def _call(self, fn, *args) -> None:
         if not self._h:
@@ -218,3 +260,211 @@ def world_group_from_env(barrier: Callable[[], None], group: str = "world",
         return None
     job = JOB_ID.read() or f"{environ.get('MASTER_ADDR', 'local')}_{environ.get('MASTER_PORT', '0')}"
     return ShmGroup(segment_name(job, group), int(environ.get("RANK", "0")), world, barrier, slot_bytes=slot_bytes)
+
+
+def channel_name(job_id: str, link: int, src: int, dst: int, tag: int) -> str:
+    """The segment name of channel src -> dst for `tag` of the job's `link`-th
+    set of channels (a number every rank counts alike)."""
+    return segment_name(job_id, f"p2p{link}-{src}-{dst}-{tag}")
+
+
+class SendHandle:
+    """What `ShmChannel.send` returns: `wait()` blocks until the message is
+    wholly in the channel's ring (the tensor may then change) and raises
+    ShmChannelError if the send failed."""
+
+    __slots__ = ("_done", "_error", "_tensor")
+
+    def __init__(self, tensor: torch.Tensor | None) -> None:
+        self._tensor = tensor  # kept alive while the sender thread copies it
+        self._done = None if tensor is None else threading.Event()
+        self._error: str | None = None
+
+    def _finish(self, error: str | None = None) -> None:
+        self._error, self._tensor = error, None
+        self._done.set()
+
+    def wait(self, timeout=None) -> bool:
+        """Block until sent (into the ring); True. Raises ShmChannelError on failure."""
+        if self._done is not None:
+            self._done.wait()
+        if self._error is not None:
+            raise ShmChannelError(self._error)
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done is None or self._done.is_set()
+
+
+class ShmChannel:
+    """One direction of point-to-point traffic between two ranks of this node,
+    for one tag: a ring of `slots` slots of `slot_bytes` in shared memory
+    (see [Note: shm channel protocol] in csrc/shm_comm/shm_channel.cpp).
+
+    The rank `src` sends, the rank `dst` receives; messages are raw bytes of
+    contiguous CPU tensors of any dtype and size (larger than the ring too)
+    and arrive in the order sent. The sender's end creates the segment when
+    constructed, without waiting; the receiver's end attaches on its first
+    `recv`, waiting for the sender to have created it.
+
+    Args:
+        name: segment name, the same on both ranks and unique to the job,
+            pair and tag (see `channel_name`).
+        rank: this process's rank, `src` or `dst`.
+        src, dst: the sending and receiving ranks (any numbering both use).
+        tag: the stream (activations and gradients between the same ranks
+            are separate channels).
+        slot_bytes, slots: the ring; both ends must pass the same values.
+        peer_pid: the other rank's process id where known (lets a receiver
+            whose sender died before creating the segment fail at once
+            instead of at the timeout); 0 if unknown.
+        timeout_s: longest wait for the peer in one call (default
+            $DSRUN_SHM_TIMEOUT or 300 s).
+
+    Raises:
+        RuntimeError: the native op is unavailable (check `available()` first).
+        ValueError: bad ranks or ring shape.
+        ShmChannelError: the segment cannot be created.
+    """
+
+    def __init__(self, name: str, rank: int, src: int, dst: int, tag: int,
+                 slot_bytes: int = CHANNEL_SLOT_BYTES, slots: int = CHANNEL_SLOTS,
+                 peer_pid: int = 0, timeout_s: float | None = None) -> None:
+        lib = _native()
+        if lib is None:
+            raise RuntimeError(f"shared-memory channels unavailable: {get_op('shm_comm').reason}")
+        if src == dst or rank not in (src, dst):
+            raise ValueError(f"ShmChannel: rank {rank} is neither end of {src} -> {dst} (they must differ)")
+        if slot_bytes < 64 or slot_bytes % 64 or slots < 1:
+            raise ValueError(f"ShmChannel: slot_bytes {slot_bytes} must be a positive multiple of 64 and "
+                             f"slots {slots} at least 1")
+        self._lib, self.name, self.rank, self.src, self.dst, self.tag = lib, name, rank, src, dst, tag
+        self.slot_bytes, self.slots, self.peer_pid = slot_bytes, slots, peer_pid
+        self.timeout_s = SHM_TIMEOUT.read() if timeout_s is None else timeout_s
+        self._h = None
+        self._error: str | None = None
+        self._cond = threading.Condition()
+        self._queue: collections.deque[SendHandle] = collections.deque()
+        self._thread: threading.Thread | None = None
+        self._closing = False
+        if rank == src:
+            self._h = self._open()
+
+    def __repr__(self) -> str:
+        return f"ShmChannel(rank {self.src} -> rank {self.dst}, tag {self.tag})"
+
+    def _open(self):
+        err = ctypes.create_string_buffer(_ERRLEN)
+        h = self._lib.dsrun_shm_chan_open(self.name.encode(), self.rank, self.src, self.dst, self.tag,
+                                          self.slot_bytes, self.slots, self.peer_pid, self.timeout_s, err, _ERRLEN)
+        if not h:
+            raise ShmChannelError(f"rank {self.rank}: {err.value.decode()}")
+        return h
+
+    def _usable(self, role: int, what: str) -> None:
+        if self.rank != role:
+            raise ValueError(f"{what} on {self!r} from rank {self.rank}: only rank {role} may {what}")
+        if self._error is not None:
+            raise ShmChannelError(f"{self!r} failed earlier: {self._error}")
+        if self._closing:
+            raise ShmChannelError(f"{self!r} is closed")
+
+    @staticmethod
+    def _check(what: str, t: torch.Tensor) -> None:
+        if not supports(t, reduce=False):
+            raise ValueError(f"{what}: need a contiguous CPU tensor, got {t.dtype} on {t.device}"
+                             f"{'' if t.is_contiguous() else ' (not contiguous)'}")
+
+    def send(self, tensor: torch.Tensor) -> SendHandle:
+        """Send `tensor` (contiguous, CPU, any dtype/shape) to `dst`, asynchronously
+        (see [Note: asynchronous channel sends]); the tensor must not change
+        until the handle's `wait()` returns.
+
+        Raises:
+            ValueError: not the sending rank, or not a contiguous CPU tensor.
+            ShmChannelError: an earlier send on this channel failed.
+        """
+        self._usable(self.src, "send")
+        self._check("ShmChannel.send", tensor)
+        nbytes = tensor.numel() * tensor.element_size()
+        with self._cond:
+            if not self._queue:
+                err = ctypes.create_string_buffer(_ERRLEN)
+                rc = self._lib.dsrun_shm_chan_send(self._h, tensor.data_ptr(), nbytes, 0, err, _ERRLEN)
+                if rc < 0:
+                    self._error = err.value.decode()
+                    raise ShmChannelError(f"rank {self.rank}: {self._error}")
+                if rc == 1:
+                    return SendHandle(None)
+            handle = SendHandle(tensor)
+            self._queue.append(handle)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._drain, name=f"dsrun-shm-send-{self.dst}-{self.tag}",
+                                                daemon=True)
+                self._thread.start()
+            self._cond.notify()
+        return handle
+
+    def _drain(self) -> None:
+        """The sender thread: finishes the queued sends in order."""
+        err = ctypes.create_string_buffer(_ERRLEN)
+        while True:
+            with self._cond:
+                while not self._queue and not self._closing:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                handle = self._queue[0]
+            t = handle._tensor
+            rc = self._lib.dsrun_shm_chan_send(self._h, t.data_ptr(), t.numel() * t.element_size(), 1, err, _ERRLEN)
+            with self._cond:
+                self._queue.popleft()
+                if rc == 1:
+                    handle._finish()
+                    continue
+                self._error = f"rank {self.rank}: {err.value.decode()}"
+                for failed in (handle, *self._queue):
+                    failed._finish(self._error)
+                self._queue.clear()
+                return
+
+    def recv(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Receive the next message from `src` into `tensor` (contiguous CPU,
+        exactly the message's bytes); blocks until it is there. Returns tensor.
+
+        Raises:
+            ValueError: not the receiving rank, or not a contiguous CPU tensor.
+            ShmChannelError: the sender died or closed the channel, the wait
+                ran past the timeout, or the message has another size (the
+                channel is then closed: its stream cannot be trusted).
+        """
+        self._usable(self.dst, "recv")
+        self._check("ShmChannel.recv", tensor)
+        if self._h is None:
+            self._h = self._open()
+        err = ctypes.create_string_buffer(_ERRLEN)
+        if self._lib.dsrun_shm_chan_recv(self._h, tensor.data_ptr(), tensor.numel() * tensor.element_size(),
+                                         err, _ERRLEN) != 0:
+            self._error = err.value.decode()
+            self.close()
+            raise ShmChannelError(f"rank {self.rank}: {self._error}")
+        return tensor
+
+    def close(self) -> None:
+        """Close this end: sends still queued fail (wait on their handles
+        first), the peer's waits fail instead of timing out, and the segment
+        is freed when both ends are closed or gone."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+            thread = self._thread
+        if self._h and thread is not None and thread.is_alive():
+            self._lib.dsrun_shm_chan_abort(self._h)
+            thread.join()
+        if self._h:
+            self._lib.dsrun_shm_chan_close(self._h)
+            self._h = None
+
+    def __del__(self):
+        if hasattr(self, "_cond"):  # __init__ got that far
+            self.close()

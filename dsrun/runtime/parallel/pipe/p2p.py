@@ -17,6 +17,26 @@ Messages to one rank are matched in the order they were sent; activations
 and gradients use different tags so that the two streams between a pair of
 ranks never match each other (gloo matches by tag; NCCL ignores tags and
 matches by order, which the schedules give for one stream per pair).
+
+[Note: the transport of a stage link]
+Between two ranks of one node on the CPU, the messages go through shared
+memory: one `ShmChannel` (dsrun/ops/shm_comm.py) per (sender, receiver,
+tag), a ring of slots the sender copies into and the receiver copies out of,
+so activations and gradients stay separate ordered streams as with tags.
+Elsewhere (ranks on different nodes, GPU tensors, DSRUN_SHM_COMM=0, the
+native op unavailable on either rank) they go through torch.distributed's
+isend/irecv (gloo over loopback TCP: on one node its median one-way time
+was 4-31x shm's up to 1 MiB and 1.6-3x above, bench/pipeline/README.md). Which ranks use which is agreed once when the
+link is made (shm_peers.py), so both ends of a pair always pick the same
+transport; every message of the pair then uses it. Sends stay asynchronous:
+a message that fits the ring's free slots is copied at once, the rest of a
+larger one by the channel's sender thread (see [Note: asynchronous channel
+sends] in shm_comm.py), and `wait_sends` waits for all of them. A receiver
+whose sender died fails within about a millisecond, naming it; one whose
+sender is alive but silent fails after DSRUN_SHM_TIMEOUT (300 s), where
+gloo would wait for the process group's timeout. The comms logger counts
+the messages under "isend"/"irecv" either way, with transport "shm" or
+"torch".
 """
 from __future__ import annotations
 
@@ -25,7 +45,10 @@ from typing import Sequence
 
 import torch
 
+from dsrun.runtime.comm.collectives import SHM
 from dsrun.runtime.comm.list_collectives import irecv, isend
+from dsrun.runtime.comm.logger import comms_logger, timed
+from dsrun.runtime.parallel.pipe.shm_peers import ShmPeers
 
 ACTIVATION_TAG = 1
 GRADIENT_TAG = 2
@@ -76,6 +99,8 @@ class StageLink:
 
     Sends are asynchronous (the tensors are kept until `wait_sends`);
     receives block. Ranks are global ranks of the default process group.
+    Construct it on every rank at the same point (it agrees on the
+    transport with one all-gather, see [Note: the transport of a stage link]).
 
     Args:
         device: where received tensors are allocated (this rank's compute device).
@@ -92,6 +117,7 @@ class StageLink:
         self._sent_header: dict[int, list[int]] = {}
         self._recv_specs: dict[int, list] = {}
         self._pending: list = []  # (handle, tensors kept alive until the send completes)
+        self._shm = ShmPeers(device)
 
     def send_activations(self, value, dst: int) -> None:
         """Send a stage output (tensor or tuple) to rank `dst`, announcing its
@@ -112,15 +138,15 @@ class StageLink:
         sender required grad marked `requires_grad` (leaves of this stage's graph)."""
         started = time.perf_counter()
         length = torch.empty(1, dtype=torch.int64, device=self.device)
-        irecv(length, src, tag=ACTIVATION_TAG).wait()
+        self._recv(length, src, ACTIVATION_TAG)
         if int(length.item()) > 0:
             header = torch.empty(int(length.item()), dtype=torch.int64, device=self.device)
-            irecv(header, src, tag=ACTIVATION_TAG).wait()
+            self._recv(header, src, ACTIVATION_TAG)
             self._recv_specs[src] = _parse(header.tolist())
         out = []
         for dtype, grad, shape in self._recv_specs[src]:
             t = torch.empty(shape, dtype=dtype, device=self.device)
-            irecv(t, src, tag=ACTIVATION_TAG).wait()
+            self._recv(t, src, ACTIVATION_TAG)
             out.append(t.requires_grad_(grad and dtype.is_floating_point))
         self.wait_seconds += time.perf_counter() - started
         return tuple(out)
@@ -137,14 +163,31 @@ class StageLink:
         out = []
         for t in like:
             g = torch.empty(t.shape, dtype=t.dtype, device=self.device)
-            irecv(g, src, tag=GRADIENT_TAG).wait()
+            self._recv(g, src, GRADIENT_TAG)
             out.append(g)
         self.wait_seconds += time.perf_counter() - started
         return tuple(out)
 
     def _isend(self, tensors: list[torch.Tensor], dst: int, tag: int) -> None:
+        if not self._shm.reaches(dst):
+            for t in tensors:
+                self._pending.append((isend(t, dst, tag=tag), t))
+            return
+        channel = self._shm.channel(self._shm.rank, dst, tag)
         for t in tensors:
-            self._pending.append((isend(t, dst, tag=tag), t))
+            with timed() as spent:
+                handle = channel.send(t)
+            comms_logger.record("isend", t, spent.seconds, transport=SHM, group_size=2)
+            self._pending.append((handle, t))
+
+    def _recv(self, tensor: torch.Tensor, src: int, tag: int) -> None:
+        """Receive the next message of stream (src, tag) into `tensor`, blocking."""
+        if not self._shm.reaches(src):
+            irecv(tensor, src, tag=tag).wait()
+            return
+        with timed() as spent:
+            self._shm.channel(src, self._shm.rank, tag).recv(tensor)
+        comms_logger.record("irecv", tensor, spent.seconds, transport=SHM, group_size=2)
 
     def wait_sends(self) -> None:
         """Block until every send issued so far has completed (before the
@@ -158,3 +201,8 @@ class StageLink:
     def reset_wait(self) -> None:
         """Start counting `wait_seconds` from zero."""
         self.wait_seconds = 0.0
+
+    def close(self) -> None:
+        """Close the shared-memory channels (after `wait_sends`); the link
+        cannot be used afterwards. Without it they close when the process exits."""
+        self._shm.close()
