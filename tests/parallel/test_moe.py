@@ -230,7 +230,7 @@ def _ep_case(ep: int, k: int, drop: bool, residual: bool) -> dict:
     from dsrun.moe.layer import MoE
     from dsrun.runtime.comm import comms_logger
     from dsrun.utils import groups
-    world, rank = dist.get_world_size(), dist.get_rank()
+    rank = dist.get_rank()
     kwargs = dict(num_experts=EXPERTS, k=k, capacity_factor=0.75, min_capacity=1, drop_tokens=drop,
                   use_rts=False, use_residual=residual, top2_2nd_expert_sampling=False)
     torch.manual_seed(0)
