@@ -53,9 +53,10 @@ class RankFailure(BaseModel):
         return cls.model_validate_json(line[len(FAILURE_PREFIX):])
 
 
-# What a rank prints when the process group lost a peer (gloo's TCP pair,
-# torch's store): a consequence of another rank's failure, not a cause.
-_PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+# What a rank prints when it lost a peer (gloo's TCP pair, torch's store,
+# dsrun's shared-memory collectives and channels, csrc/shm_comm/): a
+# consequence of another rank's failure, not a cause.
+_PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", ") exited while rank ")
 
 
 def lost_a_peer(stderr_lines: list[str]) -> bool:
