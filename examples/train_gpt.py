@@ -29,9 +29,11 @@ fc column-parallel, the two output projections row-parallel, embeddings and
 output layer replicated); the world size must be a multiple of T, the rest
 is data parallelism, and the T ranks of one model copy train on the same
 windows. A data-parallel replica r draws the windows data-parallel rank r
-draws, so tp=T on T ranks trains as one rank does. AutoTP shards ordinary
-models only, not a pipeline's stages: ``--tensor_parallel`` with
-``--pipeline_stages`` is refused.
+draws, so tp=T on T ranks trains as one rank does. With ``--pipeline_stages
+P`` as well, each stage's blocks are split the same way on a pipe x model x
+data mesh (gpt_pipe.tensor_parallel_gpt_pipeline; P x T must divide the
+world size). That combination uses dsrun's mesh and AutoTP placement
+directly: DeepSpeed's AutoTP does not shard a PipelineModule.
 """
 from __future__ import annotations
 
@@ -49,7 +51,7 @@ import dsrun
 from dsrun.utils import groups
 from byte_data import WindowSampler, eval_windows, load_corpus
 from gpt_model import GPT, GPTConfig
-from gpt_pipe import gpt_pipeline, load_gpt_weights, param_groups
+from gpt_pipe import gpt_pipeline, load_gpt_weights, param_groups, tensor_parallel_gpt_pipeline
 
 # The validation windows do not depend on --seed, so runs with different
 # seeds are scored on the same text.
@@ -87,11 +89,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--pipeline_stages must be >= 0 (0: no pipeline), got {args.pipeline_stages}")
     if args.tensor_parallel < 1:
         p.error(f"--tensor_parallel must be >= 1 (1: no tensor parallelism), got {args.tensor_parallel}")
-    if args.tensor_parallel > 1 and args.pipeline_stages > 0:
-        p.error(f"--tensor_parallel {args.tensor_parallel} with --pipeline_stages {args.pipeline_stages}: "
-                "AutoTP (dsrun.tp_model_init) shards ordinary models, not a pipeline's stages; use one of "
-                "the two (a pipeline x tensor model needs stages built from ColumnParallelLinear/"
-                "RowParallelLinear by hand)")
     if args.tensor_parallel > 1 and args.n_head % args.tensor_parallel:
         p.error(f"--tensor_parallel {args.tensor_parallel} must divide --n_head {args.n_head} "
                 "(each rank computes n_head / tensor_parallel attention heads)")
@@ -222,8 +219,12 @@ def train(args: argparse.Namespace) -> None:
     pipeline = args.pipeline_stages > 0
     if pipeline:  # each rank keeps its stage's layers, starting from the GPT's weights
         dsrun.init_distributed()  # a PipelineModule reads its stage from the process group
-        full, model = model, gpt_pipeline(cfg, args.pipeline_stages)
-        load_gpt_weights(model, full)
+        full = model
+        if args.tensor_parallel > 1:  # and its slices of the stage's blocks
+            model = tensor_parallel_gpt_pipeline(full, args.pipeline_stages, args.tensor_parallel)
+        else:
+            model = gpt_pipeline(cfg, args.pipeline_stages)
+            load_gpt_weights(model, full)
         del full
     elif args.tensor_parallel > 1:  # each rank keeps its slices of the attention and MLP layers
         dsrun.tp_model_init(model, args.tensor_parallel)
@@ -243,9 +244,9 @@ def train(args: argparse.Namespace) -> None:
     score = evaluate_pipeline if pipeline else evaluate
     val_x, val_y = eval_windows(corpus.val, args.eval_batches * micro, args.seq_len, EVAL_SEED)
     log(f"data: {corpus.describe()}")
-    layout = (f"{args.pipeline_stages} pipeline stages x {replicas} data-parallel replicas" if pipeline else
-              f"tensor parallel {args.tensor_parallel} x {replicas} data-parallel replicas"
-              if args.tensor_parallel > 1 else "")
+    layout = " x ".join([f"{args.pipeline_stages} pipeline stages"] * pipeline +
+                        [f"tensor parallel {args.tensor_parallel}"] * (args.tensor_parallel > 1) +
+                        [f"{replicas} data-parallel replicas"] * (pipeline or args.tensor_parallel > 1))
     log(f"model: {n_params / 1e6:.2f}M parameters; world size {world}{', ' + layout if layout else ''}, "
         f"torch threads per rank {torch.get_num_threads()}; "
         f"global batch {engine.train_batch_size()} windows of {args.seq_len} bytes "

@@ -77,7 +77,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "examples")]
 
-from tests.dist_helpers import run_ranks  # noqa: E402
+from tests.dist_helpers import run_ranks
 
 ELEMENT = 4  # fp32 bytes
 
@@ -161,12 +161,12 @@ class AxisBytes:
 def _rank(run: Run, args: argparse.Namespace) -> dict:
     """One rank of `run`: parameters, per-axis bytes and step times over the timed steps, peak RSS."""
     import torch.distributed as dist
+    from gpt_model import GPT, GPTConfig
 
     import dsrun
     from dsrun.runtime.comm import comms_logger
     from dsrun.runtime.parallel.mesh import ParallelMesh, current, set_current
     from dsrun.runtime.parallel.tensor.autotp import shard_model
-    from gpt_model import GPT, GPTConfig
 
     torch.set_num_threads(1)
     dsrun.init_distributed()
@@ -180,8 +180,17 @@ def _rank(run: Run, args: argparse.Namespace) -> dict:
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}},
            "zero_optimization": {"stage": 0}, "gradient_clipping": 1.0, "steps_per_print": 10**9}
     if run.pp > 1:
+        from gpt_pipe import (
+            TIED_KEY,
+            Block,
+            PositionEmbedding,
+            lm_loss,
+            load_gpt_weights,
+            logits,
+            param_groups,
+        )
+
         from dsrun.pipe import LayerSpec, PipelineModule, TiedLayerSpec
-        from gpt_pipe import TIED_KEY, Block, PositionEmbedding, load_gpt_weights, lm_loss, logits, param_groups
 
         mesh = ParallelMesh.build(world, pipe=run.pp, model=run.tp)
         set_current(mesh)
