@@ -16,11 +16,14 @@ sums the two copies' gradients each step; see the pipeline module's
 
 `load_gpt_weights` copies a `GPT`'s weights into this rank's layers, so a
 pipeline run starts from exactly the weights the data-parallel run gets from
-the same seed.
+the same seed. `tensor_parallel_gpt_pipeline` builds the same pipeline with
+each block's linear layers split over tensor-parallel ranks (pipeline x
+tensor x data).
 """
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -60,8 +63,10 @@ def lm_loss(out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(out.reshape(-1, out.shape[-1]), targets.reshape(-1))
 
 
-def gpt_pipeline(cfg: GPTConfig, num_stages: int, partition_method: str = "parameters") -> PipelineModule:
-    """The GPT's layers as a PipelineModule over `num_stages` stages (call after init_distributed).
+def gpt_pipeline(cfg: GPTConfig, num_stages: int, partition_method: str = "parameters",
+                 topology=None) -> PipelineModule:
+    """The GPT's layers as a PipelineModule over `num_stages` stages (call after init_distributed);
+    `topology`: the job's ProcessTopology when it has axes besides pipe and data.
 
     Raises:
         ValueError: num_stages does not divide the world size, or the model
@@ -74,7 +79,35 @@ def gpt_pipeline(cfg: GPTConfig, num_stages: int, partition_method: str = "param
         LayerSpec(nn.LayerNorm, cfg.n_embd),
         TiedLayerSpec(TIED_KEY, nn.Embedding, cfg.vocab_size, cfg.n_embd, forward_fn=logits),
     ]
-    return PipelineModule(layers, num_stages=num_stages, loss_fn=lm_loss, partition_method=partition_method)
+    return PipelineModule(layers, num_stages=num_stages, topology=topology, loss_fn=lm_loss,
+                          partition_method=partition_method)
+
+
+def tensor_parallel_gpt_pipeline(gpt: GPT, num_stages: int, tp_size: int) -> PipelineModule:
+    """`gpt` as a pipeline of `num_stages` stages whose blocks' linear layers
+    are split over `tp_size` tensor-parallel ranks, the rest of the world
+    data parallel (call after init_distributed, with the same `gpt` weights
+    on every rank). Makes the pipe x model x data mesh current (collective),
+    builds the pipeline on its topology, copies `gpt`'s weights and cuts
+    this rank's slices with AutoTP's placement (qkv and fc column-parallel,
+    the output projections row-parallel; see
+    dsrun/runtime/parallel/tensor/autotp.py), which DeepSpeed's AutoTP does
+    not apply to a PipelineModule.
+
+    Raises:
+        ValueError: num_stages x tp_size does not divide the world size, or
+            tp_size does not divide the heads.
+    """
+    # dsrun's own modules, imported here: the rest of this file (and train_gpt.py
+    # without this combination) also runs with DeepSpeed standing in for dsrun
+    from dsrun.runtime.parallel.mesh import ParallelMesh, set_current
+    from dsrun.runtime.parallel.tensor.autotp import shard_model
+
+    mesh = ParallelMesh.build(dist.get_world_size(), pipe=num_stages, model=tp_size)
+    set_current(mesh)
+    pipe = gpt_pipeline(gpt.cfg, num_stages, topology=mesh.topology)
+    load_gpt_weights(pipe, gpt)
+    return shard_model(pipe, mesh)
 
 
 def load_gpt_weights(pipe: PipelineModule, gpt: GPT) -> None:

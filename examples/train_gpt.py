@@ -22,6 +22,18 @@ gradient_accumulation_steps micro-batches, evaluation ``engine.eval_batch()``.
 It starts from the same weights as the data-parallel run. For the same global
 batch as gpt_demo.json on 2 ranks use configs/gpt_pipe.json, which fixes
 train_batch_size.
+
+With ``--tensor_parallel T`` the GPT's attention and MLP linear layers are
+split over T ranks by DeepSpeed's AutoTP (``dsrun.tp_model_init``: q/k/v and
+fc column-parallel, the two output projections row-parallel, embeddings and
+output layer replicated); the world size must be a multiple of T, the rest
+is data parallelism, and the T ranks of one model copy train on the same
+windows. A data-parallel replica r draws the windows data-parallel rank r
+draws, so tp=T on T ranks trains as one rank does. With ``--pipeline_stages
+P`` as well, each stage's blocks are split the same way on a pipe x model x
+data mesh (gpt_pipe.tensor_parallel_gpt_pipeline; P x T must divide the
+world size). That combination uses dsrun's mesh and AutoTP placement
+directly: DeepSpeed's AutoTP does not shard a PipelineModule.
 """
 from __future__ import annotations
 
@@ -36,9 +48,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 import dsrun
+from dsrun.utils import groups
 from byte_data import WindowSampler, eval_windows, load_corpus
 from gpt_model import GPT, GPTConfig
-from gpt_pipe import gpt_pipeline, load_gpt_weights, param_groups
+from gpt_pipe import gpt_pipeline, load_gpt_weights, param_groups, tensor_parallel_gpt_pipeline
 
 # The validation windows do not depend on --seed, so runs with different
 # seeds are scored on the same text.
@@ -62,6 +75,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log_every", type=int, default=50, help="print a progress line every N steps")
     p.add_argument("--pipeline_stages", type=int, default=0,
                    help="split the model into N pipeline stages (0: data parallelism only)")
+    p.add_argument("--tensor_parallel", type=int, default=1,
+                   help="split the attention and MLP layers over N ranks with AutoTP (1: no tensor parallelism)")
     # The `deepspeed` launcher appends --local_rank=N; accept it so the script
     # runs under either launcher. The rank itself comes from the environment.
     p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)
@@ -72,6 +87,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
     if args.pipeline_stages < 0:
         p.error(f"--pipeline_stages must be >= 0 (0: no pipeline), got {args.pipeline_stages}")
+    if args.tensor_parallel < 1:
+        p.error(f"--tensor_parallel must be >= 1 (1: no tensor parallelism), got {args.tensor_parallel}")
+    if args.tensor_parallel > 1 and args.n_head % args.tensor_parallel:
+        p.error(f"--tensor_parallel {args.tensor_parallel} must divide --n_head {args.n_head} "
+                "(each rank computes n_head / tensor_parallel attention heads)")
     return args
 
 
@@ -93,15 +113,18 @@ def set_threads() -> None:
 def evaluate(engine, x: torch.Tensor, y: torch.Tensor) -> float:
     """Mean loss (nats per byte) of the model on the fixed validation windows.
 
-    Rank r scores windows r, r + world, ...; the loss sums and window counts
-    are summed over ranks, so the result is the mean over all windows and the
-    same on every rank. Every window has seq_len tokens, so the mean over
-    windows equals the mean over tokens.
+    Data-parallel rank d scores windows d, d + replicas, ... (the
+    tensor-parallel ranks of one model copy score the same ones together);
+    the loss sums and window counts are summed over all ranks, so every
+    window counts tensor-parallel-size times in both and the result is the
+    mean over all windows, the same on every rank. Every window has seq_len
+    tokens, so the mean over windows equals the mean over tokens.
 
     Args:
         x, y: (count, seq_len) int64, the same on every rank.
     """
-    mine_x, mine_y = x[engine.global_rank::engine.world_size], y[engine.global_rank::engine.world_size]
+    data_rank, replicas = groups.get_data_parallel_rank(), groups.get_data_parallel_world_size()
+    mine_x, mine_y = x[data_rank::replicas], y[data_rank::replicas]
     micro = engine.train_micro_batch_size_per_gpu()
     engine.eval()
     total = torch.zeros(2, dtype=torch.float64)  # [sum of window losses, windows]
@@ -196,15 +219,21 @@ def train(args: argparse.Namespace) -> None:
     pipeline = args.pipeline_stages > 0
     if pipeline:  # each rank keeps its stage's layers, starting from the GPT's weights
         dsrun.init_distributed()  # a PipelineModule reads its stage from the process group
-        full, model = model, gpt_pipeline(cfg, args.pipeline_stages)
-        load_gpt_weights(model, full)
+        full = model
+        if args.tensor_parallel > 1:  # and its slices of the stage's blocks
+            model = tensor_parallel_gpt_pipeline(full, args.pipeline_stages, args.tensor_parallel)
+        else:
+            model = gpt_pipeline(cfg, args.pipeline_stages)
+            load_gpt_weights(model, full)
         del full
-    groups = param_groups(model) if pipeline else model.param_groups()
-    engine, _, _, _ = dsrun.initialize(args=args, model=model, model_parameters=groups)
+    elif args.tensor_parallel > 1:  # each rank keeps its slices of the attention and MLP layers
+        dsrun.tp_model_init(model, args.tensor_parallel)
+    engine, _, _, _ = dsrun.initialize(args=args, model=model,
+                                       model_parameters=param_groups(model) if pipeline else model.param_groups())
     rank, world = engine.global_rank, engine.world_size
     # Data-parallel replicas draw different windows; the stages of one replica the same ones.
     data_rank, replicas = ((engine.grid.get_data_parallel_rank(), engine.grid.get_data_parallel_world_size())
-                           if pipeline else (rank, world))
+                           if pipeline else (groups.get_data_parallel_rank(), groups.get_data_parallel_world_size()))
     console = Console(soft_wrap=True)  # log lines stay whole when output is piped
     log = console.print if rank == 0 else (lambda *a, **k: None)
 
@@ -215,11 +244,13 @@ def train(args: argparse.Namespace) -> None:
     score = evaluate_pipeline if pipeline else evaluate
     val_x, val_y = eval_windows(corpus.val, args.eval_batches * micro, args.seq_len, EVAL_SEED)
     log(f"data: {corpus.describe()}")
-    layout = f"{args.pipeline_stages} pipeline stages x {replicas} data-parallel replicas" if pipeline else ""
+    layout = " x ".join([f"{args.pipeline_stages} pipeline stages"] * pipeline +
+                        [f"tensor parallel {args.tensor_parallel}"] * (args.tensor_parallel > 1) +
+                        [f"{replicas} data-parallel replicas"] * (pipeline or args.tensor_parallel > 1))
     log(f"model: {n_params / 1e6:.2f}M parameters; world size {world}{', ' + layout if layout else ''}, "
         f"torch threads per rank {torch.get_num_threads()}; "
         f"global batch {engine.train_batch_size()} windows of {args.seq_len} bytes "
-        f"(micro-batch {micro} x accumulation {accum} x {replicas} {'replicas' if pipeline else 'ranks'})")
+        f"(micro-batch {micro} x accumulation {accum} x {replicas} {'replicas' if layout else 'ranks'})")
 
     val_before = score(engine, val_x, val_y)
     log(f"validation loss before training: {val_before:.4f}")
