@@ -16,29 +16,10 @@ import pytest
 import torch
 
 from tests.dist_helpers import run_ranks
+from tests.parallel.test_pipe_engine import CLASSES, MICRO, WIDTH, Block, Head
 
-WIDTH, CLASSES, MICRO, MICRO_BATCHES = 8, 4, 2, 4  # MICRO_BATCHES: per step over all data-parallel ranks
+MICRO_BATCHES = 4  # per step over all data-parallel ranks
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
-
-
-class Block(torch.nn.Module):
-    """Linear + tanh on the last dimension."""
-
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.linear = torch.nn.Linear(width, width)
-
-    def forward(self, x):
-        return torch.tanh(self.linear(x))
-
-
-class Head(torch.nn.Module):
-    def __init__(self, width: int, classes: int) -> None:
-        super().__init__()
-        self.linear = torch.nn.Linear(width, classes)
-
-    def forward(self, x):
-        return self.linear(x).mean(dim=1)  # (batch, seq, classes) -> (batch, classes)
 
 
 def _tied_head(module, x):
