@@ -55,6 +55,7 @@ from dsrun.runtime.config.sections import (  # noqa: F401 - the package's names
     Count,
     DataTypesConfig,
     DEEPSPEED_OPTIMIZERS,
+    ElasticityConfig,
     Device,
     FlopsProfilerConfig,
     Fp16Config,
