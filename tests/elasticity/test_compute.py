@@ -14,6 +14,7 @@ import dsrun
 from dsrun.elasticity import (ElasticityConfigError, ElasticityError, ElasticityIncompatibleWorldSize,
                               compute_elastic_config, elasticity_enabled)
 from dsrun.elasticity.algorithm import candidate_batch_sizes, valid_world_sizes
+from dsrun.runtime.config import ConfigWarning, load_config
 
 DS = "0.16.0"  # a DeepSpeed version with elasticity
 
@@ -165,3 +166,10 @@ def test_enabled_and_importable_as_deepspeed():
     assert dsrun.elasticity.compute_elastic_config is compute_elastic_config
     assert issubclass(ElasticityIncompatibleWorldSize, ElasticityError)
     assert issubclass(ElasticityConfigError, ElasticityError)
+
+
+def test_a_loaded_config_and_unknown_keys():
+    cfg = load_config({"elasticity": {"enabled": True, **TIE}}, world_size=2)
+    assert compute_elastic_config(cfg, DS, world_size=2) == (18, [1, 2, 3, 6, 9, 18], 3)
+    with pytest.warns(ConfigWarning, match="unknown keys ignored, as DeepSpeed ignores them: elasticity.auto"):
+        assert compute_elastic_config({"elasticity": {"enabled": True, "auto": True, **TIE}}, DS)[0] == 18
