@@ -9,8 +9,12 @@ Modules: errors.py (the exceptions), algorithm.py (the search),
 batch.py (the search for a validated section, the engine's batch triple),
 compute.py (the public function).
 """
-from dsrun.elasticity.errors import ElasticityConfigError, ElasticityError, ElasticityIncompatibleWorldSize
 from dsrun.elasticity.compute import compute_elastic_config, elasticity_enabled
+from dsrun.elasticity.errors import (
+    ElasticityConfigError,
+    ElasticityError,
+    ElasticityIncompatibleWorldSize,
+)
 
 __all__ = ["ElasticityConfigError", "ElasticityError", "ElasticityIncompatibleWorldSize", "compute_elastic_config",
            "elasticity_enabled"]

@@ -5,8 +5,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from dsrun.elasticity.algorithm import compatible_gpus_v01, compatible_gpus_v02, largest_micro_batch
-from dsrun.elasticity.errors import ElasticityConfigError, ElasticityError, ElasticityIncompatibleWorldSize
+from dsrun.elasticity.algorithm import (
+    compatible_gpus_v01,
+    compatible_gpus_v02,
+    largest_micro_batch,
+)
+from dsrun.elasticity.errors import (
+    ElasticityConfigError,
+    ElasticityError,
+    ElasticityIncompatibleWorldSize,
+)
 
 
 def search(elasticity: Any, num_gpus: int) -> tuple[int, list[int], int | None]:

@@ -11,8 +11,13 @@ import pickle
 import pytest
 
 import dsrun
-from dsrun.elasticity import (ElasticityConfigError, ElasticityError, ElasticityIncompatibleWorldSize,
-                              compute_elastic_config, elasticity_enabled)
+from dsrun.elasticity import (
+    ElasticityConfigError,
+    ElasticityError,
+    ElasticityIncompatibleWorldSize,
+    compute_elastic_config,
+    elasticity_enabled,
+)
 from dsrun.elasticity.algorithm import candidate_batch_sizes, valid_world_sizes
 from dsrun.runtime.config import ConfigWarning, load_config
 
