@@ -99,8 +99,9 @@ def _section(ds_config: Mapping | DsConfig) -> ElasticityConfig:
             raise ElasticityConfigError("the config has no 'elasticity' section; add one with "
                                         "\"enabled\": true, max_train_batch_size and micro_batch_sizes")
         section = ds_config["elasticity"]
-    else:
-        raise ValueError(f"ds_config must be a dict (or DsConfig), got {type(ds_config).__name__}: {ds_config!r}")
+    else:  # ValueError, not TypeError: what DeepSpeed raises here
+        raise ValueError(f"ds_config must be a dict (or DsConfig), got {type(ds_config).__name__}: "  # noqa: TRY004
+                         f"{ds_config!r}")
     if not isinstance(section, Mapping):
         raise ElasticityConfigError(f"elasticity: expected an object, got {section!r}")
     if section.get("enabled") is not True:
