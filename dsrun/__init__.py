@@ -45,6 +45,7 @@ _LAZY_API = {
     "DeepSpeedConfigError": ("dsrun.runtime.config", "ConfigError"),
     "moe": ("dsrun.moe", None),
     "pipe": ("dsrun.pipe", None),
+    "elasticity": ("dsrun.elasticity", None),
     "PipelineModule": ("dsrun.runtime.parallel.pipe.module", "PipelineModule"),
     "PipelineEngine": ("dsrun.runtime.parallel.pipe.engine", "PipelineEngine"),
     "tp_model_init": ("dsrun.runtime.parallel.tensor.autotp", "tp_model_init"),

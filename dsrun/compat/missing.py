@@ -4,7 +4,7 @@
 A script written for DeepSpeed that reaches a feature dsrun lacks must stop
 with a message naming that feature, never with a bare AttributeError or
 ModuleNotFoundError that reads like a broken install. Three kinds of names:
-- modules (`deepspeed.inference`, `deepspeed.elasticity`, ...): `MISSING_MODULES`,
+- modules (`deepspeed.inference`, `deepspeed.compression`, ...): `MISSING_MODULES`,
   served by `MissingModuleFinder`, which sits at the end of sys.meta_path
   and answers only for dsrun's own names that no file provides: importing
   one raises `FeatureNotImplementedError` (an ImportError).
@@ -48,7 +48,6 @@ MISSING_MODULES: dict[str, tuple[str, str | None]] = {
     "module_inject": ("kernel injection and automatic tensor parallelism", None),
     "compression": ("compression training (quantization, pruning)", None),
     "autotuning": ("the autotuner", None),
-    "elasticity": ("elastic training", None),
     "runtime.sequence_parallel": ("ALST (Ulysses for Hugging Face models: UlyssesSPAttentionHF, ...)",
                                   "wrap the attention in dsrun.sequence.layer.DistributedAttention"),
     "runtime.hybrid_engine": ("the hybrid engine (RLHF)", None),

@@ -14,7 +14,7 @@ from dsrun.compat.missing import MISSING_ATTRS, MISSING_MODULES, FeatureNotImple
 
 
 @pytest.mark.parametrize("module", ["moe.sharded_moe", "inference",
-                                    "ops.transformer", "elasticity", "module_inject"])
+                                    "ops.transformer", "module_inject"])
 def test_missing_module_import_names_the_feature(module):
     with pytest.raises(ImportError) as info:
         importlib.import_module(f"dsrun.{module}")

@@ -52,8 +52,8 @@ def test_unknown_key_without_close_match_lists_valid_keys(monkeypatch):
 
 
 def test_deepspeed_section_not_implemented():
-    (got,) = problems({**MICRO, "elasticity": {"enabled": True}})
-    assert got.startswith("elasticity: elastic training is a DeepSpeed feature that dsrun does not implement")
+    (got,) = problems({**MICRO, "hybrid_engine": {"enabled": True}})
+    assert got.startswith("hybrid_engine: the hybrid engine is a DeepSpeed feature that dsrun does not implement")
 
 
 def test_wrong_type():

@@ -15,19 +15,20 @@ does not implement through one registry, `NOT_YET_SUPPORTED`. All problems
 found are raised together as one `ConfigError`.
 
 [Note: order of the checks]
-The checks run in three phases, each collecting every problem it finds:
-(1) reading the file, finding "auto" placeholders and applying DeepSpeed's
-forms (see [Note: DeepSpeed's forms and foreign keys]), (2) pydantic
-validation of all sections, which reports unknown keys, wrong types, bad
-values and the checks inside one section (e.g. NVMe offload without a
-path), together with the batch-triple arithmetic, which only needs the three
-batch keys; the checks across sections (fp16 with bf16) run in this phase
-once every section is valid; (3) `NOT_YET_SUPPORTED`, on the valid config.
-A later phase runs only when the earlier ones found nothing, so that no
-message is a consequence of another one; the one exception is
-NOT_YET_SUPPORTED, which is also checked on the raw values when phase 2
-failed, so that a config's unsupported settings are reported in the same
-round as its other problems.
+The checks run in three phases, each collecting every problem it finds: (1)
+reading the file, finding "auto" placeholders and applying DeepSpeed's forms
+(see [Note: DeepSpeed's forms and foreign keys]), (2) pydantic validation of
+all sections, which reports unknown keys, wrong types, bad values and the
+checks inside one section (e.g. NVMe offload without a path), together with
+the batch-triple arithmetic, which only needs the three batch keys (with an
+enabled `elasticity` section the triple comes from dsrun.elasticity instead,
+once every section is valid); the checks across sections (fp16 with bf16)
+run in this phase once every section is valid; (3) `NOT_YET_SUPPORTED`, on
+the valid config. A later phase runs only when the earlier ones found
+nothing, so that no message is a consequence of another one; the one
+exception is NOT_YET_SUPPORTED, which is also checked on the raw values when
+phase 2 failed, so that a config's unsupported settings are reported in the
+same round as its other problems.
 
 The package, by concern (each module imports only those listed before it):
 errors.py (ConfigError, ConfigWarning), sections.py (one model per section),
@@ -55,6 +56,7 @@ from dsrun.runtime.config.sections import (  # noqa: F401 - the package's names
     Count,
     DataTypesConfig,
     DEEPSPEED_OPTIMIZERS,
+    ElasticityConfig,
     Device,
     FlopsProfilerConfig,
     Fp16Config,

@@ -52,7 +52,8 @@ STRICT_ENV = STRICT_CONFIG.name
 
 # Keys a section accepts besides its fields and _ALIASES (read by its "before" validators).
 _LEGACY_KEYS: dict[str, set[str]] = {"ZeroConfig": {"cpu_offload", "cpu_offload_param",
-                                                    "cpu_offload_use_pin_memory"}}
+                                                    "cpu_offload_use_pin_memory"},
+                                     "ElasticityConfig": {"prefer_large_batch"}}
 
 
 def _disabled(section: Any) -> bool:
@@ -71,7 +72,7 @@ def _deepspeed_forms(data: dict) -> None:
     [Note: DeepSpeed's forms and foreign keys]
     Real configs carry what DeepSpeed accepts without acting on it, and
     Hugging Face injects some of it: sections of features dsrun lacks that
-    say `"enabled": false` (`hybrid_engine`, `amp`, `elasticity`, ...) are
+    say `"enabled": false` (`hybrid_engine`, `amp`, `nebula`, ... are
     dropped, because they do nothing in DeepSpeed either; any other value
     of such a section is still rejected, naming the feature. The legacy `"zero_optimization": true` means stage 1 (false:
     stage 0). Keys DeepSpeed does not know at all, which it ignores, are

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -11,9 +12,11 @@ from pydantic import (
     ValidationError,
 )
 
+from dsrun.elasticity.batch import elastic_batch_triple
+from dsrun.elasticity.errors import ElasticityError
 from dsrun.env import STRICT_CONFIG
 from dsrun.runtime.config.batch import BATCH_KEYS, resolve_batch_triple
-from dsrun.runtime.config.errors import ConfigError
+from dsrun.runtime.config.errors import ConfigError, ConfigWarning
 from dsrun.runtime.config.legacy import _auto_problem, _deepspeed_forms, _drop_foreign_keys, _pop_auto
 from dsrun.runtime.config.messages import _translate
 from dsrun.runtime.config.reading import _read_file
@@ -150,7 +153,10 @@ def load_config(source: Mapping | str | os.PathLike | DsConfig, world_size: int 
         cfg = DsConfig.model_validate(data)
     except ValidationError as exc:
         problems.extend(_translate(e) for e in exc.errors())
-    triple = _batch_problems(data, world_size, skip=any(p in BATCH_KEYS for p in autos))
+    if isinstance(data.get("elasticity"), dict) and data["elasticity"].get("enabled") is True:
+        triple = [] if cfg is None else _elastic_batch(cfg, data, world_size, name)
+    else:
+        triple = _batch_problems(data, world_size, skip=any(p in BATCH_KEYS for p in autos))
     if isinstance(triple, list):
         problems.extend(triple)
     if problems or cfg is None or not isinstance(triple, tuple):
@@ -174,6 +180,20 @@ def _world_problems(cfg: DsConfig, world_size: int) -> list[str]:
         return [f"zero_optimization.zero_hpz_partition_size={hpz} does not divide the world size "
                 f"{world_size}; set it to the number of ranks per node (or a divisor of it), or 1"]
     return []
+
+
+def _elastic_batch(cfg: DsConfig, data: dict, world_size: int, source: str) -> tuple[int, int, int] | list[str]:
+    """The batch triple from an enabled `elasticity` section (dsrun.elasticity), or its problem."""
+    given = [k for k in BATCH_KEYS if k in data]
+    try:
+        triple = elastic_batch_triple(cfg, world_size, given)
+    except ElasticityError as exc:
+        return [str(exc)]
+    if given:  # allowed by elasticity.ignore_non_elastic_batch_info
+        warnings.warn(f"{source}: {', '.join(f'{k}={data[k]}' for k in given)} overridden by elasticity: "
+                      f"{', '.join(f'{k}={v}' for k, v in zip(BATCH_KEYS, triple))} for world size {world_size}",
+                      ConfigWarning, stacklevel=4)
+    return triple
 
 
 def _batch_problems(data: dict, world_size: int, skip: bool) -> tuple[int, int, int] | list[str]:

@@ -97,6 +97,7 @@ NO_EFFECT_YET: dict[str, Any] = {
     "zero_optimization.offload_optimizer.fast_init": False,  # swap files are preallocated in one call
     "zero_optimization.offload_param.buffer_size": 100_000_000,  # NVMe reads whole unit partitions
     "zero_optimization.offload_param.max_in_cpu": 1_000_000_000,  # no host cache of NVMe partitions
+    "elasticity.min_time": 0,  # a hint for resource schedulers; DeepSpeed's runtime does not read it either
 }
 
 

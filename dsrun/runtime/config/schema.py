@@ -17,7 +17,7 @@ from pydantic import (
 )
 
 from dsrun.runtime.config.errors import _Problem
-from dsrun.runtime.config.sections import ActivationCheckpointingConfig, AioConfig, AutotuningConfig, Bf16Config, CheckpointConfig, CommsLoggerConfig, Count, DataTypesConfig, FlopsProfilerConfig, Fp16Config, MonitorConfig, NonNegReal, _NUMBER, OptimizerConfig, PipelineConfig, PosInt, PosReal, SchedulerConfig, _Section, TensorParallelConfig, WandbConfig, ZeroConfig
+from dsrun.runtime.config.sections import ActivationCheckpointingConfig, AioConfig, AutotuningConfig, Bf16Config, CheckpointConfig, CommsLoggerConfig, Count, DataTypesConfig, ElasticityConfig, FlopsProfilerConfig, Fp16Config, MonitorConfig, NonNegReal, _NUMBER, OptimizerConfig, PipelineConfig, PosInt, PosReal, SchedulerConfig, _Section, TensorParallelConfig, WandbConfig, ZeroConfig
 
 class _BatchTriple(_Section):
     """The three batch keys, validated on their own (see [Note: order of the checks])."""
@@ -45,7 +45,6 @@ def _never_for_inf(value: Any) -> Any:
 # section sets anything but `"enabled": false` (see _deepspeed_forms).
 _DEEPSPEED_ONLY_KEYS = {
     "amp": "NVIDIA Apex AMP",
-    "elasticity": "elastic training",
     "compression_training": "compression training",
     "curriculum_learning": "curriculum learning",
     "data_efficiency": "data efficiency",
@@ -127,6 +126,8 @@ class DsConfig(_BatchTriple):
                                             description="Collective-communication logger.")
     autotuning: AutotuningConfig = Field(default_factory=AutotuningConfig,
                                          description="The autotuner (dsrun --autotuning tune|run).")
+    elasticity: ElasticityConfig = Field(default_factory=ElasticityConfig, description="Elastic training: the "
+                                         "batch size chosen for a range of world sizes (dsrun.elasticity).")
 
     # The world size load_config resolved the batch triple for.
     _world_size: Optional[int] = PrivateAttr(default=None)

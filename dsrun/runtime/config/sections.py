@@ -10,6 +10,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
+import warnings
+
 import annotated_types as at
 import torch
 from pydantic import (
@@ -21,7 +23,7 @@ from pydantic import (
     model_validator,
 )
 
-from dsrun.runtime.config.errors import _Problem
+from dsrun.runtime.config.errors import ConfigWarning, _Problem
 
 def _unwrap(tp: Any) -> tuple[Any, list, bool]:
     """Strip Optional and Annotated: (base type, constraint metadata, nullable)."""
@@ -610,3 +612,90 @@ class CheckpointConfig(_Section):
     use_node_local_storage: bool = Field(False, description="save_dir/load_dir name each node's own "
                                          "storage: each rank writes its files there, each node keeps a copy of "
                                          "the index and `latest` (see docs/checkpoints.md).")
+
+
+def _micro_batch_list(value: Any) -> Any:
+    """micro_batch_sizes: a non-empty list of positive integers (integral floats such as 4.0 read as 4)."""
+    def whole(item: Any) -> bool:
+        return (isinstance(item, int) and not isinstance(item, bool)) or (isinstance(item, float)
+                                                                         and item.is_integer())
+    if not isinstance(value, list) or not value or not all(whole(m) and m >= 1 for m in value):
+        raise _Problem(f"expected a non-empty list of positive integers (samples per rank), got {value!r}")
+    return [int(m) for m in value]
+
+
+ELASTICITY_VERSIONS = (0.1, 0.2)
+
+
+class ElasticityConfig(_Section):
+    """`elasticity`: DeepSpeed's elastic training (dsrun.elasticity). The global batch size is
+    chosen once from these keys so that every world size in a range can run it; the engine then
+    sets the micro-batch and gradient accumulation for its data-parallel size (docs/elasticity.md).
+
+    The docs' `prefer_large_batch` is read as `prefer_larger_batch`, with a warning.
+    """
+
+    enabled: bool = Field(False, description="Take train_batch_size, train_micro_batch_size_per_gpu and "
+                                             "gradient_accumulation_steps from the elastic search below.")
+    max_train_batch_size: PosInt = Field(2000, description="Largest global batch (samples) the search may "
+                                         "choose; required when enabled.")
+    micro_batch_sizes: Annotated[list[int], BeforeValidator(_micro_batch_list)] = Field(
+        default_factory=lambda: [2, 4, 6], description="Micro-batch sizes a rank may run (samples); required "
+                                                       "when enabled.")
+    min_gpus: PosInt = Field(1, description="Smallest world size the batch must suit.")
+    max_gpus: PosInt = Field(10000, description="Largest world size the batch must suit.")
+    min_time: Count = Field(0, description="Minutes a job runs before a scheduler may resize it (for the "
+                                           "scheduler; 0 = unknown).")
+    prefer_larger_batch: bool = Field(True, description="Among batch sizes that suit equally many world sizes, "
+                                                        "take the larger (the docs' prefer_large_batch "
+                                                        "is read as this key).")
+    ignore_non_elastic_batch_info: bool = Field(False, description="Allow the three batch keys beside an "
+                                                "enabled elasticity section (they are then overridden); "
+                                                "false: they are an error.")
+    version: Annotated[float, _NUMBER] = Field(0.2, description="Search to use: 0.1 (world sizes) or 0.2 (node "
+                                               "counts, with num_gpus_per_node and model_parallel_size).")
+    num_gpus_per_node: PosInt = Field(1, description="Version 0.2: GPUs per node; world sizes are counted in "
+                                                     "whole nodes.")
+    model_parallel_size: PosInt = Field(1, description="Version 0.2: ranks per model replica (must divide "
+                                                       "num_gpus_per_node); above 1 needs version 0.2.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _docs_key_name(cls, data: Any) -> Any:
+        """DeepSpeed's docs spell the key `prefer_large_batch`, which DeepSpeed itself ignores."""
+        if not isinstance(data, Mapping) or "prefer_large_batch" not in data:
+            return data
+        data = dict(data)
+        if "prefer_larger_batch" in data:
+            raise _Problem("both 'prefer_large_batch' and 'prefer_larger_batch' are given; "
+                           "'prefer_large_batch' is the docs' misspelling, keep only 'prefer_larger_batch'",
+                           key="prefer_large_batch")
+        warnings.warn("elasticity.prefer_large_batch (the spelling of DeepSpeed's docs) is read as "
+                      "elasticity.prefer_larger_batch, the key DeepSpeed reads; rename it (DeepSpeed ignores "
+                      "the misspelled key)", ConfigWarning, stacklevel=2)
+        data["prefer_larger_batch"] = data.pop("prefer_large_batch")
+        return data
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "ElasticityConfig":
+        missing = [k for k in ("max_train_batch_size", "micro_batch_sizes") if k not in self.model_fields_set]
+        if self.enabled and missing:
+            raise _Problem(f"{' and '.join(missing)} required when elasticity is enabled (the search has no "
+                           "default for them)")
+        if self.version not in ELASTICITY_VERSIONS:
+            raise _Problem(f"unknown version {self.version:g}; dsrun implements DeepSpeed's elasticity "
+                           f"versions 0.1 and 0.2", key="version")
+        if self.max_gpus < self.min_gpus:
+            raise _Problem(f"max_gpus ({self.max_gpus}) is below min_gpus ({self.min_gpus})", key="max_gpus")
+        too_big = [m for m in self.micro_batch_sizes if m > self.max_train_batch_size]
+        if too_big:
+            raise _Problem(f"{too_big} exceed max_train_batch_size ({self.max_train_batch_size}); every "
+                           "micro-batch must fit in the global batch", key="micro_batch_sizes")
+        if self.model_parallel_size > 1 and self.version != 0.2:
+            raise _Problem(f"model_parallel_size={self.model_parallel_size} needs version 0.2 (version "
+                           f"{self.version:g} has no model parallelism)", key="model_parallel_size")
+        if self.num_gpus_per_node % self.model_parallel_size:
+            raise _Problem(f"num_gpus_per_node ({self.num_gpus_per_node}) is not a multiple of "
+                           f"model_parallel_size ({self.model_parallel_size}); a model replica must fit "
+                           "in a node", key="num_gpus_per_node")
+        return self
