@@ -29,6 +29,7 @@ from dsrun.launcher.mpi import rank_env_from_scheduler
 from dsrun.runtime.memory import allocator
 from dsrun.runtime.distributed import rendezvous
 from dsrun.runtime.distributed import nodes as nodes_mod
+from dsrun.runtime.observability import heartbeat
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 
@@ -151,6 +152,7 @@ def init_distributed(dist_backend: str | None = None,
             missing for a multi-rank job.
     """
     allocator.use_returning_allocator()  # see [Note: glibc and peak RSS]
+    heartbeat.start()  # stacks on request from now on; the first beat comes later ([Note: heartbeats])
     # A rank started by mpirun/mpiexec or by srun (one task per rank) finds its
     # rank in the launcher's variables; dsrun and torchrun set RANK themselves.
     os.environ.update(rank_env_from_scheduler(os.environ))
