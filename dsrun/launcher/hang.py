@@ -13,7 +13,8 @@ each running rank's beat count. The rule:
   last beat;
 - a rank whose count is still 0 is never hung: it has not begun to beat
   (start-up, however long, or a script that does not use dsrun's
-  collectives or engine).
+  collectives or engine);
+- a rank that marked itself exiting (atexit) is no longer watched.
 
 When ranks are hung the agent asks every running rank of its node that
 registered a stack dump handler for its stacks (`DUMP_SIGNAL`, sent to
@@ -179,6 +180,8 @@ class HangWatch:
         silent = []
         for rank in running:
             state = self._read(rank)
+            if state is not None and state.exiting:
+                continue
             beats = state.beats if state is not None else 0
             seen = self._seen.get(rank)
             if seen is None or seen[0] != beats:

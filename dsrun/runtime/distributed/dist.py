@@ -152,7 +152,6 @@ def init_distributed(dist_backend: str | None = None,
             missing for a multi-rank job.
     """
     allocator.use_returning_allocator()  # see [Note: glibc and peak RSS]
-    heartbeat.start()  # stacks on request from now on; the first beat comes later ([Note: heartbeats])
     # A rank started by mpirun/mpiexec or by srun (one task per rank) finds its
     # rank in the launcher's variables; dsrun and torchrun set RANK themselves.
     os.environ.update(rank_env_from_scheduler(os.environ))
@@ -163,6 +162,7 @@ def init_distributed(dist_backend: str | None = None,
         device = _device_for(backend, local_rank)
         # Without rank variables the group's ranks are taken to share one node.
         node_rank, node_size = (local_rank, local_world_size) if os.environ.get("RANK") else (rank, world_size)
+        heartbeat.start()  # see below
         return Topology(rank, world_size, local_rank, local_world_size, device, backend,
                         nodes_mod.learn(rank, world_size, node_rank, node_size, device))
 
@@ -187,6 +187,9 @@ def init_distributed(dist_backend: str | None = None,
                                 rendezvous.rendezvous_timeout(timeout), timeout)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     atexit.register(_leave)
+    # Stacks on request from now on; the first beat comes later. After _leave's registration, so the
+    # rank is marked exiting before _leave runs: see [Note: heartbeats].
+    heartbeat.start()
     return Topology(rank, world_size, local_rank, local_world_size, device, backend,
                     nodes_mod.learn(rank, world_size, local_rank, local_world_size, device))
 

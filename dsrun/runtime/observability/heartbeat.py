@@ -14,7 +14,7 @@ a microsecond, so it can be given at every collective. The file holds
 (little-endian; `HEADER`, `BEAT` and `COLLECTIVE` below):
 
     header      magic b"DSHB", format version, pid of the rank (0 until it
-                registered its stack dump handler)
+                registered its stack dump handler), flags (1: exiting)
     beat        number of beats, last engine step (-1: none), wall time of
                 the last beat
     collective  the last collective the rank entered: sequence number (1 for
@@ -43,6 +43,13 @@ after `deepspeed.initialize`, during which the other ranks wait in the
 first gradient all-reduce) should call `beat()` now and then, or run with
 a larger `--hang_timeout`.
 
+From its exit on (Python's atexit; `start()` registers the hook after
+init_distributed's own, so it runs before them) a rank is no longer
+watched: its training is over, the interpreter's teardown (torch's
+destructors, the process group's) takes seconds on a loaded machine, and
+failing a rank then would have `--max_restarts` repeat a finished job. A
+rank stuck in its own teardown is therefore not detected.
+
 Stacks: `start()` registers faulthandler for `DUMP_SIGNAL` with
 all_threads=True, writing to the file DSRUN_HEARTBEAT_FILE + ".stacks", and
 then writes its pid into the header: the agent signals only ranks that did,
@@ -55,6 +62,7 @@ This module must not import torch: the agent reads the files through it.
 """
 from __future__ import annotations
 
+import atexit
 import faulthandler
 import mmap
 import os
@@ -70,7 +78,7 @@ from dsrun.env import HEARTBEAT_FILE
 
 MAGIC = b"DSHB"
 VERSION = 1
-HEADER = struct.Struct("<4sIi4x")  # magic, version, pid                              bytes 0-15
+HEADER = struct.Struct("<4sIiI")  # magic, version, pid, flags                        bytes 0-15
 BEAT = struct.Struct("<Qqd")  # beats, step, last beat (wall seconds)               bytes 16-39
 COLLECTIVE = struct.Struct("<Q32sI4xQdd")  # seq, op, group size, bytes, entered, finished  bytes 40-111
 _BEAT_AT = HEADER.size
@@ -80,6 +88,7 @@ FILE_SIZE = 128
 DUMP_SIGNAL = signal.SIGRTMIN + 5
 STACKS_SUFFIX = ".stacks"
 _OP_BYTES = 32
+EXITING = 1  # header flag: the rank has begun to exit
 
 
 def stacks_path(heartbeat_path: str | Path) -> Path:
@@ -93,7 +102,7 @@ def create_heartbeat_file(path: str | Path) -> None:
     Raises OSError when the file cannot be written.
     """
     data = bytearray(FILE_SIZE)
-    HEADER.pack_into(data, 0, MAGIC, VERSION, 0)
+    HEADER.pack_into(data, 0, MAGIC, VERSION, 0, 0)
     BEAT.pack_into(data, _BEAT_AT, 0, -1, 0.0)
     Path(path).write_bytes(bytes(data))
     stacks_path(path).write_bytes(b"")
@@ -126,6 +135,7 @@ class HeartbeatState:
 
     Attributes:
         pid: process that registered the stack dump handler; 0 while none did.
+        exiting: the rank has begun to exit (atexit); it is no longer watched.
         beats: beats so far (0: the rank has not begun to beat).
         step: last engine step the rank reported, None if none.
         last_beat: wall time of the last beat (time.time(), seconds); 0.0 before the first.
@@ -133,6 +143,7 @@ class HeartbeatState:
     """
 
     pid: int
+    exiting: bool
     beats: int
     step: int | None
     last_beat: float
@@ -140,7 +151,7 @@ class HeartbeatState:
 
 
 def _decode(data: bytes) -> HeartbeatState:
-    magic, version, pid = HEADER.unpack_from(data, 0)
+    magic, version, pid, flags = HEADER.unpack_from(data, 0)
     if magic != MAGIC or version != VERSION:
         raise ValueError(f"not a dsrun heartbeat file of version {VERSION} (magic {magic!r}, version {version})")
     beats, step, last_beat = BEAT.unpack_from(data, _BEAT_AT)
@@ -149,7 +160,7 @@ def _decode(data: bytes) -> HeartbeatState:
     if seq:
         collective = CollectiveState(seq, op.rstrip(b"\0").decode(errors="replace"), group, nbytes, entered,
                                      finished or None)
-    return HeartbeatState(pid, beats, None if step < 0 else step, last_beat, collective)
+    return HeartbeatState(pid, bool(flags & EXITING), beats, None if step < 0 else step, last_beat, collective)
 
 
 def read_heartbeat(path: str | Path, tries: int = 5) -> HeartbeatState:
@@ -199,7 +210,12 @@ class HeartbeatWriter:
 
     def claim(self, pid: int) -> None:
         """Write `pid` into the header: its stack dump handler is registered."""
-        HEADER.pack_into(self._map, 0, MAGIC, VERSION, pid)
+        HEADER.pack_into(self._map, 0, MAGIC, VERSION, pid, 0)
+
+    def exiting(self) -> None:
+        """Mark the rank as exiting: the agent stops watching it."""
+        with self._lock:
+            HEADER.pack_into(self._map, 0, MAGIC, VERSION, self.owner, EXITING)
 
     def beat(self, step: int | None = None) -> None:
         """One beat; `step` (engine step >= 0) replaces the reported step when given."""
@@ -273,7 +289,15 @@ def start() -> bool:
         return False
     writer.claim(os.getpid())
     _Channel.writer = writer
+    atexit.register(_exiting)
     return True
+
+
+def _exiting() -> None:
+    """At interpreter exit: stop being watched (see [Note: heartbeats])."""
+    writer = _Channel.writer
+    if writer is not None:
+        writer.exiting()
 
 
 def _forget_in_child() -> None:
