@@ -270,7 +270,11 @@ class Agent:
         """Start the ranks, watch them, tear down; returns the agent's exit status."""
         # Orphans of the ranks (daemons) become our children; see [Note: agent process tree].
         _LIBC.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-        self._hang = HangWatch.create(self.job)
+        try:
+            self._hang = HangWatch.create(self.job)
+        except OSError as exc:  # a diagnostic must not keep the job from running
+            self._write(self._err, f"dsrun agent on {self.job.host}: no hang detection: cannot make the heartbeat "
+                                   f"files ({exc}); set TMPDIR to a writable directory\n".encode())
         try:
             return self._run()
         finally:

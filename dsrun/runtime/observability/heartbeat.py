@@ -9,9 +9,11 @@ tells its node agent that it makes progress, and the agent
 
 The channel is one small file per rank, made by the agent in a directory it
 owns and named by DSRUN_HEARTBEAT_FILE. The rank maps it (mmap) and writes
-into it with plain memory stores, no system call: a beat costs well under
-a microsecond, so it can be given at every collective. The file holds
-(little-endian; `HEADER`, `BEAT` and `COLLECTIVE` below):
+into it with plain memory stores, no system call: a beat is a lock, a
+clock read and one struct.pack_into (2.7 us measured on 2 cores under a
+load of 34, where an empty Python call took 0.15 us), and a collective
+records two, so every collective can beat. The file holds (little-endian;
+`HEADER`, `BEAT` and `COLLECTIVE` below):
 
     header      magic b"DSHB", format version, pid of the rank (0 until it
                 registered its stack dump handler), flags (1: exiting)
