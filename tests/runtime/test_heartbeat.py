@@ -179,3 +179,25 @@ def test_the_dump_signal_writes_every_threads_stack(channel):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_the_engine_beats_at_each_forward_and_step(channel):
+    """dsrun.initialize starts the heartbeat (init_distributed); forward and step beat, step with its number."""
+    out = _run("""
+        import torch, dsrun
+        model = torch.nn.Linear(3, 1)
+        engine, *_ = dsrun.initialize(model=model, model_parameters=model.parameters(), config={
+            "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+        from dsrun.runtime.observability.heartbeat import read_heartbeat
+        import os
+        before = read_heartbeat(os.environ["DSRUN_HEARTBEAT_FILE"]).beats
+        for _ in range(3):
+            loss = engine(torch.ones(2, 3)).sum()
+            engine.backward(loss)
+            engine.step()
+        state = read_heartbeat(os.environ["DSRUN_HEARTBEAT_FILE"])
+        print(before, state.beats, state.step)
+    """, channel)
+    assert out.returncode == 0, out.stderr
+    before, beats, step = map(int, out.stdout.split())
+    assert beats - before >= 6 and step == 3, out.stdout
