@@ -23,7 +23,8 @@ agent also forks a tiny watchdog before anything else (see `_Watchdog`). The
 agent tells it each rank's process group over a pipe (and, once a second,
 the group of every orphan it adopted, see below); if the agent dies without
 saying "done", the pipe reaches EOF and the watchdog SIGKILLs those groups,
-grandchildren included.
+grandchildren included, and removes the agent's heartbeat directory (see
+[Note: hung ranks] in hang.py), which the agent removes itself otherwise.
 Processes are only ever signalled by process group id, never by name. When
 a rank's leader has exited, its group is killed once more to reap anything
 it left behind; Linux does not reuse a pid while a group of that id still
@@ -48,6 +49,7 @@ import fcntl
 import json
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
@@ -169,17 +171,18 @@ def kill_descendants(spare: set[int], timeout: float = 2.0) -> list[int]:
 
 
 class _Watchdog:
-    """A forked process that SIGKILLs the ranks' process groups if the agent dies abruptly.
+    """A forked process that SIGKILLs the ranks' process groups if the agent dies abruptly,
+    then removes the directory `leftover` (if given).
 
     See [Note: agent process tree]. Fork it before any thread starts.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, leftover: Path | None = None) -> None:
         read_fd, write_fd = os.pipe()
         pid = os.fork()
         if pid == 0:
             os.close(write_fd)
-            _watchdog_main(read_fd)  # never returns
+            _watchdog_main(read_fd, leftover)  # never returns
         os.close(read_fd)
         self.pid = pid
         self._fd = write_fd
@@ -195,7 +198,7 @@ class _Watchdog:
         os.waitpid(self.pid, 0)
 
 
-def _watchdog_main(fd: int) -> None:
+def _watchdog_main(fd: int, leftover: Path | None) -> None:
     # Detach from the agent's stdio, so the head's readers see EOF when the agent ends;
     # leave the agent's process group (a hard kill of it must not take the watchdog along)
     # and ignore the signals aimed at the agent: the watchdog must outlive it.
@@ -218,6 +221,8 @@ def _watchdog_main(fd: int) -> None:
             os.killpg(pgid, signal.SIGKILL)
         except OSError:
             pass
+    if leftover is not None:
+        shutil.rmtree(leftover, ignore_errors=True)
     os._exit(0)
 
 
@@ -282,7 +287,7 @@ class Agent:
                 self._hang.close()
 
     def _run(self) -> int:
-        watchdog = _Watchdog()
+        watchdog = _Watchdog(self._hang.directory if self._hang is not None else None)
         try:
             self._spawn_all(watchdog)
         except BaseException:

@@ -9,9 +9,13 @@ must not be touched.
 """
 from __future__ import annotations
 
+import os
 import re
+import signal
+import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +23,7 @@ from rich.console import Console
 
 from dsrun.launcher.hang import HANG_EXIT_CODE
 from dsrun.launcher.head import Head
+from dsrun.launcher.job import local_node_job
 from dsrun.launcher.local import LocalRunner
 from dsrun.launcher.placement import build_placement, node_jobs
 from tests.dist_helpers import free_port
@@ -116,4 +121,30 @@ def test_the_head_collects_the_stacks_of_nodes_whose_ranks_are_not_hung(tmp_path
     assert "Stacks of rank 0 on localhost" in summary and "Stacks of rank 1 on 127.0.0.1" in summary
     rank0 = summary.split("Stacks of rank 0", 1)[1].split("Stacks of rank 1", 1)[0]
     assert "in all_reduce" in rank0
+    assert_no_leftovers(launcher.marker)
+
+
+def test_the_heartbeat_directory_goes_when_the_agent_is_killed(tmp_path):
+    """The agent's watchdog removes the directory when the agent cannot (SIGKILL)."""
+    launcher = Launcher(tmp_path)
+    script = tmp_path / "show.py"
+    script.write_text("import os, time\nprint(os.environ['DSRUN_HEARTBEAT_FILE'], flush=True)\ntime.sleep(60)\n")
+    job = local_node_job([sys.executable, "-u", str(script)], 1, "127.0.0.1", free_port(), grace_period=1.0,
+                         pass_local_rank=False, log_dir=None)
+    agent = subprocess.Popen([sys.executable, "-m", "dsrun.launcher.agent"], cwd=tmp_path, env=launcher.env,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        agent.stdin.write(job.to_json_line())
+        agent.stdin.flush()
+        directory = Path(agent.stdout.readline().removeprefix("[rank 0] ").strip()).parent
+        assert directory.is_dir() and directory.name.startswith(f"{job.job_id}-node0-heartbeat-")
+        os.killpg(agent.pid, signal.SIGKILL)
+        agent.wait(timeout=5)
+        deadline = time.monotonic() + 5
+        while directory.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not directory.exists()
+    finally:
+        if agent.poll() is None:
+            agent.kill()
     assert_no_leftovers(launcher.marker)
