@@ -103,21 +103,21 @@ class HangReport(BaseModel):
 
 
 def likely_causes(snapshots: list[RankSnapshot]) -> list[int]:
-    """Ranks that probably hold the others up: outside any collective while others wait inside one.
+    """Ranks that probably hold the others up, among those that began to beat.
 
-    If every silent rank is inside a collective, those that entered fewer
-    collectives than the others (they wait in an earlier one) are named.
-    Empty when nothing stands out.
+    Ranks outside any collective while others wait inside one; else (every
+    rank inside one, or none: NCCL's collectives return once enqueued and
+    the wait is at the next synchronisation) the ranks that entered fewer
+    collectives than the others. Empty when nothing stands out.
     """
     started = [s for s in snapshots if s.beats > 0]
     inside = [s for s in started if s.collective is not None and s.collective.finished is None]
-    if not inside:
-        return []
     outside = [s.rank for s in started if s not in inside]
-    if outside:
+    if inside and outside:
         return outside
-    seqs = {s.collective.seq for s in inside}
-    return [s.rank for s in inside if s.collective.seq < max(seqs)] if len(seqs) > 1 else []
+    seqs = {s.rank: s.collective.seq if s.collective is not None else 0 for s in started}
+    most = max(seqs.values(), default=0)
+    return [rank for rank, seq in seqs.items() if seq < most]
 
 
 class HangWatch:

@@ -132,8 +132,8 @@ def print_hang_reports(console: Console, hangs: list[HangReport]) -> None:
                            f"{describe_rank_state(snap, report.time)}"), soft_wrap=True)
     causes = likely_causes([snap for _, snap in snapshots])
     if causes:
-        console.print(Text(f"Likely cause: rank(s) {', '.join(map(str, causes))}: not in the collective the others "
-                           "wait in (see their stacks)."))
+        console.print(Text(f"Likely cause: rank(s) {', '.join(map(str, causes))}: not in, or behind, the collective "
+                           "the others wait in (see their stacks)."))
     for report, snap in snapshots:
         console.print(Text(f"Stacks of rank {snap.rank} on {report.host} (pid {snap.pid}):"))
         console.print(Text(snap.stacks or "(none: the rank had not started dsrun's heartbeat, or did not answer "

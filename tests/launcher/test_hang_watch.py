@@ -158,6 +158,8 @@ def test_likely_causes():
     assert likely_causes([_snap(0, 5, False), _snap(1, 5, False), _snap(2, 4, True)]) == [2]
     # all inside, rank 3 in an earlier one
     assert likely_causes([_snap(0, 5, False), _snap(3, 4, False)]) == [3]
+    # none inside (NCCL: the all_reduce returned once enqueued), rank 1 never entered the fifth
+    assert likely_causes([_snap(0, 5, True), _snap(1, 4, True)]) == [1]
     # nothing stands out
     assert likely_causes([_snap(0, 5, False), _snap(1, 5, False)]) == []
     assert likely_causes([_snap(0, 5, True), _snap(1, 5, True)]) == []
