@@ -148,3 +148,18 @@ def test_the_heartbeat_directory_goes_when_the_agent_is_killed(tmp_path):
         if agent.poll() is None:
             agent.kill()
     assert_no_leftovers(launcher.marker)
+
+
+@pytest.mark.parametrize("hang_timeout", [0, 600])
+def test_a_rank_gets_its_agents_heartbeat_file_and_never_an_inherited_one(launcher, tmp_path, hang_timeout):
+    """A dsrun started from inside a rank (a nested launch) must not hand its own rank's file down."""
+    (tmp_path / "show.py").write_text("import os\nprint('FILE', os.environ.get('DSRUN_HEARTBEAT_FILE'))\n")
+    launcher.env["DSRUN_HEARTBEAT_FILE"] = str(tmp_path / "outer_rank_file")
+    result = launcher.run("--num_procs", "1", "--master_port", str(free_port()), "--no_local_rank",
+                          "--hang_timeout", str(hang_timeout), "show.py", timeout=60)
+    assert result.returncode == 0, result.stderr
+    seen = result.stdout.split("FILE ", 1)[1].split()[0]
+    if hang_timeout == 0:
+        assert seen == "None"
+    else:
+        assert re.fullmatch(rf"{re.escape(tempfile.gettempdir())}/dsrun-\S+-node0-heartbeat-\w+/rank_0", seen), seen
