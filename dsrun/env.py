@@ -184,6 +184,9 @@ COMM_OVERLAP = Choice("DSRUN_COMM_OVERLAP", "thread",
 CPU_ISA = Choice("DSRUN_CPU_ISA", None,
                  "instruction set of the CPU ops (Adam, quantizer); unset: the best this CPU has",
                  choices=("scalar", "avx2", "avx512"))  # ordered: the native ops' index of each
+HEARTBEAT_FILE = PathVar("DSRUN_HEARTBEAT_FILE", None,
+                         "file through which a rank tells its node agent that it makes progress (set by the "
+                         "launcher unless --hang_timeout is 0; see docs/launcher.md, Hung ranks)")
 HOST_CACHE_MB = Count("DSRUN_HOST_CACHE_MB", None,
                       "cap of the caching host allocator in MiB; 0 turns it off; unset: bounded by the peak "
                       "of live host tensors alone", unit="MiB")
@@ -220,9 +223,9 @@ ZERO_WATCHDOG_TIMEOUT = Seconds("DSRUN_ZERO_WATCHDOG_TIMEOUT", 300.0,
                                 "reports it; 0 turns the watchdog off", zero_allowed=True)
 
 VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
-    AUTOTUNING_RESULT, BUILD_OPS, CKPT_BARRIER_TIMEOUT, CKPT_TIMEOUT, COMM_OVERLAP, CPU_ISA, HOST_CACHE_MB, HOST_HUGEPAGES, JOB_ID,
-    MALLOC, OPS_CACHE, OPS_DISABLE, PROGRESS, PROGRESS_INTERVAL, RENDEZVOUS_TIMEOUT, SHM_COMM, SHM_TIMEOUT,
-    STRICT_CONFIG, ZERO_WATCHDOG_TIMEOUT)}
+    AUTOTUNING_RESULT, BUILD_OPS, CKPT_BARRIER_TIMEOUT, CKPT_TIMEOUT, COMM_OVERLAP, CPU_ISA, HEARTBEAT_FILE,
+    HOST_CACHE_MB, HOST_HUGEPAGES, JOB_ID, MALLOC, OPS_CACHE, OPS_DISABLE, PROGRESS, PROGRESS_INTERVAL,
+    RENDEZVOUS_TIMEOUT, SHM_COMM, SHM_TIMEOUT, STRICT_CONFIG, ZERO_WATCHDOG_TIMEOUT)}
 
 
 def markdown_table() -> str:

@@ -3,8 +3,9 @@
 Run as ``python -m dsrun.launcher.agent``. It reads a `NodeJob` as one JSON
 line on stdin, then keeps reading stdin for control lines from the head
 (see `control_line`). Its exit status is the failing rank's (128+N for a
-signal N), 128+N when stopped by signal N, 129 when stdin reached EOF (the
-head or the SSH channel went away), 0 only if every rank exited 0.
+signal N; 124 for a rank found hung, see [Note: hung ranks] in hang.py),
+128+N when stopped by signal N, 129 when stdin reached EOF (the head or the
+SSH channel went away), 0 only if every rank exited 0.
 
 [Note: agent process tree]
 Each rank is the leader of its own session (start_new_session), so a
@@ -22,7 +23,8 @@ agent also forks a tiny watchdog before anything else (see `_Watchdog`). The
 agent tells it each rank's process group over a pipe (and, once a second,
 the group of every orphan it adopted, see below); if the agent dies without
 saying "done", the pipe reaches EOF and the watchdog SIGKILLs those groups,
-grandchildren included.
+grandchildren included, and removes the agent's heartbeat directory (see
+[Note: hung ranks] in hang.py), which the agent removes itself otherwise.
 Processes are only ever signalled by process group id, never by name. When
 a rank's leader has exited, its group is killed once more to reap anything
 it left behind; Linux does not reuse a pid while a group of that id still
@@ -47,6 +49,7 @@ import fcntl
 import json
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
@@ -59,8 +62,10 @@ from typing import BinaryIO
 import psutil
 from pydantic import ValidationError
 
+from dsrun.env import HEARTBEAT_FILE
 from dsrun.launcher.env import rank_argv, rank_process_env
 from dsrun.launcher.failure import RankFailure, StderrTail, exit_status, lost_a_peer, signal_name
+from dsrun.launcher.hang import HANG_EXIT_CODE, HANG_REASON, HangReport, HangWatch, likely_causes
 from dsrun.launcher.job import NodeJob
 from dsrun.runtime.offload import registry
 
@@ -78,14 +83,19 @@ _REAP_S = 1.0
 EOF_EXIT = 128 + signal.SIGHUP
 
 
-def control_line(signum: int | None = None, *, kill: bool = False) -> bytes:
+def control_line(signum: int | None = None, *, kill: bool = False, dump: bool = False) -> bytes:
     """A control line for an agent's stdin.
 
     ``control_line(signal.SIGINT)`` asks the agent to forward SIGINT to its
     ranks and SIGKILL them after the job's grace period;
-    ``control_line(kill=True)`` asks it to SIGKILL them now.
+    ``control_line(kill=True)`` asks it to SIGKILL them now;
+    ``control_line(dump=True)`` asks it for a hang report of its ranks
+    (stacks and last collectives, see [Note: hung ranks] in hang.py).
     """
-    message = {"kill": True} if kill else {"signal": signal.Signals(signum).name}
+    if dump:
+        message = {"dump": True}
+    else:
+        message = {"kill": True} if kill else {"signal": signal.Signals(signum).name}
     return (json.dumps(message) + "\n").encode()
 
 
@@ -161,17 +171,18 @@ def kill_descendants(spare: set[int], timeout: float = 2.0) -> list[int]:
 
 
 class _Watchdog:
-    """A forked process that SIGKILLs the ranks' process groups if the agent dies abruptly.
+    """A forked process that SIGKILLs the ranks' process groups if the agent dies abruptly,
+    then removes the directory `leftover` (if given).
 
     See [Note: agent process tree]. Fork it before any thread starts.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, leftover: Path | None = None) -> None:
         read_fd, write_fd = os.pipe()
         pid = os.fork()
         if pid == 0:
             os.close(write_fd)
-            _watchdog_main(read_fd)  # never returns
+            _watchdog_main(read_fd, leftover)  # never returns
         os.close(read_fd)
         self.pid = pid
         self._fd = write_fd
@@ -187,7 +198,7 @@ class _Watchdog:
         os.waitpid(self.pid, 0)
 
 
-def _watchdog_main(fd: int) -> None:
+def _watchdog_main(fd: int, leftover: Path | None) -> None:
     # Detach from the agent's stdio, so the head's readers see EOF when the agent ends;
     # leave the agent's process group (a hard kill of it must not take the watchdog along)
     # and ignore the signals aimed at the agent: the watchdog must outlive it.
@@ -210,6 +221,8 @@ def _watchdog_main(fd: int) -> None:
             os.killpg(pgid, signal.SIGKILL)
         except OSError:
             pass
+    if leftover is not None:
+        shutil.rmtree(leftover, ignore_errors=True)
     os._exit(0)
 
 
@@ -253,6 +266,8 @@ class Agent:
         self._stopping = False
         self._external_status: int | None = None
         self._kill_at: float | None = None
+        self._hang: HangWatch | None = None
+        self._hang_reported = False
 
     # ---- start -------------------------------------------------------------------------
 
@@ -260,7 +275,19 @@ class Agent:
         """Start the ranks, watch them, tear down; returns the agent's exit status."""
         # Orphans of the ranks (daemons) become our children; see [Note: agent process tree].
         _LIBC.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-        watchdog = _Watchdog()
+        try:
+            self._hang = HangWatch.create(self.job)
+        except OSError as exc:  # a diagnostic must not keep the job from running
+            self._write(self._err, f"dsrun agent on {self.job.host}: no hang detection: cannot make the heartbeat "
+                                   f"files ({exc}); set TMPDIR to a writable directory\n".encode())
+        try:
+            return self._run()
+        finally:
+            if self._hang is not None:
+                self._hang.close()
+
+    def _run(self) -> int:
+        watchdog = _Watchdog(self._hang.directory if self._hang is not None else None)
         try:
             self._spawn_all(watchdog)
         except BaseException:
@@ -297,7 +324,7 @@ class Agent:
                 rank.popen = _popen(
                     rank_argv(self.job, index),
                     cwd=self.job.cwd,
-                    env=rank_process_env(self.job, index, dict(os.environ)),
+                    env=rank_process_env(self.job, index, self._inherited_env(rank_id)),
                     preexec_fn=_pdeathsig_setup(os.getpid()),
                 )
             except OSError as exc:
@@ -313,6 +340,12 @@ class Agent:
                 return
             watchdog.guard(rank.popen.pid)
             self._ranks.append(rank)
+
+    def _inherited_env(self, rank_id: int) -> dict[str, str]:
+        """The agent's environment as a rank inherits it: with the rank's own heartbeat file, or without
+        any (a DSRUN_HEARTBEAT_FILE inherited from a dsrun that started this one must not reach it)."""
+        env = {k: v for k, v in os.environ.items() if k != HEARTBEAT_FILE.name}
+        return {**env, **self._hang.rank_env(rank_id)} if self._hang is not None else env
 
     def _start_pumps(self, rank: _Rank) -> None:
         for pipe, sink, keep_tail in ((rank.popen.stdout, self._out, False), (rank.popen.stderr, self._err, True)):
@@ -366,6 +399,8 @@ class Agent:
                 message = json.loads(line)
                 if message.get("kill"):
                     self._events.put(("kill", None))
+                elif message.get("dump"):
+                    self._events.put(("dump", None))
                 elif "signal" in message:
                     self._events.put(("signal", signal.Signals[message["signal"]]))
             except (ValueError, AttributeError, KeyError):
@@ -404,6 +439,10 @@ class Agent:
             running = self._running()
             if not running:
                 break
+            if self._hang is not None and not self._stopping:
+                hung = self._hang.stalled(r.rank for r in running)
+                if hung:
+                    self._on_hang(hung)
             if self._kill_at is not None and time.monotonic() >= self._kill_at:
                 for rank in running:
                     rank.signal_group(signal.SIGKILL)
@@ -415,6 +454,9 @@ class Agent:
             self._on_event(kind, value)
 
     def _on_event(self, kind: str, value) -> None:
+        if kind == "dump":
+            self._emit_hang_report([])
+            return
         if kind == "kill":
             for rank in self._running():
                 rank.signal_group(signal.SIGKILL)
@@ -432,6 +474,31 @@ class Agent:
         for rank in self._running():
             rank.signal_group(signum)
         self._kill_at = time.monotonic() + self.job.grace_period
+
+    def _on_hang(self, hung: list[int]) -> None:
+        """Report the ranks `hung` with every rank's state, fail them (the likely cause first), stop the job."""
+        hung = self._emit_hang_report(hung)
+        by_rank = {r.rank: r for r in self._ranks}
+        for rank_id in hung:
+            rank = by_rank[rank_id]
+            failure = self._record(rank, rank.popen.pid, HANG_EXIT_CODE, None, reason=HANG_REASON)
+            self._failures.append(failure)
+            self._emit_record(failure)
+        self._begin_stop(signal.SIGTERM)
+
+    def _emit_hang_report(self, hung: list[int]) -> list[int]:
+        """Write the hang report of this node's running ranks on stderr (once; nothing without hang
+        detection); returns `hung` with the likely causes (hang.likely_causes) first."""
+        if self._hang is None or self._hang_reported:
+            return hung
+        self._hang_reported = True
+        snapshots = self._hang.snapshot({r.rank: r.popen.pid for r in self._running()})
+        causes = likely_causes(snapshots)
+        hung = sorted(hung, key=lambda rank: rank not in causes)  # stable: otherwise longest silent first
+        report = HangReport(host=self.job.host, node_rank=self.job.node_rank, timeout=self.job.hang_timeout,
+                            time=time.time(), hung=hung, ranks=snapshots)
+        self._write(self._err, (report.to_line() + "\n").encode())
+        return hung
 
     def _running(self) -> list[_Rank]:
         return [r for r in self._ranks if r.returncode is None]
@@ -457,7 +524,8 @@ class Agent:
 
     # ---- report --------------------------------------------------------------------------
 
-    def _record(self, rank: _Rank, pid: int | None, code: int, sig: str | None) -> RankFailure:
+    def _record(self, rank: _Rank, pid: int | None, code: int, sig: str | None,
+                reason: str | None = None) -> RankFailure:
         return RankFailure(
             host=self.job.host,
             node_rank=self.job.node_rank,
@@ -469,6 +537,7 @@ class Agent:
             stderr_tail=rank.tail.lines(),
             traceback=rank.tail.traceback(),
             time=time.time(),
+            reason=reason,
         )
 
     def _emit_record(self, failure: RankFailure) -> None:

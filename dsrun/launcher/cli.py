@@ -1,7 +1,8 @@
 """The `dsrun` command: parse the command line, build the job, run it through the head.
 
     dsrun [--num_procs N] [--master_port P] [--master_addr A] [--log_dir DIR]
-          [--module] [--no_local_rank] [--grace_period S] [--autotuning tune|run] script.py [script args...]
+          [--module] [--no_local_rank] [--grace_period S] [--hang_timeout S] [--autotuning tune|run]
+          script.py [script args...]
 
 Everything after the script is passed to it untouched, followed by
 `--local_rank=N` as DeepSpeed's launcher does (`--no_local_rank`: not). Every launch, a
@@ -20,7 +21,7 @@ import click
 from rich.console import Console
 
 from dsrun.launcher.hostfile import MAX_SLOTS
-from dsrun.launcher.job import DEFAULT_RENDEZVOUS_TIMEOUT
+from dsrun.launcher.job import DEFAULT_HANG_TIMEOUT, DEFAULT_RENDEZVOUS_TIMEOUT
 from dsrun.launcher.multinode import MultinodeOptions, RankCommand, multinode_options, run_multinode
 
 # dsrun's own messages go to stderr; rank output is passed through untouched.
@@ -69,6 +70,10 @@ def rank_command(script: str, script_args: tuple[str, ...], module: bool) -> lis
               show_default=True, callback=_finite_seconds,
               help="Seconds the ranks wait for each other at start-up; then every rank fails naming the "
                    "ranks that never arrived.")
+@click.option("--hang_timeout", type=click.FloatRange(min=0), default=DEFAULT_HANG_TIMEOUT, show_default=True,
+              callback=_finite_seconds,
+              help="Seconds a rank may make no progress (no collective or engine step), once it made some, "
+                   "before the job fails with every rank's stacks and last collective; 0: off (docs/launcher.md).")
 @click.option("--log_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Also write each rank's output to DIR/rank_N.log.")
 @click.option("--module", is_flag=True, help="Run SCRIPT as a module (python -m SCRIPT).")
@@ -91,6 +96,7 @@ def cli(
     master_port: int | None,
     master_addr: str | None,
     rendezvous_timeout: float,
+    hang_timeout: float,
     log_dir: Path | None,
     module: bool,
     no_local_rank: bool,
@@ -126,7 +132,7 @@ def cli(
         ctx.exit(autotune(autotuning, Job.from_argv(argv, script, script_args), console))
     ctx.exit(run_multinode(multinode, RankCommand(
         rank_command(script, script_args, module), num_procs, master_addr, master_port, grace_period,
-        not no_local_rank, str(log_dir) if log_dir else None, rendezvous_timeout), console))
+        not no_local_rank, str(log_dir) if log_dir else None, rendezvous_timeout, hang_timeout), console))
 
 
 def main(argv: list[str] | None = None) -> None:

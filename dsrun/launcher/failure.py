@@ -28,7 +28,7 @@ _CHAIN_LINES = (
 
 
 class RankFailure(BaseModel):
-    """One rank that exited non-zero on its own (not because dsrun stopped it)."""
+    """One rank that exited non-zero on its own (not because dsrun stopped it), or that its agent found hung."""
 
     host: str = Field(description="Node name the rank ran on.")
     node_rank: int
@@ -40,6 +40,9 @@ class RankFailure(BaseModel):
     stderr_tail: list[str] = Field(default_factory=list, description=f"Last {TAIL_LINES} lines of the rank's stderr.")
     traceback: str | None = Field(None, description="Last Python traceback the rank printed, whole, if any.")
     time: float = Field(description="Wall-clock time (time.time(), seconds) the agent saw the exit; orders failures.")
+    reason: str | None = Field(None, description="Why the agent failed a rank that had not exited: \"hung\" "
+                                                 "(no heartbeat within --hang_timeout, see launcher/hang.py); "
+                                                 "None for a rank that exited non-zero.")
 
     def to_line(self) -> str:
         """The record as one prefixed line (no newline)."""

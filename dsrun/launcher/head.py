@@ -16,6 +16,8 @@ agent failure makes the head send SIGTERM to every agent, which relay it
 to their ranks and SIGKILL them after the job's grace period. A SIGINT or
 SIGTERM to the head is forwarded the same way; a second one, or agents
 still alive `grace_period + _KILL_MARGIN_S` later, gets the handles killed.
+A rank failure with reason "hung" first makes the head ask every agent for
+its hang report (see [Note: hung ranks] in hang.py).
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ from rich.console import Console
 
 from dsrun.launcher.agent import control_line
 from dsrun.launcher.failure import AgentFailure, RankFailure
+from dsrun.launcher.hang import HANG_REASON, HangReport
 from dsrun.launcher.job import NodeJob
 from dsrun.launcher.progress import ProgressDisplay
 from dsrun.launcher.summary import print_failure_summary
@@ -118,6 +121,7 @@ class Head:
         self._events: queue.SimpleQueue = queue.SimpleQueue()  # put() is safe in signal handlers
         self._agents: list[_AgentState] = []
         self._failures: list[RankFailure] = []
+        self._hangs: list[HangReport] = []  # see [Note: hung ranks] in hang.py
         self._stop_signal: int | None = None
         self._stopping = False
         self._kill_at: float | None = None
@@ -165,6 +169,10 @@ class Head:
             if failure is not None:
                 self._events.put(("failure", failure))
                 continue
+            hang = HangReport.from_line(text)
+            if hang is not None:
+                self._events.put(("hang", hang))
+                continue
             agent.tail.append(text)
             self._write(self._err, line)
 
@@ -190,7 +198,13 @@ class Head:
                 kind, value = self._events.get(timeout=_POLL_S)
             except queue.Empty:
                 continue
-            if kind == "failure":
+            if kind == "hang":
+                self._hangs.append(value)
+            elif kind == "failure":
+                if value.reason == HANG_REASON and not self._stopping:  # every node's stacks for the report
+                    for agent in self._agents:
+                        if agent.status is None:
+                            agent.handle.send(control_line(dump=True))
                 self._failures.append(value)
                 self._begin_stop(signal.SIGTERM)
             elif self._stopping and self._stop_signal is not None:
@@ -208,6 +222,8 @@ class Head:
                 break
             if kind == "failure":
                 self._failures.append(value)
+            elif kind == "hang":
+                self._hangs.append(value)
 
     def _begin_stop(self, signum: int) -> None:
         if self._stopping:
@@ -237,7 +253,7 @@ class Head:
         ]
         job_id = self.jobs[0].job_id
         if failures or lost:
-            print_failure_summary(self.console, job_id, failures, lost)
+            print_failure_summary(self.console, job_id, failures, lost, self._hangs)
             return failures[0].exit_code if failures else lost[0].exit_code
         if self._stop_signal is not None:
             self.console.print(f"dsrun: job {job_id} stopped by {signal.Signals(self._stop_signal).name}")

@@ -15,6 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 # Seconds the ranks of a dsrun job wait for each other at start-up (see dsrun.runtime.distributed.rendezvous).
 DEFAULT_RENDEZVOUS_TIMEOUT = 300.0
+# Seconds without a heartbeat after which a rank is reported hung (see [Note: hung ranks] in hang.py).
+DEFAULT_HANG_TIMEOUT = 600.0
 
 
 def new_job_id() -> str:
@@ -53,6 +55,9 @@ class NodeJob(BaseModel):
     rendezvous_timeout: float = Field(DEFAULT_RENDEZVOUS_TIMEOUT, gt=0, allow_inf_nan=False,
                                       description="Seconds the ranks wait for each other at start-up; "
                                                   "exported as DSRUN_RENDEZVOUS_TIMEOUT.")
+    hang_timeout: float = Field(DEFAULT_HANG_TIMEOUT, ge=0, allow_inf_nan=False,
+                                description="Seconds a rank may go without a heartbeat, once it began to beat, "
+                                            "before it is reported hung; 0: no hang detection.")
     pass_local_rank: bool = Field(False, description="Append --local_rank=N to the rank command (DeepSpeed's convention).")
     log_dir: str | None = Field(None, description="If set, each rank's output is also written to log_dir/rank_N.log.")
 

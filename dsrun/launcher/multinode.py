@@ -34,7 +34,7 @@ from dsrun.launcher.env import rank_environment
 from dsrun.launcher.failure import exit_status
 from dsrun.launcher.head import Head
 from dsrun.launcher.hostfile import Host, HostfileError, parse_hostfile, select_slots
-from dsrun.launcher.job import NodeJob, new_job_id
+from dsrun.launcher.job import DEFAULT_HANG_TIMEOUT, NodeJob, new_job_id
 from dsrun.launcher.local_devices import default_num_procs, warn_if_oversubscribed
 from dsrun.launcher.ports import DEFAULT_MASTER_PORT
 from dsrun.launcher.placement import build_placement, derived_port, node_jobs, print_placement
@@ -112,6 +112,7 @@ class RankCommand:
     pass_local_rank: bool
     log_dir: str | None
     rendezvous_timeout: float
+    hang_timeout: float = DEFAULT_HANG_TIMEOUT
 
 
 def run_multinode(opts: MultinodeOptions, rc: RankCommand, console: Console) -> int:
@@ -173,7 +174,7 @@ def _run(opts: MultinodeOptions, rc: RankCommand, launcher: str, console: Consol
         return node_jobs(placement, job_id=job_id, master_addr=addr, master_port=port, command=command, cwd=cwd,
                          env=env, grace_period=rc.grace_period, pass_local_rank=rc.pass_local_rank,
                          log_dir=rc.log_dir, visible_devices=launcher == "ssh",
-                         rendezvous_timeout=rc.rendezvous_timeout)
+                         rendezvous_timeout=rc.rendezvous_timeout, hang_timeout=rc.hang_timeout)
 
     if opts.dry_run:
         print_placement(placement, console, master_addr)

@@ -1,6 +1,7 @@
 """The failure summary the head prints: who failed, how, and the root cause's traceback."""
 from __future__ import annotations
 
+import datetime
 import signal
 
 from rich.console import Console
@@ -8,6 +9,7 @@ from rich.table import Table
 from rich.text import Text
 
 from dsrun.launcher.failure import AgentFailure, RankFailure
+from dsrun.launcher.hang import HANG_REASON, HangReport, RankSnapshot, likely_causes
 from dsrun.runtime.observability.exit_report import CONFIG_ERROR_EXIT_CODE
 
 # What a signal usually means for a training rank.
@@ -31,6 +33,8 @@ _EXIT_HINTS = {
 
 def describe(failure: RankFailure) -> str:
     """One line saying how a rank ended, with a hint where the cause is usually the same."""
+    if failure.reason == HANG_REASON:
+        return "hung: no progress (heartbeat) within --hang_timeout; stacks below"
     if failure.signal is not None:
         try:
             hint = _SIGNAL_HINTS.get(signal.Signals[failure.signal])
@@ -50,13 +54,16 @@ def describe(failure: RankFailure) -> str:
 
 
 def print_failure_summary(
-    console: Console, job_id: str, failures: list[RankFailure], lost_agents: list[AgentFailure]
+    console: Console, job_id: str, failures: list[RankFailure], lost_agents: list[AgentFailure],
+    hangs: list[HangReport] = (),
 ) -> None:
-    """Print the table of failed ranks and lost agents, then the root cause's stderr.
+    """Print the table of failed ranks and lost agents, then the root cause's stderr, then the hang reports.
 
     `failures` are ordered by time; the first is the root cause (the others
     failed before the teardown reached them). The traceback is printed
-    unwrapped, so it can be copied and searched.
+    unwrapped, so it can be copied and searched. `hangs` are the agents'
+    reports of a hang (see [Note: hung ranks] in hang.py), printed with
+    every rank's last collective and stacks.
     """
     table = Table(title=f"dsrun: job {job_id} failed", title_justify="left", show_lines=False)
     for column in ("rank", "node", "pid", "exit", "cause"):
@@ -73,11 +80,61 @@ def print_failure_summary(
         table.add_row("-", f"{lost.host} (node {lost.node_rank})", "-", str(lost.exit_code), "agent failed (output below)")
     console.print(table)
 
-    if failures:
+    if failures and failures[0].reason != HANG_REASON:
         root = failures[0]
         console.print(Text(f"Root cause: rank {root.rank} on {root.host} ({describe(root)}); its stderr ends with:"))
         text = root.traceback if root.traceback is not None else "\n".join(root.stderr_tail) or "(no output on stderr)"
         console.print(Text(text), soft_wrap=True)
+    if hangs:
+        print_hang_reports(console, hangs)
     for lost in lost_agents:
         console.print(Text(f"Agent on {lost.host} (node {lost.node_rank}) exited with {lost.exit_code}; its output ends with:"))
         console.print(Text("\n".join(lost.output_tail) or "(no output)"), soft_wrap=True)
+
+
+def _clock(wall: float) -> str:
+    """A wall time as local HH:MM:SS.mmm."""
+    return datetime.datetime.fromtimestamp(wall).strftime("%H:%M:%S.%f")[:-3]
+
+
+def describe_rank_state(snap: RankSnapshot, now: float) -> str:
+    """One line: how long a rank has been silent, its step, and its last collective (op, group, bytes, when).
+
+    `now` is the report's wall time, to say how long the rank has been inside its collective.
+    """
+    if snap.beats == 0:
+        parts = ["no heartbeat yet (still starting up)"]
+    else:
+        parts = [f"last heartbeat {snap.silent_s:.1f} s ago" if snap.silent_s is not None else "beating"]
+    if snap.step is not None:
+        parts.append(f"step {snap.step}")
+    call = snap.collective
+    if call is None:
+        parts.append("no collective yet")
+    else:
+        what = f"{call.op} #{call.seq} over {call.group_size} rank(s), {call.bytes:,} B, entered {_clock(call.entered)}"
+        if call.finished is None:
+            parts.append(f"inside {what} for {max(0.0, now - call.entered):.1f} s")
+        else:
+            parts.append(f"last collective {what}, finished {_clock(call.finished)}")
+    return "; ".join(parts)
+
+
+def print_hang_reports(console: Console, hangs: list[HangReport]) -> None:
+    """Print every rank's state and stacks from the agents' hang reports, the likely cause first."""
+    hung = sorted({rank for report in hangs for rank in report.hung})
+    timeout = max(report.timeout for report in hangs)
+    console.print(Text(f"Hang: rank(s) {', '.join(map(str, hung)) or '?'} made no progress for {timeout:g} s "
+                       "(--hang_timeout). Every rank's state:"))
+    snapshots = sorted(((report, snap) for report in hangs for snap in report.ranks), key=lambda p: p[1].rank)
+    for report, snap in snapshots:
+        console.print(Text(f"  rank {snap.rank} on {report.host} (pid {snap.pid}): "
+                           f"{describe_rank_state(snap, report.time)}"), soft_wrap=True)
+    causes = likely_causes([snap for _, snap in snapshots])
+    if causes:
+        console.print(Text(f"Likely cause: rank(s) {', '.join(map(str, causes))}: not in, or behind, the collective "
+                           "the others wait in (see their stacks)."))
+    for report, snap in snapshots:
+        console.print(Text(f"Stacks of rank {snap.rank} on {report.host} (pid {snap.pid}):"))
+        console.print(Text(snap.stacks or "(none: the rank had not started dsrun's heartbeat, or did not answer "
+                                          "in time)"), soft_wrap=True)

@@ -117,6 +117,7 @@ from dsrun.runtime.distributed import nodes
 from dsrun.runtime.comm import comm_thread
 from dsrun.runtime.comm.logger import comms_logger, timed
 from dsrun.runtime.distributed.torch_collectives import all_gather_single, reduce_scatter_single
+from dsrun.runtime.observability import heartbeat
 
 log = logging.getLogger(__name__)
 
@@ -145,11 +146,13 @@ class CompletedWork(dist.Work):
 class _ThenWork(dist.Work):
     """An async handle plus what to do when it completes: the first `wait()`
     (on the waiting thread) counts the seconds it blocked as `op`'s wait time
-    in the comms logger (when `op` is given), then runs `then`."""
+    in the comms logger (when `op` is given), then runs `then`, then records
+    the collective numbered `beat_seq` as finished in the heartbeat (see
+    [Note: heartbeats] in dsrun/runtime/observability/heartbeat.py)."""
 
-    def __init__(self, work: dist.Work, then=None, op: str | None = None) -> None:
+    def __init__(self, work: dist.Work, then=None, op: str | None = None, beat_seq: int = 0) -> None:
         super().__init__()
-        self._work, self._then, self._op, self._done = work, then, op, False
+        self._work, self._then, self._op, self._done, self._beat_seq = work, then, op, False, beat_seq
 
     def wait(self, timeout=None) -> bool:
         if not self._done:
@@ -160,6 +163,7 @@ class _ThenWork(dist.Work):
             if self._then is not None:
                 self._then()
             self._done = True
+            heartbeat.collective_finished(self._beat_seq)
         return True
 
     def is_completed(self) -> bool:
@@ -269,7 +273,15 @@ def _served(group: ProcessGroup | None, *tensors: torch.Tensor,
 
 
 def _issue(name: str, counted: torch.Tensor, group: ProcessGroup | None, async_op: bool,
-           shm: shm_comm.ShmGroup | None, on_shm, on_torch) -> Handle | None:
+           served, on_shm, on_torch) -> Handle | None:
+    """Run one collective: `served()` (None: torch.distributed only) picks the
+    ShmGroup or None, then `on_shm(shm)` or `on_torch()` runs it. The
+    heartbeat records it as entered before `served()` (which may itself
+    communicate, see [Note: when the shm group is created]) and as finished
+    when it returns, or at its handle's `wait()` when async."""
+    world = get_world_size(group)
+    beat_seq = heartbeat.collective_entered(name, world, counted.numel() * counted.element_size())
+    shm = served() if served is not None else None
     with timed() as t:
         if shm is not None:
             comm_thread.drain()  # see [Note: overlap on a communication thread]
@@ -278,10 +290,12 @@ def _issue(name: str, counted: torch.Tensor, group: ProcessGroup | None, async_o
         else:
             handle = on_torch()
     synchronous = shm is not None or not async_op
-    if not synchronous:
-        handle = _ThenWork(handle, op=name)
+    if synchronous:
+        heartbeat.collective_finished(beat_seq)
+    else:
+        handle = _ThenWork(handle, op=name, beat_seq=beat_seq)
     comms_logger.record(name, counted, t.seconds if synchronous else 0.0,
-                        transport=SHM if shm is not None else TORCH, group_size=get_world_size(group),
+                        transport=SHM if shm is not None else TORCH, group_size=world,
                         inter_node=nodes.spans_nodes(group))
     return handle
 
@@ -294,7 +308,7 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM,
     On shm (see [Note: choosing the transport]) 16-bit tensors are summed in
     fp32 and rounded once.
     """
-    return _issue("all_reduce", tensor, group, async_op, _served(group, tensor, reduce_op=op),
+    return _issue("all_reduce", tensor, group, async_op, lambda: _served(group, tensor, reduce_op=op),
                   lambda shm: shm.all_reduce(tensor, _SHM_REDUCE_OPS[op]),
                   lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op))
 
@@ -307,12 +321,14 @@ def _overlapped(name: str, counted: list[torch.Tensor], group: ProcessGroup | No
     counting each tensor of `counted` as one `name` call; `finish()` runs
     before the returned handle's `wait()` returns."""
     world, inter_node = get_world_size(group), nodes.spans_nodes(group)
+    beat_seq = heartbeat.collective_entered(name, world, sum(t.numel() * t.element_size() for t in counted))
     mode = _WorldShm.overlap if shm is not None else TORCH
     if mode == "sync":
         with timed() as t:
             comm_thread.drain()
             on_shm(shm)
             finish()
+        heartbeat.collective_finished(beat_seq)
         for i, tensor in enumerate(counted):
             comms_logger.record(name, tensor, t.seconds if i == 0 else 0.0, transport=SHM, group_size=world,
                                 inter_node=inter_node)
@@ -322,12 +338,12 @@ def _overlapped(name: str, counted: list[torch.Tensor], group: ProcessGroup | No
                             inter_node=inter_node)
     if mode == TORCH:
         works = on_torch()
-        return _ThenWork(_AllWork(works), finish, name)
+        return _ThenWork(_AllWork(works), finish, name, beat_seq)
 
     def run_and_finish() -> None:
         on_shm(shm)
         finish()
-    return _ThenWork(comm_thread.get().submit(name, run_and_finish), op=name)
+    return _ThenWork(comm_thread.get().submit(name, run_and_finish), op=name, beat_seq=beat_seq)
 
 
 class _AllWork(dist.Work):
@@ -406,7 +422,7 @@ def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None = None,
               async_op: bool = False) -> Handle | None:
     """Overwrite `tensor` on every rank with global rank `src`'s copy."""
     # shm serves only the world group, where global rank == group rank.
-    return _issue("broadcast", tensor, group, async_op, _served(group, tensor),
+    return _issue("broadcast", tensor, group, async_op, lambda: _served(group, tensor),
                   lambda shm: shm.broadcast(tensor, src),
                   lambda: dist.broadcast(tensor, src=src, group=group, async_op=async_op))
 
@@ -415,7 +431,7 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor,
                            group: ProcessGroup | None = None,
                            async_op: bool = False) -> Handle | None:
     """Concatenate every rank's `input` (shape [n]) into `output` (shape [world*n]), rank order."""
-    return _issue("all_gather_into_tensor", output, group, async_op, _served(group, output, input),
+    return _issue("all_gather_into_tensor", output, group, async_op, lambda: _served(group, output, input),
                   lambda shm: shm.all_gather(output, input),
                   lambda: all_gather_single(output, input, group=group, async_op=async_op))
 
@@ -425,7 +441,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor,
                           async_op: bool = False) -> Handle | None:
     """Reduce `input` (shape [world*n]) across ranks; rank r keeps slice r in `output` ([n])."""
     return _issue("reduce_scatter_tensor", input, group, async_op,
-                  _served(group, output, input, reduce_op=op),
+                  lambda: _served(group, output, input, reduce_op=op),
                   lambda shm: shm.reduce_scatter(output, input, _SHM_REDUCE_OPS[op]),
                   lambda: reduce_scatter_single(output, input, op=op, group=group, async_op=async_op))
 
@@ -443,14 +459,18 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group: ProcessG
 def all_gather_object(obj: object, group: ProcessGroup | None = None) -> list[object]:
     """Every rank's picklable `obj`, in rank order (small control data only: it pickles)."""
     out: list[object] = [None] * dist.get_world_size(group)
+    beat_seq = heartbeat.collective_entered("all_gather_object", len(out), 0)
     dist.all_gather_object(out, obj, group=group)
+    heartbeat.collective_finished(beat_seq)
     comms_logger.record("all_gather_object", torch.empty(0))
     return out
 
 
 def barrier(group: ProcessGroup | None = None) -> None:
     """Block until every rank of `group` reaches this call."""
+    beat_seq = heartbeat.collective_entered("barrier", get_world_size(group), 0)
     dist.barrier(group=group)
+    heartbeat.collective_finished(beat_seq)
     comms_logger.record("barrier", torch.empty(0))
 
 

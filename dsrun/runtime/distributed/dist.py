@@ -29,6 +29,7 @@ from dsrun.launcher.mpi import rank_env_from_scheduler
 from dsrun.runtime.memory import allocator
 from dsrun.runtime.distributed import rendezvous
 from dsrun.runtime.distributed import nodes as nodes_mod
+from dsrun.runtime.observability import heartbeat
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 
@@ -161,6 +162,7 @@ def init_distributed(dist_backend: str | None = None,
         device = _device_for(backend, local_rank)
         # Without rank variables the group's ranks are taken to share one node.
         node_rank, node_size = (local_rank, local_world_size) if os.environ.get("RANK") else (rank, world_size)
+        heartbeat.start()  # see below
         return Topology(rank, world_size, local_rank, local_world_size, device, backend,
                         nodes_mod.learn(rank, world_size, node_rank, node_size, device))
 
@@ -185,6 +187,9 @@ def init_distributed(dist_backend: str | None = None,
                                 rendezvous.rendezvous_timeout(timeout), timeout)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     atexit.register(_leave)
+    # Stacks on request from now on; the first beat comes later. After _leave's registration, so the
+    # rank is marked exiting before _leave runs: see [Note: heartbeats].
+    heartbeat.start()
     return Topology(rank, world_size, local_rank, local_world_size, device, backend,
                     nodes_mod.learn(rank, world_size, local_rank, local_world_size, device))
 

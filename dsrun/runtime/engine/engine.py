@@ -21,6 +21,7 @@ from dsrun.runtime.strategy.data_parallel import AllReduceStrategy, GradientStra
 from dsrun.runtime.distributed.dist import Topology
 from dsrun.runtime.parallel.expert.groups import is_expert_param
 from dsrun.runtime.engine.compat import DeepSpeedEngineCompat
+from dsrun.runtime.observability import heartbeat
 from dsrun.runtime.observability.logging import ProgressLog, log_rank0, logger
 from dsrun.runtime.memory.profile import MemoryProfiler, format_memory_profile, no_phase, recorded_phases
 from dsrun.runtime.monitor import MonitorMaster
@@ -223,6 +224,7 @@ class Engine(DeepSpeedEngineCompat, torch.nn.Module):
         if self.fp16_auto_cast():
             inputs = cast_floating(inputs, torch.float16)
         self._telemetry.observe_inputs(inputs, kwargs)
+        heartbeat.beat()  # progress for hung-rank detection: [Note: heartbeats]
         with self._phase("forward"), self._telemetry.phase("forward"):
             return self.module(*inputs, **kwargs)
 
@@ -315,6 +317,7 @@ class Engine(DeepSpeedEngineCompat, torch.nn.Module):
             self.strategy.zero_grad()
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
+        heartbeat.beat(self.global_steps)
         if outcome.nonfinite:
             self._on_nonfinite_step(outcome.first_nonfinite)
         self._progress.after_step(self.global_steps, self.skipped_steps,
