@@ -76,7 +76,7 @@ def build_placement(selection: dict[str, list[int]]) -> Placement:
 
 def node_jobs(placement: Placement, *, job_id: str, master_addr: str, master_port: int, command: list[str],
               cwd: str, env: dict[str, str], grace_period: float, pass_local_rank: bool, log_dir: str | None,
-              visible_devices: bool, rendezvous_timeout: float) -> list[NodeJob]:
+              visible_devices: bool, rendezvous_timeout: float, restart_count: int = 0) -> list[NodeJob]:
     """One `NodeJob` per node of `placement`, all sharing the rendezvous and the command.
 
     Args:
@@ -86,6 +86,7 @@ def node_jobs(placement: Placement, *, job_id: str, master_addr: str, master_por
             over SSH; under Slurm the scheduler sets it, and a local launch
             keeps the CUDA_VISIBLE_DEVICES it inherits).
         rendezvous_timeout: seconds the ranks wait for each other at start.
+        restart_count: restarts before this attempt (see dsrun/launcher/restart.py).
     """
     jobs = []
     for node in placement.nodes:
@@ -97,7 +98,7 @@ def node_jobs(placement: Placement, *, job_id: str, master_addr: str, master_por
             world_size=placement.world_size, ranks=node.global_ranks, local_ranks=list(range(node.local_world_size)),
             master_addr=master_addr, master_port=master_port, command=command, cwd=cwd, env=node_env,
             grace_period=grace_period, pass_local_rank=pass_local_rank, log_dir=log_dir,
-            rendezvous_timeout=rendezvous_timeout,
+            rendezvous_timeout=rendezvous_timeout, restart_count=restart_count,
         ))
     return jobs
 
