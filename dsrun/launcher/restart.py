@@ -24,8 +24,10 @@ anything starts; those hosts are dropped, each named with its reason, and
 the launch is tried on the rest. At most `max_nodes` hosts are used, the
 first healthy ones in hostfile order; fewer than `min_nodes` ends the job
 with the last attempt's status (or, on the first attempt, the check's
-error). `min_nodes` unset means: every host on the first attempt (a launch
-without restarts behaves exactly as before) and 1 on a restart.
+error). `min_nodes` unset means: on the first attempt every host it asks
+for (a launch without restarts behaves exactly as before: any host that
+fails the check stops the launch with the launcher's own report) and 1 on
+a restart.
 
 The rendezvous port of a restart is fresh or reusable: the previous
 attempt's ranks have all exited when its `Head.run()` returns, so their
@@ -62,8 +64,8 @@ class RestartPolicy:
 
     Attributes:
         max_restarts: restarts after the first attempt (0: never restart).
-        min_nodes: fewest hosts an attempt may run on; None: every host on
-            the first attempt, 1 on a restart.
+        min_nodes: fewest hosts an attempt may run on; None: on the first
+            attempt every host it asks for (`max_nodes` of them), 1 on a restart.
         max_nodes: most hosts an attempt runs on (the first healthy ones in
             hostfile order); None: every host.
     """
@@ -91,7 +93,7 @@ class RestartPolicy:
         """The fewest hosts attempt `attempt` (0 = first run) may run on, of `num_hosts` selected."""
         if self.min_nodes is not None:
             return self.min_nodes
-        return num_hosts if attempt == 0 else 1
+        return self.most(num_hosts) if attempt == 0 else 1
 
     def most(self, num_hosts: int) -> int:
         """The most hosts an attempt runs on, of `num_hosts` selected."""
