@@ -44,7 +44,7 @@ from dsrun.launcher.local_devices import default_num_procs, warn_if_oversubscrib
 from dsrun.launcher.ports import DEFAULT_MASTER_PORT
 from dsrun.launcher.placement import build_placement, derived_port, node_jobs, print_placement
 from dsrun.launcher.propagate import EnvFileError, masked, propagated_env
-from dsrun.launcher.restart import AttemptResult, HostsDown, RestartPolicy, run_with_restarts
+from dsrun.launcher.restart import AttemptResult, HostsDown, RestartPolicy, attempt_job_id, run_with_restarts
 
 LAUNCHERS = ("ssh", "slurm", "openmpi", "mpich", "local")
 
@@ -190,9 +190,9 @@ def _run(opts: MultinodeOptions, rc: RankCommand, launcher: str, console: Consol
     def jobs_for(addr: str, port: int, hosts: list[str] | None = None, restart: int = 0) -> list[NodeJob]:
         """The node jobs on `hosts` (a subset of the placement's, default all) for restart `restart`."""
         chosen = placement if hosts is None else build_placement({h: selection[h] for h in hosts})
-        return node_jobs(chosen, job_id=job_id, master_addr=addr, master_port=port, command=command, cwd=cwd,
-                         env=env, grace_period=rc.grace_period, pass_local_rank=rc.pass_local_rank,
-                         log_dir=rc.log_dir, visible_devices=launcher == "ssh",
+        return node_jobs(chosen, job_id=attempt_job_id(job_id, restart), master_addr=addr, master_port=port,
+                         command=command, cwd=cwd, env=env, grace_period=rc.grace_period,
+                         pass_local_rank=rc.pass_local_rank, log_dir=rc.log_dir, visible_devices=launcher == "ssh",
                          rendezvous_timeout=rc.rendezvous_timeout, restart_count=restart)
 
     if opts.dry_run:
@@ -227,8 +227,8 @@ def _run(opts: MultinodeOptions, rc: RankCommand, launcher: str, console: Consol
     def ssh_attempt(restart: int, hosts: list[str], header: str | None) -> AttemptResult:
         try:
             launch = prepare_ssh_launch(hosts, ssh_config=opts.ssh_config, policy=key_policy, python=python,
-                                        cwd=cwd, job_id=job_id, master_addr=rc.master_addr,
-                                        master_port=rc.master_port)
+                                        cwd=cwd, job_id=attempt_job_id(job_id, restart),
+                                        master_addr=rc.master_addr, master_port=rc.master_port)
         except SshConnectError as exc:  # the pre-check: nothing was started
             raise HostsDown(exc.failures, original=exc) from exc
         for note in launch.notes:

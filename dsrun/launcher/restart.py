@@ -35,6 +35,11 @@ port is free again (bound with SO_REUSEADDR, TIME_WAIT does not block it);
 where something else took it meanwhile, the launch callback picks another
 (multinode.py).
 
+Each restart runs under its own job id, the first attempt's with
+`-restart<k>` appended (`attempt_job_id`): DSRUN_JOB_ID names the ranks'
+shared-memory segments and swap files, and a rank killed by a signal
+cannot remove its own, so a restart must never meet them under its name.
+
 The exit status is 0 if some attempt succeeded, else the last failure's.
 Each restart prints one line: attempt k/N, the reason, the hosts.
 
@@ -137,6 +142,11 @@ class NotEnoughHosts(Exception):
 
 # The launch callback: (restart count, hosts in node order, the line to print before starting) -> result.
 Launch = Callable[[int, list[str], str | None], AttemptResult]
+
+
+def attempt_job_id(job_id: str, restart: int) -> str:
+    """The job id of restart `restart` (0: the first run, `job_id` itself); see [Note: restarts]."""
+    return job_id if restart == 0 else f"{job_id}-restart{restart}"
 
 
 def restart_refusal(result: AttemptResult) -> str | None:

@@ -77,19 +77,23 @@ def test_ctrl_c_is_not_restarted(launcher):
 
 
 def test_restart_count_port_and_exit_status(launcher, tmp_path):
-    """Each attempt's ranks see their restart count, and a restart reuses the port its predecessor freed;
+    """Each attempt's ranks see their restart count and job id, and a restart reuses the port its predecessor freed;
     when every attempt fails, dsrun exits with the last failure's status."""
     script = tmp_path / "count.py"
     script.write_text("import os, sys\n"
                       "c = os.environ['DSRUN_RESTART_COUNT']\n"
-                      "print('COUNT', c, os.environ['TORCHELASTIC_RESTART_COUNT'], os.environ['MASTER_PORT'])\n"
+                      "print('COUNT', c, os.environ['TORCHELASTIC_RESTART_COUNT'], os.environ['MASTER_PORT'],\n"
+                      "      os.environ['DSRUN_JOB_ID'])\n"
                       "sys.exit(4 if c != '2' and os.environ['RANK'] == '1' else 0)\n")
     port = free_port()
     result = launcher.run("--num_procs", "2", "--master_port", str(port), "--max_restarts", "2", "--no_local_rank",
                           str(script), timeout=60)
     assert result.returncode == 0, result.stderr
     counts = sorted(line.split()[3:] for line in result.stdout.splitlines() if "COUNT" in line)
-    assert counts == [[c, c, str(port)] for c in "001122"], result.stdout
+    assert [c[:3] for c in counts] == [[c, c, str(port)] for c in "001122"], result.stdout
+    # each restart has its own job id (it names shared-memory segments a killed rank may leave behind)
+    first = counts[0][3]
+    assert [c[3] for c in counts] == [first, first, *[f"{first}-restart{k}" for k in (1, 1, 2, 2)]]
     (tmp_path / "fail.py").write_text("import sys; sys.exit(7)\n")
     failed = launcher.run("--num_procs", "2", "--master_port", str(port), "--max_restarts", "1", "--no_local_rank",
                           str(tmp_path / "fail.py"), timeout=60)
