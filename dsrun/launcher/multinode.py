@@ -44,7 +44,8 @@ from dsrun.launcher.local_devices import default_num_procs, warn_if_oversubscrib
 from dsrun.launcher.ports import DEFAULT_MASTER_PORT
 from dsrun.launcher.placement import build_placement, derived_port, node_jobs, print_placement
 from dsrun.launcher.propagate import EnvFileError, masked, propagated_env
-from dsrun.launcher.restart import AttemptResult, HostsDown, RestartPolicy, attempt_job_id, run_with_restarts
+from dsrun.launcher.restart import (AttemptResult, HostsDown, NotEnoughHosts, RestartPolicy, attempt_job_id,
+                                   run_with_restarts)
 
 LAUNCHERS = ("ssh", "slurm", "openmpi", "mpich", "local")
 
@@ -137,11 +138,14 @@ def run_multinode(opts: MultinodeOptions, rc: RankCommand, console: Console) -> 
 
     Raises:
         click.UsageError: bad hostfile, filter, env file or option mix (nothing started).
-        click.ClickException: the nodes cannot be reached (nothing started).
+        click.ClickException: the nodes cannot be reached, or fewer than
+            --min_nodes can (nothing started).
     """
     launcher = opts.launcher or ("ssh" if opts.hostfile else "local")
     try:
         return _run(opts, rc, launcher, console)
+    except NotEnoughHosts as exc:
+        raise click.ClickException(str(exc)) from exc
     except (HostfileError, EnvFileError, FileNotFoundError, ValueError) as exc:
         raise click.UsageError(str(exc)) from exc
 

@@ -51,6 +51,7 @@ state across attempts, resharded to the new world size.
 """
 from __future__ import annotations
 
+import functools
 import signal
 from dataclasses import dataclass
 from typing import Callable
@@ -149,6 +150,13 @@ def attempt_job_id(job_id: str, restart: int) -> str:
     return job_id if restart == 0 else f"{job_id}-restart{restart}"
 
 
+def restart_line(attempt: int, max_restarts: int, reason: str | None, hosts: list[str]) -> str | None:
+    """The line printed before restart `attempt` on `hosts` (None before the first run)."""
+    if attempt == 0:
+        return None
+    return f"dsrun: restart {attempt}/{max_restarts} after {reason}: on {len(hosts)} host(s): {', '.join(hosts)}"
+
+
 def restart_refusal(result: AttemptResult) -> str | None:
     """Why a failed attempt must not be restarted whatever the policy, or None if it may be."""
     if result.stopped_by is not None:
@@ -207,6 +215,8 @@ def run_with_restarts(policy: RestartPolicy, hosts: list[str], launch: Launch, c
 
     Raises:
         ValueError: the policy cannot be met (see `RestartPolicy.check`).
+        NotEnoughHosts: fewer than --min_nodes hosts passed the first
+            attempt's pre-check (nothing was started).
         The launcher's own error for a failed pre-check of a first attempt
             that may not drop hosts (as without restarts).
     """
@@ -215,17 +225,12 @@ def run_with_restarts(policy: RestartPolicy, hosts: list[str], launch: Launch, c
     result: AttemptResult | None = None
     try:
         while True:
-            def header(chosen: list[str]) -> str | None:
-                if attempt == 0:
-                    return None
-                return (f"dsrun: restart {attempt}/{policy.max_restarts} after {reason}: "
-                        f"on {len(chosen)} host(s): {', '.join(chosen)}")
-
+            header = functools.partial(restart_line, attempt, policy.max_restarts, reason)
             try:
                 result = launch_on_healthy_hosts(policy, hosts, attempt, launch, header, console)
             except NotEnoughHosts as exc:
                 if result is None:  # the first attempt: nothing ran, so there is no status to return
-                    raise ValueError(f"{exc}; nothing was started") from None
+                    raise NotEnoughHosts(f"{exc}; nothing was started") from None
                 console.print(f"dsrun: cannot restart: {exc}; the job ends")
                 return result.status
             if result.status == 0:

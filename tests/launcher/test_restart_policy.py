@@ -10,7 +10,7 @@ from click.testing import CliRunner
 from rich.console import Console
 
 from dsrun.launcher.cli import cli
-from dsrun.launcher.restart import AttemptResult, HostsDown, RestartPolicy, run_with_restarts
+from dsrun.launcher.restart import AttemptResult, HostsDown, NotEnoughHosts, RestartPolicy, run_with_restarts
 
 
 class Script:
@@ -82,7 +82,7 @@ def test_user_stops_and_user_errors_are_never_restarted(result, why):
     script = Script(result)
     status, out = run(RestartPolicy(max_restarts=5), ["a"], script)
     assert status == result.status and len(script.calls) == 1
-    assert f"not restarting: " in out and why in out
+    assert "not restarting: " in out and why in out
 
 
 def test_ctrl_c_between_attempts_is_not_restarted():
@@ -122,7 +122,7 @@ def test_first_attempt_keeps_todays_all_hosts_rule_unless_min_nodes_is_given():
     status, out = run(RestartPolicy(min_nodes=1), ["a", "b"], script)
     assert status == 0 and [c[1] for c in script.calls] == [["a", "b"], ["a"]]
     assert "dropping host b: refused" in out
-    with pytest.raises(ValueError, match="fewer than the 2 required.*nothing was started"):
+    with pytest.raises(NotEnoughHosts, match="fewer than the 2 required.*nothing was started"):
         run(RestartPolicy(min_nodes=2), ["a", "b"], Script(down(b="refused")))
 
 
