@@ -53,8 +53,8 @@ from __future__ import annotations
 
 import functools
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from rich.console import Console
 

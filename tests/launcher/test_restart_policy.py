@@ -10,7 +10,13 @@ from click.testing import CliRunner
 from rich.console import Console
 
 from dsrun.launcher.cli import cli
-from dsrun.launcher.restart import AttemptResult, HostsDown, NotEnoughHosts, RestartPolicy, run_with_restarts
+from dsrun.launcher.restart import (
+    AttemptResult,
+    HostsDown,
+    NotEnoughHosts,
+    RestartPolicy,
+    run_with_restarts,
+)
 
 
 class Script:

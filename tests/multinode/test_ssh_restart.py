@@ -32,8 +32,8 @@ pytestmark = pytest.mark.slow
 
 def dsrun(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "dsrun.launcher.cli", "--no_local_rank", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "dsrun.launcher.cli", "--no_local_rank", *args], check=False,
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def records(path: Path) -> tuple[list[dict], list[float]]:
