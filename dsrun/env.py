@@ -12,8 +12,8 @@ table in README.md and docs/config.md is generated from `VARIABLES`.
 
 A variable that is unset or empty (spaces only) takes its default. A value
 that does not parse raises `EnvVarError` naming the variable, the value and
-what is expected. The launcher *sets* DSRUN_JOB_ID, DSRUN_RENDEZVOUS_TIMEOUT
-and DSRUN_PROGRESS for its ranks (dsrun/launcher/env.py) with plain
+what is expected. The launcher *sets* DSRUN_JOB_ID, DSRUN_RENDEZVOUS_TIMEOUT,
+DSRUN_RESTART_COUNT and DSRUN_PROGRESS for its ranks (dsrun/launcher/env.py) with plain
 environment dicts; only reading goes through this module.
 
 This module must not import torch: the launcher and the agents use it.
@@ -206,6 +206,10 @@ PROGRESS = Flag("DSRUN_PROGRESS", False,
 PROGRESS_INTERVAL = Seconds("DSRUN_PROGRESS_INTERVAL", 10.0,
                             "seconds between the launcher's plain progress lines when its output is not a terminal",
                             zero_allowed=True)
+RESTART_COUNT = Count("DSRUN_RESTART_COUNT", 0,
+                      "restarts of the job before this attempt, set by the launcher for every rank "
+                      "(dsrun --max_restarts; also as TORCHELASTIC_RESTART_COUNT); 0 on the first run",
+                      unit="restarts")
 RENDEZVOUS_TIMEOUT = Seconds("DSRUN_RENDEZVOUS_TIMEOUT", None,
                              "seconds the ranks wait for each other at start (set by the launcher from "
                              "--rendezvous_timeout); unset: init_distributed's timeout")
@@ -225,7 +229,7 @@ ZERO_WATCHDOG_TIMEOUT = Seconds("DSRUN_ZERO_WATCHDOG_TIMEOUT", 300.0,
 VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
     AUTOTUNING_RESULT, BUILD_OPS, CKPT_BARRIER_TIMEOUT, CKPT_TIMEOUT, COMM_OVERLAP, CPU_ISA, HEARTBEAT_FILE,
     HOST_CACHE_MB, HOST_HUGEPAGES, JOB_ID, MALLOC, OPS_CACHE, OPS_DISABLE, PROGRESS, PROGRESS_INTERVAL,
-    RENDEZVOUS_TIMEOUT, SHM_COMM, SHM_TIMEOUT, STRICT_CONFIG, ZERO_WATCHDOG_TIMEOUT)}
+    RENDEZVOUS_TIMEOUT, RESTART_COUNT, SHM_COMM, SHM_TIMEOUT, STRICT_CONFIG, ZERO_WATCHDOG_TIMEOUT)}
 
 
 def markdown_table() -> str:

@@ -9,7 +9,8 @@ Everything after the script is passed to it untouched, followed by
 plain local one included, goes through `multinode.run_multinode`: there is
 one code path whatever the flags (`--env`, `--print_env` and `--dry_run`
 only add to it). `--autotuning` hands the command to dsrun/autotuning, which
-runs each trial as such a launch.
+runs each trial as such a launch. `--max_restarts N` runs that launch again
+after a failure (dsrun/launcher/restart.py, docs/restarts.md).
 """
 from __future__ import annotations
 

@@ -11,6 +11,8 @@ so a script written for either launcher runs unchanged:
     NODE_RANK                                      common in Lightning-style scripts
     DSRUN_JOB_ID                                   dsrun: unique id of the job
     DSRUN_RENDEZVOUS_TIMEOUT                       dsrun: seconds ranks wait for each other at start
+    DSRUN_RESTART_COUNT, TORCHELASTIC_RESTART_COUNT  restarts before this attempt (0 on the first run;
+                                                   dsrun --max_restarts, see dsrun/launcher/restart.py)
     PYTHONUNBUFFERED=1                             output reaches the launcher line by line
     DSRUN_PROGRESS=1                               rank 0's engine sends progress records (progress.py)
     PYTHONWARNINGS (only where NumPy is missing)   hides torch's import-time "Failed to initialize NumPy"
@@ -48,6 +50,8 @@ def rank_environment(job: NodeJob, index: int) -> dict[str, str]:
         "MASTER_PORT": str(job.master_port),
         "DSRUN_JOB_ID": job.job_id,
         "DSRUN_RENDEZVOUS_TIMEOUT": f"{job.rendezvous_timeout:g}",
+        "DSRUN_RESTART_COUNT": str(job.restart_count),
+        "TORCHELASTIC_RESTART_COUNT": str(job.restart_count),
         "PYTHONUNBUFFERED": "1",
         PROGRESS_ENV: "1",
     }

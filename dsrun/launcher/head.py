@@ -242,6 +242,23 @@ class Head:
 
     # ---- outcome -------------------------------------------------------------------------
 
+    @property
+    def stopped_by(self) -> int | None:
+        """The signal (SIGINT, SIGTERM, SIGHUP) sent to dsrun that stopped the job, else None (after run())."""
+        return self._stop_signal
+
+    def first_failure(self) -> str | None:
+        """One line naming what ended the job first: the earliest rank failure,
+        else a node whose agent failed; None when nothing failed (after run())."""
+        if self._failures:
+            f = min(self._failures, key=lambda f: f.time)
+            how = f.signal or f"exit code {f.exit_code}"
+            return f"rank {f.rank} on {f.host} ended with {how}"
+        lost = next((a for a in self._agents if a.failed_first), None)
+        if lost is not None:
+            return f"node {lost.handle.job.host} was lost (agent exit status {lost.status})"
+        return None
+
     def _report(self) -> int:
         """Print what went wrong (if anything) and return dsrun's exit status."""
         failures = sorted(self._failures, key=lambda f: f.time)

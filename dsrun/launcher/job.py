@@ -60,6 +60,9 @@ class NodeJob(BaseModel):
                                             "before it is reported hung; 0: no hang detection.")
     pass_local_rank: bool = Field(False, description="Append --local_rank=N to the rank command (DeepSpeed's convention).")
     log_dir: str | None = Field(None, description="If set, each rank's output is also written to log_dir/rank_N.log.")
+    restart_count: int = Field(0, ge=0, description="How many times the launcher restarted the job before this "
+                                                    "attempt (dsrun --max_restarts); exported as "
+                                                    "DSRUN_RESTART_COUNT and TORCHELASTIC_RESTART_COUNT.")
 
     @model_validator(mode="after")
     def _check_consistency(self) -> "NodeJob":

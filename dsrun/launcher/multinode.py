@@ -17,6 +17,11 @@ master address from every node.
 
 Each launcher's module is imported only when that launcher is used, so a
 local launch does not pay for paramiko.
+
+`--max_restarts N` (with `--min_nodes`/`--max_nodes`) starts a failed job
+again, on the hosts that pass a new pre-check: every launch runs as attempts
+through `restart.run_with_restarts` (see [Note: restarts] in restart.py);
+without it, the one attempt is the launch as it always was.
 """
 from __future__ import annotations
 
@@ -39,6 +44,8 @@ from dsrun.launcher.local_devices import default_num_procs, warn_if_oversubscrib
 from dsrun.launcher.ports import DEFAULT_MASTER_PORT
 from dsrun.launcher.placement import build_placement, derived_port, node_jobs, print_placement
 from dsrun.launcher.propagate import EnvFileError, masked, propagated_env
+from dsrun.launcher.restart import (AttemptResult, HostsDown, NotEnoughHosts, RestartPolicy, attempt_job_id,
+                                   run_with_restarts)
 
 LAUNCHERS = ("ssh", "slurm", "openmpi", "mpich", "local")
 
@@ -59,6 +66,9 @@ class MultinodeOptions:
     env: tuple[str, ...]
     print_env: bool
     dry_run: bool
+    max_restarts: int
+    min_nodes: int | None
+    max_nodes: int | None
 
 
 _OPTIONS = [
@@ -83,6 +93,15 @@ _OPTIONS = [
                       "every local user in ps."),
     click.option("--print_env", is_flag=True, help="Show the variables each rank gets (propagated values masked)."),
     click.option("--dry_run", is_flag=True, help="Print the placement (and the environment with --print_env) and exit."),
+    click.option("--max_restarts", type=click.IntRange(min=0), default=0, show_default=True,
+                 help="After a failure, start the job again up to N times, on the hosts that pass a new "
+                      "pre-check (ranks see DSRUN_RESTART_COUNT); a stop by Ctrl-C/SIGTERM is never "
+                      "restarted (docs/restarts.md)."),
+    click.option("--min_nodes", type=click.IntRange(min=1), default=None,
+                 help="Fewest hosts an attempt may run on when hosts fail the pre-check "
+                      "[default: every host on the first attempt, 1 on a restart]."),
+    click.option("--max_nodes", type=click.IntRange(min=1), default=None,
+                 help="Most hosts an attempt runs on: the first healthy ones in hostfile order [default: all]."),
 ]
 _FIELDS = [f.name for f in fields(MultinodeOptions)]
 
@@ -120,11 +139,14 @@ def run_multinode(opts: MultinodeOptions, rc: RankCommand, console: Console) -> 
 
     Raises:
         click.UsageError: bad hostfile, filter, env file or option mix (nothing started).
-        click.ClickException: the nodes cannot be reached (nothing started).
+        click.ClickException: the nodes cannot be reached, or fewer than
+            --min_nodes can (nothing started).
     """
     launcher = opts.launcher or ("ssh" if opts.hostfile else "local")
     try:
         return _run(opts, rc, launcher, console)
+    except NotEnoughHosts as exc:
+        raise click.ClickException(str(exc)) from exc
     except (HostfileError, EnvFileError, FileNotFoundError, ValueError) as exc:
         raise click.UsageError(str(exc)) from exc
 
@@ -170,42 +192,86 @@ def _run(opts: MultinodeOptions, rc: RankCommand, launcher: str, console: Consol
         master_addr, port = _local_rendezvous(rc, console)
         inherited = dict(os.environ)
 
-    def jobs_for(addr: str, port: int) -> list[NodeJob]:
-        return node_jobs(placement, job_id=job_id, master_addr=addr, master_port=port, command=command, cwd=cwd,
-                         env=env, grace_period=rc.grace_period, pass_local_rank=rc.pass_local_rank,
-                         log_dir=rc.log_dir, visible_devices=launcher == "ssh",
-                         rendezvous_timeout=rc.rendezvous_timeout, hang_timeout=rc.hang_timeout)
+    def jobs_for(addr: str, port: int, hosts: list[str] | None = None, restart: int = 0) -> list[NodeJob]:
+        """The node jobs on `hosts` (a subset of the placement's, default all) for restart `restart`."""
+        chosen = placement if hosts is None else build_placement({h: selection[h] for h in hosts})
+        return node_jobs(chosen, job_id=attempt_job_id(job_id, restart), master_addr=addr, master_port=port,
+                         command=command, cwd=cwd, env=env, grace_period=rc.grace_period,
+                         pass_local_rank=rc.pass_local_rank, log_dir=rc.log_dir, visible_devices=launcher == "ssh",
+                         rendezvous_timeout=rc.rendezvous_timeout, hang_timeout=rc.hang_timeout,
+                         restart_count=restart)
 
     if opts.dry_run:
         print_placement(placement, console, master_addr)
         if opts.print_env:
             print_environment(jobs_for(master_addr, port), console, inherited)
         return 0
+    policy = RestartPolicy(opts.max_restarts, opts.min_nodes, opts.max_nodes)
     if launcher in ("openmpi", "mpich"):
+        if policy != RestartPolicy():
+            raise ValueError(f"--max_restarts/--min_nodes/--max_nodes need a launcher dsrun's head runs "
+                             f"(ssh, slurm, local); --launcher {launcher} hands the ranks to mpirun")
         return _run_mpi(launcher, placement, command, env, master_addr, rc.master_port or derived_port(job_id), opts, console)
+    if launcher == "local":
+        attempt = _local_attempt(jobs_for, inherited, master_addr, port, opts, console)
+        return run_with_restarts(policy, placement.hosts, attempt, console)
     if launcher == "slurm":
         from dsrun.launcher.slurm import SlurmRunner, allocation_from_env, node_address
         alloc = allocation_from_env(os.environ)
-        jobs = jobs_for(rc.master_addr or node_address(placement.hosts[0]), rc.master_port or alloc.default_port())
         runner = SlurmRunner(alloc, python)
-        return _run_head(jobs, runner, opts, console)
-    if launcher == "local":
-        from dsrun.launcher.local import LocalRunner
-        return _run_head(jobs_for(master_addr, port), LocalRunner(), opts, console, inherited)
+
+        def slurm_attempt(restart: int, hosts: list[str], header: str | None) -> AttemptResult:
+            # The allocation's nodes are the job's: no pre-check, no host dropped.
+            jobs = jobs_for(rc.master_addr or node_address(hosts[0]), rc.master_port or alloc.default_port(),
+                            hosts, restart)
+            return _run_head(jobs, runner, opts, console, header=header)
+
+        return run_with_restarts(policy, placement.hosts, slurm_attempt, console)
     from dsrun.launcher.ssh import HostKeyPolicy, SshConnectError, prepare_ssh_launch
-    policy = HostKeyPolicy(opts.ssh_host_key_policy) if opts.ssh_host_key_policy else None
+    key_policy = HostKeyPolicy(opts.ssh_host_key_policy) if opts.ssh_host_key_policy else None
+
+    def ssh_attempt(restart: int, hosts: list[str], header: str | None) -> AttemptResult:
+        try:
+            launch = prepare_ssh_launch(hosts, ssh_config=opts.ssh_config, policy=key_policy, python=python,
+                                        cwd=cwd, job_id=attempt_job_id(job_id, restart),
+                                        master_addr=rc.master_addr, master_port=rc.master_port)
+        except SshConnectError as exc:  # the pre-check: nothing was started
+            raise HostsDown(exc.failures, original=exc) from exc
+        for note in launch.notes:
+            console.print(f"dsrun: {note}")
+        try:
+            return _run_head(jobs_for(launch.master_addr, launch.master_port, hosts, restart), launch.runner,
+                             opts, console, header=header)
+        finally:
+            launch.runner.close()
+
     try:
-        launch = prepare_ssh_launch(placement.hosts, ssh_config=opts.ssh_config, policy=policy, python=python, cwd=cwd,
-                                    job_id=job_id, master_addr=rc.master_addr, master_port=rc.master_port)
+        return run_with_restarts(policy, placement.hosts, ssh_attempt, console)
     except SshConnectError as exc:
         console.print(exc.table())
         raise click.ClickException(f"{exc.stage} failed on {', '.join(exc.failures)}; nothing was started") from exc
-    for note in launch.notes:
-        console.print(f"dsrun: {note}")
-    try:
-        return _run_head(jobs_for(launch.master_addr, launch.master_port), launch.runner, opts, console)
-    finally:
-        launch.runner.close()
+
+
+def _local_attempt(jobs_for, inherited: dict[str, str], addr: str, port: int, opts: MultinodeOptions,
+                   console: Console):
+    """The launch callback of a local launch (see restart.run_with_restarts).
+
+    A restart reuses the first attempt's port, free again once its ranks
+    exited; if another process took it meanwhile, a free port is picked
+    and a line says so.
+    """
+    from dsrun.launcher.local import LocalRunner
+    from dsrun.launcher.ports import free_port, port_is_free
+
+    def attempt(restart: int, hosts: list[str], header: str | None) -> AttemptResult:
+        nonlocal port
+        if restart and not port_is_free(port):
+            previous, port = port, free_port()
+            console.print(f"dsrun: port {previous} is taken since the last attempt; using MASTER_PORT={port}")
+        return _run_head(jobs_for(addr, port, hosts, restart), LocalRunner(), opts, console, inherited,
+                         header=header)
+
+    return attempt
 
 
 def _local_rendezvous(rc: RankCommand, console: Console) -> tuple[str, int]:
@@ -229,12 +295,17 @@ def _local_rendezvous(rc: RankCommand, console: Console) -> tuple[str, int]:
 
 
 def _run_head(jobs: list[NodeJob], runner, opts: MultinodeOptions, console: Console,
-              inherited: dict[str, str] | None = None) -> int:
+              inherited: dict[str, str] | None = None, header: str | None = None) -> AttemptResult:
+    """Run one attempt of the job through the head; `header` (a restart's line) is printed first."""
+    if header:
+        console.print(header, soft_wrap=True)
     if opts.print_env:
         print_environment(jobs, console, inherited)
     console.print(f"dsrun: job {jobs[0].job_id}: {jobs[0].world_size} rank(s) on {len(jobs)} node(s), "
                   f"master {jobs[0].master_addr}:{jobs[0].master_port}")
-    return Head(jobs, runner, console).run()
+    head = Head(jobs, runner, console)
+    status = head.run()
+    return AttemptResult(status, head.stopped_by, head.first_failure())
 
 
 def _run_mpi(flavor: str, placement, command: list[str], env: dict[str, str], master_addr: str, port: int,

@@ -77,7 +77,7 @@ def build_placement(selection: dict[str, list[int]]) -> Placement:
 def node_jobs(placement: Placement, *, job_id: str, master_addr: str, master_port: int, command: list[str],
               cwd: str, env: dict[str, str], grace_period: float, pass_local_rank: bool, log_dir: str | None,
               visible_devices: bool, rendezvous_timeout: float,
-              hang_timeout: float = DEFAULT_HANG_TIMEOUT) -> list[NodeJob]:
+              hang_timeout: float = DEFAULT_HANG_TIMEOUT, restart_count: int = 0) -> list[NodeJob]:
     """One `NodeJob` per node of `placement`, all sharing the rendezvous and the command.
 
     Args:
@@ -89,6 +89,7 @@ def node_jobs(placement: Placement, *, job_id: str, master_addr: str, master_por
         rendezvous_timeout: seconds the ranks wait for each other at start.
         hang_timeout: seconds without a heartbeat before a rank is reported
             hung, 0 for none (see [Note: hung ranks] in hang.py).
+        restart_count: restarts before this attempt (see dsrun/launcher/restart.py).
     """
     jobs = []
     for node in placement.nodes:
@@ -100,7 +101,7 @@ def node_jobs(placement: Placement, *, job_id: str, master_addr: str, master_por
             world_size=placement.world_size, ranks=node.global_ranks, local_ranks=list(range(node.local_world_size)),
             master_addr=master_addr, master_port=master_port, command=command, cwd=cwd, env=node_env,
             grace_period=grace_period, pass_local_rank=pass_local_rank, log_dir=log_dir,
-            rendezvous_timeout=rendezvous_timeout, hang_timeout=hang_timeout,
+            rendezvous_timeout=rendezvous_timeout, hang_timeout=hang_timeout, restart_count=restart_count,
         ))
     return jobs
 

@@ -143,6 +143,30 @@ def _restore_param_groups(optimizer: torch.optim.Optimizer, saved: list[dict], t
             group[k] = tuple(v) if isinstance(group.get(k), tuple) and isinstance(v, list) else v
 
 
+def _realign_micro_steps(parts: TrainingParts, index: Index) -> None:
+    """Put the loaded micro-step count on the current gradient accumulation window.
+
+    The engine decides the accumulation boundary from micro_steps modulo
+    gradient_accumulation_steps. A checkpoint loaded with another number
+    of accumulation steps (a restart on a smaller world with
+    train_batch_size fixed: 4 ranks x 2 micro-batches -> 2 ranks x 4)
+    would put the boundary in the middle of a window and step the
+    optimizer on part of a batch; so micro_steps becomes the windows done
+    times the current count. Gradients of a partly accumulated window are
+    not saved, so a checkpoint taken inside one resumes at the start of
+    the next window (rank 0 warns).
+    """
+    old = int(index.config.get("gradient_accumulation_steps") or 0)
+    new = parts.config.gradient_accumulation_steps
+    done = parts.state.micro_steps
+    if old < 1 or old == new:
+        return
+    parts.state.micro_steps = done // old * new
+    if done % old and parts.topology.rank == 0:
+        log.warning("checkpoint taken after micro-step %d of a %d-step accumulation window; resuming at the "
+                    "start of the next window of %d (partial gradients are not saved)", done % old, old, new)
+
+
 def _same_layout(parts: TrainingParts, index: Index) -> bool:
     """Whether the checkpoint was written by as many ranks, split into as
     many pipeline stages (per-rank states, RNG and data position, then
@@ -282,6 +306,7 @@ def load(parts: TrainingParts, rdv: Rendezvous, load_dir: str, tag: str | None, 
         if index.scaler is not None and optim:
             parts.strategy.load_scaler_state(index.scaler)
         parts.state.load_state_dict(index.counters)
+        _realign_micro_steps(parts, index)
         if load_lr_scheduler_states and lr_scheduler is not None and index.lr_scheduler is not None:
             lr_scheduler.load_state_dict(index.lr_scheduler)
         _restore_rng(topo, index, rng)

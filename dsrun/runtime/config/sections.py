@@ -612,6 +612,20 @@ class CheckpointConfig(_Section):
     use_node_local_storage: bool = Field(False, description="save_dir/load_dir name each node's own "
                                          "storage: each rank writes its files there, each node keeps a copy of "
                                          "the index and `latest` (see docs/checkpoints.md).")
+    auto_resume: bool = Field(False, description="dsrun: initialize() loads the newest complete "
+                              "checkpoint in save_dir when there is one (resharded to this world size; "
+                              "rank 0 says from which step), else starts fresh and says so. Made for "
+                              "`dsrun --max_restarts` (docs/restarts.md).")
+    save_dir: Optional[str] = Field(None, description="dsrun: the directory auto_resume loads from (the "
+                                    "one the script passes to save_checkpoint).")
+
+    @model_validator(mode="after")
+    def _resume_needs_dir(self) -> CheckpointConfig:
+        if self.auto_resume and not self.save_dir:
+            raise _Problem("auto_resume needs save_dir: the directory the script saves its checkpoints "
+                           "in, e.g. \"checkpoint\": {\"auto_resume\": true, \"save_dir\": \"ckpt\"}",
+                           key="save_dir")
+        return self
 
 
 def _micro_batch_list(value: Any) -> Any:

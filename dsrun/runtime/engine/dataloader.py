@@ -19,12 +19,24 @@ The loader counts the micro-batches it has handed out in the current epoch;
 (same seed and epoch) without its first `batches` micro-batches: the
 sampler skips their indices, so nothing is loaded twice. The position is
 per-rank shard, so it is only meaningful on the same world size.
+
+[Note: the loader leaves the global RNG alone]
+torch's DataLoader draws a base seed (for its workers) from a generator
+each time an iteration starts; without a generator of its own it draws from
+the global torch RNG. A run resumed from a checkpoint starts its iteration
+at another point than the uninterrupted run did (at the resume, not at the
+epoch's start), so that draw would shift every later random number (dropout
+masks) and the resumed run would no longer be bit for bit the uninterrupted
+one. The loader therefore has its own generator, seeded with seed + epoch
+at each iteration: the global RNG stream depends only on the training
+itself, and the workers' seeds only on the epoch.
 """
 from __future__ import annotations
 
 import itertools
 from typing import Any, Callable, Iterator
 
+import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from dsrun.runtime.distributed.dist import Topology
@@ -66,10 +78,12 @@ class DistributedDataLoader:
         self.sampler = _ResumableSampler(dataset, num_replicas=topology.world_size,
                                           rank=topology.rank, shuffle=shuffle, seed=seed,
                                           drop_last=False)
+        self._generator = torch.Generator()  # see [Note: the loader leaves the global RNG alone]
         self.loader = DataLoader(dataset, batch_size=micro_batch_size, sampler=self.sampler,
                                  collate_fn=collate_fn, drop_last=drop_last,
-                                 num_workers=num_workers,
+                                 num_workers=num_workers, generator=self._generator,
                                  pin_memory=topology.device.type == "cuda")
+        self.seed = seed
         self.micro_batch_size = micro_batch_size
         self.drop_last = drop_last
         self.epoch = 0
@@ -83,6 +97,7 @@ class DistributedDataLoader:
     def __iter__(self) -> Iterator[Any]:
         epoch, skip = self.epoch, self.sampler.skip // self.micro_batch_size
         self.sampler.set_epoch(epoch)
+        self._generator.manual_seed(self.seed + epoch)
         self.epoch += 1
         self._position = (epoch, skip)
         for i, batch in enumerate(self.loader, start=skip + 1):

@@ -125,6 +125,8 @@ class Engine(DeepSpeedEngineCompat, torch.nn.Module):
         skipped_steps (steps skipped on overflow), micro_steps),
         checkpointer (saves and loads; see dsrun/runtime/checkpoint),
         training_dataloader (the loader initialize built, or None),
+        resumed_checkpoint, resumed_client_state (config checkpoint.auto_resume:
+        the tag directory initialize loaded and its client_state, else None),
         monitor (dsrun.runtime.monitor.MonitorMaster: the config's
         tensorboard/csv_monitor/wandb outputs; `write_events([(name,
         value, step)])` writes on rank 0).
@@ -146,6 +148,8 @@ class Engine(DeepSpeedEngineCompat, torch.nn.Module):
         self.topology = topology
         self.train_state = TrainState()  # global_steps, global_samples, skipped_steps, micro_steps
         self.training_dataloader = None  # set by initialize(training_data=...); checkpointed
+        self.resumed_checkpoint: str | None = None  # set by initialize under checkpoint.auto_resume
+        self.resumed_client_state: dict | None = None
         parts = TrainingParts(module, strategy, topology, config, self.train_state, split)
         self.checkpointer = Checkpointer(parts)
         self._boundary_override: bool | None = None

@@ -26,7 +26,7 @@ from dsrun.runtime.engine.dataloader import DistributedDataLoader, RepeatingLoad
 from dsrun.runtime.distributed.dist import Topology, init_distributed
 from dsrun.runtime.engine.engine import Engine, build_strategy
 from dsrun.runtime.engine.state_dump import describe_engine
-from dsrun.runtime.observability.logging import logger
+from dsrun.runtime.observability.logging import log_rank0, logger
 # Through DeepSpeed's path, so that after initialize `deepspeed.runtime.lr_schedules`
 # is an attribute of `deepspeed.runtime` (Accelerate reads it so, without importing it).
 from dsrun.runtime.lr_schedules import build_lr_scheduler
@@ -262,6 +262,33 @@ def _build_scheduler(lr_scheduler, optimizer: torch.optim.Optimizer, cfg: DsConf
     return lr_scheduler
 
 
+def _auto_resume(engine: Engine, cfg: DsConfig, topology: Topology) -> None:
+    """Config `checkpoint.auto_resume`: load the newest complete checkpoint of
+    `checkpoint.save_dir` into `engine` (collective: every rank), if there is one.
+
+    The load is `engine.load_checkpoint(save_dir)` with no tag: the tag in
+    `latest`, else the newest complete one; resharded to this world size,
+    with the data loader's position and every RNG state when the layout is
+    unchanged (so a restarted run continues bit for bit). Sets
+    `engine.resumed_checkpoint` (tag directory or None) and
+    `engine.resumed_client_state` (the saved client_state or None); rank 0
+    says from which step it resumed, or that it starts fresh.
+
+    Raises dsrun.runtime.checkpoint.CheckpointError as load_checkpoint does
+    (a corrupted or foreign checkpoint is never skipped silently).
+    """
+    if not cfg.checkpoint.auto_resume:
+        return
+    save_dir = cfg.checkpoint.save_dir
+    path, client_state = engine.load_checkpoint(save_dir)
+    engine.resumed_checkpoint, engine.resumed_client_state = path, client_state
+    if path is None:
+        log_rank0(topology, f"auto_resume: no complete checkpoint in {save_dir} yet; starting fresh")
+    else:
+        log_rank0(topology, f"auto_resume: resumed from step {engine.global_steps} ({path}) "
+                            f"on {topology.world_size} rank(s)")
+
+
 def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
                model_parameters: Iterable | None = None, training_data=None,
                lr_scheduler=None, distributed_port: int = 29500, mpu=None,
@@ -294,7 +321,10 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
         config, config_params: dict, path (.json/.yaml/.yml) or DsConfig.
 
     Returns:
-        (engine, optimizer, dataloader or None, lr_scheduler or None)
+        (engine, optimizer, dataloader or None, lr_scheduler or None).
+        With config `checkpoint.auto_resume` the engine has already loaded
+        the newest complete checkpoint of `checkpoint.save_dir`, if any
+        (see `_auto_resume`; docs/restarts.md).
 
     Raises:
         ConfigError: no config, two configs,
@@ -377,6 +407,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
         if mesh is not None:
             attach_model_parallel(model, mesh, strategy, engine.register_pre_step_hook)
         engine.training_dataloader = loader  # its position is checkpointed
+    _auto_resume(engine, cfg, topology)
     if engine.dump_state() and topology.is_rank_zero:
         print(describe_engine(engine), flush=True)
     return engine, engine.optimizer, loader, engine.lr_scheduler
