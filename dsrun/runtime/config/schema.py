@@ -17,7 +17,7 @@ from pydantic import (
 )
 
 from dsrun.runtime.config.errors import _Problem
-from dsrun.runtime.config.sections import ActivationCheckpointingConfig, AioConfig, AutotuningConfig, Bf16Config, CheckpointConfig, CommsLoggerConfig, Count, DataTypesConfig, FlopsProfilerConfig, Fp16Config, MonitorConfig, NonNegReal, _NUMBER, OptimizerConfig, PipelineConfig, PosInt, PosReal, SchedulerConfig, _Section, TensorParallelConfig, WandbConfig, ZeroConfig
+from dsrun.runtime.config.sections import ActivationCheckpointingConfig, AioConfig, AutotuningConfig, Bf16Config, CheckpointConfig, CommsLoggerConfig, Count, CurriculumLearningConfig, DataEfficiencyConfig, DataTypesConfig, FlopsProfilerConfig, Fp16Config, MonitorConfig, NonNegReal, _NUMBER, OptimizerConfig, PipelineConfig, PosInt, PosReal, SchedulerConfig, _Section, TensorParallelConfig, WandbConfig, ZeroConfig
 
 class _BatchTriple(_Section):
     """The three batch keys, validated on their own (see [Note: order of the checks])."""
@@ -47,8 +47,6 @@ _DEEPSPEED_ONLY_KEYS = {
     "amp": "NVIDIA Apex AMP",
     "elasticity": "elastic training",
     "compression_training": "compression training",
-    "curriculum_learning": "curriculum learning",
-    "data_efficiency": "data efficiency",
     "nebula": "Nebula checkpointing",
     "hybrid_engine": "the hybrid engine",
     "sparse_attention": "sparse attention",
@@ -127,6 +125,12 @@ class DsConfig(_BatchTriple):
                                             description="Collective-communication logger.")
     autotuning: AutotuningConfig = Field(default_factory=AutotuningConfig,
                                          description="The autotuner (dsrun --autotuning tune|run).")
+    curriculum_learning: CurriculumLearningConfig = Field(
+        default_factory=CurriculumLearningConfig, description="Legacy sequence-length curriculum "
+                                                              "(docs/curriculum.md).")
+    data_efficiency: DataEfficiencyConfig = Field(
+        default_factory=DataEfficiencyConfig, description="Curriculum data sampling and data routing "
+                                                          "(docs/curriculum.md).")
 
     # The world size load_config resolved the batch triple for.
     _world_size: Optional[int] = PrivateAttr(default=None)
