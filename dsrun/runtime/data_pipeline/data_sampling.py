@@ -13,10 +13,10 @@ Each optimizer step s = 1, 2, ... draws one global batch of
 train_batch_size samples. Every metric's CurriculumScheduler moves to its
 difficulty at s (`update_difficulty(s)`, DeepSpeed's counting); a sample
 is eligible when, for every metric, its value is <= the difficulty
-("value"), or it is among the first floor(N / max_difficulty) x difficulty
-samples in the metric's ascending order, all N at max_difficulty
-("percentile", DeepSpeed's count; ties keep dataset order), or the metric
-is "single_cluster". The global batch is drawn from the eligible samples
+("value"), or it is among the first floor(N x difficulty / max_difficulty)
+samples in the metric's ascending order ("percentile"; ties keep dataset
+order; DeepSpeed counts floor(N / max_difficulty) x difficulty, none at all
+when N < max_difficulty), or the metric is "single_cluster". The global batch is drawn from the eligible samples
 without replacement (with replacement when fewer than the batch are
 eligible) by a generator seeded with (data_efficiency.seed, s): the same
 batch on every rank without communication, and the same after a resume,
@@ -126,8 +126,7 @@ class CurriculumSampler:
             if metric.difficulty_type == "value":
                 allowed &= self._values[name] <= difficulty
             else:
-                count = self.num_samples if difficulty >= metric.max_difficulty else \
-                    self.num_samples // metric.max_difficulty * difficulty
+                count = self.num_samples * min(difficulty, metric.max_difficulty) // metric.max_difficulty
                 mask = torch.zeros(self.num_samples, dtype=torch.bool)
                 mask[self._order[name][:count]] = True
                 allowed &= mask
