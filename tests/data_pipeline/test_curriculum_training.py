@@ -149,3 +149,62 @@ def test_curriculum_loader_splits_each_step_over_data_ranks():
                 got += next(it).ne(0).sum(dim=1).tolist()
         lengths = [_length(_Tokens()[i]) for i in want]
         assert got == lengths[0:2] + lengths[2:4] + lengths[4:6] + lengths[6:8]
+
+
+SAMPLING = {"enabled": True, "seed": 3, "data_sampling": {"enabled": True, "curriculum_learning": {
+    "enabled": True, "curriculum_metrics": {"length": {
+        "min_difficulty": 2, "max_difficulty": SEQ, "schedule_type": "fixed_root",
+        "schedule_config": {"total_curriculum_step": 8, "difficulty_step": 2, "root_degree": 2}}}}}}
+
+
+def _engine_and_loader():
+    import dsrun
+    engine, *_ = dsrun.initialize(model=_SeqModel(), config=_config(curriculum_learning=LEGACY,
+                                                                     data_efficiency=SAMPLING))
+    loader = engine.deepspeed_io(_Tokens(), difficulty_metrics={"length": _length})
+    return engine, loader
+
+
+def _train(engine, batches, steps: int) -> list:
+    """(curriculum_seqlen, lengths of this rank's samples) of each micro-batch."""
+    out = []
+    for _ in range(steps * engine.gradient_accumulation_steps()):
+        ids = next(batches)
+        engine.backward(engine(ids))
+        engine.step()
+        out.append((engine.module.seen[-1], ids.ne(0).sum(dim=1).tolist()))
+    return out
+
+
+def _save_then_continue(ckpt: str) -> list:
+    engine, loader = _engine_and_loader()
+    batches = iter(loader)
+    _train(engine, batches, 3)
+    engine.save_checkpoint(ckpt, tag="mid")
+    return _train(engine, batches, 4)
+
+
+def _load_then_continue(ckpt: str) -> list:
+    engine, loader = _engine_and_loader()
+    engine.load_checkpoint(ckpt, tag="mid")
+    assert engine.global_steps == 3
+    return _train(engine, iter(loader), 4)
+
+
+def test_resume_mid_curriculum_continues_difficulties_and_batches(tmp_path):
+    ckpt = str(tmp_path)
+    straight = run_ranks(_save_then_continue, 2, ckpt, timeout=180)
+    with open(os.path.join(ckpt, "mid", "index.json")) as f:
+        states = json.load(f)["states"]
+    assert states["curriculum_learning"]["current_difficulty"] == _want(3)
+    assert states["data_sampling"]["step"] == 3
+    resumed = run_ranks(_load_then_continue, 2, ckpt, timeout=180)
+    assert resumed == straight
+    for rank in straight:
+        assert [seqlen for seqlen, _ in rank] == [_want(s) for s in (4, 5, 6, 7) for _ in range(2)]
+    # each rank's samples are within the sampler's difficulty: fixed_root over 8 steps, degree 2
+    for step in range(4):
+        limit = min(SEQ, int(((step + 4) / 8) ** 0.5 * (SEQ - 2) + 2) // 2 * 2)
+        for rank in straight:
+            for _, lengths in rank[2 * step:2 * step + 2]:
+                assert max(lengths) <= limit
