@@ -208,3 +208,47 @@ def test_resume_mid_curriculum_continues_difficulties_and_batches(tmp_path):
         for rank in straight:
             for _, lengths in rank[2 * step:2 * step + 2]:
                 assert max(lengths) <= limit
+
+
+class _NoSeqlen(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(1))
+
+    def forward(self, ids):
+        return self.w * ids.float().mean()
+
+
+def _initialize_paths() -> dict:
+    import dsrun
+    metric = {"metric_fn": "tests.data_pipeline.test_curriculum_training:_length", "min_difficulty": 3,
+              "max_difficulty": SEQ, "schedule_type": "custom"}
+    sampling = {**SAMPLING, "data_sampling": {"enabled": True, "curriculum_learning": {
+        "enabled": True, "curriculum_metrics": {"length": metric}}}}
+    engine, _, loader, _ = dsrun.initialize(model=_SeqModel(), training_data=_Tokens(), config=_config(
+        curriculum_learning={**LEGACY, "schedule_type": "custom"}, data_efficiency=sampling))
+    out = {"loader": type(loader).__name__}
+    engine.set_custom_curriculum_learning_schedule(lambda step: 3 + step)  # both: legacy and the metric
+    first = next(iter(loader))
+    out["first_lengths"] = first.ne(0).sum(dim=1).tolist()
+    engine.backward(engine(first))
+    out["seqlen"] = engine.module.seen[-1]
+    plain, *_ = dsrun.initialize(model=_SeqModel(), config=_config())
+    try:
+        plain.set_custom_curriculum_learning_schedule(lambda step: 1)
+    except ValueError as e:
+        out["no_custom"] = str(e)
+    wrong, *_ = dsrun.initialize(model=_NoSeqlen(), config=_config(curriculum_learning=LEGACY))
+    try:
+        wrong(torch.ones(2, SEQ, dtype=torch.long))
+    except TypeError as e:
+        out["no_kwarg"] = str(e)
+    return out
+
+
+def test_initialize_builds_the_sampler_from_metric_fn_and_custom_schedules():
+    got = run_ranks(_initialize_paths, 1, timeout=120)[0]
+    assert got["loader"] == "CurriculumDataLoader"
+    assert max(got["first_lengths"]) <= 4 and got["seqlen"] == 4  # custom: 3 + step 1
+    assert "no curriculum has schedule_type 'custom'" in got["no_custom"]
+    assert "_NoSeqlen.forward, which takes no such argument" in got["no_kwarg"]

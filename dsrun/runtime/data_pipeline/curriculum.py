@@ -22,6 +22,7 @@ truncate in its own first layer instead (set schedule_type and read
 """
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -37,6 +38,21 @@ def legacy_scheduler(config) -> CurriculumScheduler | None:
         return None
     return CurriculumScheduler(section.model_dump(mode="json", include={"min_difficulty", "max_difficulty",
                                                                       "schedule_type", "schedule_config"}))
+
+
+def check_takes_seqlen(module: torch.nn.Module) -> None:
+    """Raise TypeError unless `module.forward` takes a `curriculum_seqlen`
+    keyword (or **kwargs): the engine passes it under the seqlen curriculum.
+    A forward whose signature cannot be read passes."""
+    try:
+        parameters = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):
+        return
+    if not any(p.name == "curriculum_seqlen" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        raise TypeError(f"curriculum_learning is enabled, so the engine passes curriculum_seqlen=<length> to "
+                        f"{type(module).__name__}.forward, which takes no such argument; add "
+                        "`curriculum_seqlen=None` to forward and truncate the sequences to it (see "
+                        "docs/curriculum.md), or disable the section")
 
 
 def truncate_sequence(value: Any, seqlen: int) -> Any:

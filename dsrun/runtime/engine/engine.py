@@ -18,7 +18,7 @@ from dsrun.runtime.checkpoint.checkpointer import Checkpointer
 from dsrun.runtime.comm import OpStats, comms_logger
 from dsrun.runtime.compression import build_compression_strategy, takes_over
 from dsrun.runtime.config import DsConfig
-from dsrun.runtime.data_pipeline.curriculum import TokenStepLR, legacy_scheduler
+from dsrun.runtime.data_pipeline.curriculum import TokenStepLR, check_takes_seqlen, legacy_scheduler
 from dsrun.runtime.data_pipeline.data_sampling import CurriculumDataLoader, build_curriculum_loader
 from dsrun.runtime.engine.dataloader import DistributedDataLoader
 from dsrun.runtime.parallel.mesh import current as current_mesh
@@ -238,6 +238,8 @@ class Engine(DeepSpeedEngineCompat, torch.nn.Module):
         if self.fp16_auto_cast():
             inputs = cast_floating(inputs, torch.float16)
         if self.curriculum_scheduler_legacy is not None and self.module.training:
+            if self.global_steps == 0:
+                check_takes_seqlen(self.module)
             # DeepSpeed's step numbering: the step this forward belongs to (see [Note: curriculum_seqlen])
             kwargs["curriculum_seqlen"] = self.curriculum_scheduler_legacy.update_difficulty(self.global_steps + 1)
         self._telemetry.observe_inputs(inputs, kwargs)
