@@ -104,6 +104,10 @@ def test_data_efficiency_config_errors_and_a_disabled_section_passes():
         load_config(sampling({"m": {**metric, "difficulty_type": "percentile", "max_difficulty": 200}}))
     with pytest.raises(ConfigError, match="curriculum_metrics: give at least one metric"):
         load_config(sampling({}))
+    half = sampling({"m": metric})
+    half["data_efficiency"]["enabled"] = False
+    with pytest.raises(ConfigError, match="data_efficiency.data_sampling: .* but enabled false; set all three"):
+        load_config(half)
     # DeepSpeed's offline paths in a section that is off are left alone; data_routing is kept as given
     off = sampling({"m": {**metric, "index_to_sample_path": "/x"}}, enabled=False)
     off["data_efficiency"]["data_routing"] = {"random_ltd": {"enabled": False}}

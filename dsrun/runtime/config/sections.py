@@ -768,7 +768,19 @@ class DataEfficiencyConfig(_Section):
                                               description="Curriculum data sampling.")
     data_routing: dict[str, Any] = Field(default_factory=dict, description="Data routing (random_ltd).")
 
+    @model_validator(mode="after")
+    def _switches_agree(self) -> "DataEfficiencyConfig":
+        """The sampler's switch on with a switch above it off is refused: DeepSpeed's loader reads only
+        the innermost switch, its documentation asks for all three; either reading would surprise."""
+        if self.data_sampling.curriculum_learning.enabled and not (self.enabled and self.data_sampling.enabled):
+            off = [k for k, v in (("enabled", self.enabled), ("data_sampling.enabled", self.data_sampling.enabled))
+                   if not v]
+            raise _Problem(f"data_sampling.curriculum_learning.enabled is true but {' and '.join(off)} "
+                           "false; set all three to true to sample by curriculum, or the innermost to false",
+                           key="data_sampling")
+        return self
+
     @property
     def curriculum_sampling(self) -> bool:
-        """Whether the curriculum sampler runs: every switch on its path is on."""
-        return self.enabled and self.data_sampling.enabled and self.data_sampling.curriculum_learning.enabled
+        """Whether the curriculum sampler runs (every switch on its path is on)."""
+        return self.data_sampling.curriculum_learning.enabled
