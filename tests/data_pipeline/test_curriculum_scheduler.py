@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from dsrun.runtime.config import ConfigError, load_config
+from dsrun.runtime.config import ConfigError, ConfigWarning, load_config
 from dsrun.runtime.data_pipeline.curriculum_scheduler import CurriculumScheduler
 
 BASE = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 4}
@@ -111,7 +111,8 @@ def test_data_efficiency_config_errors_and_a_disabled_section_passes():
     # DeepSpeed's offline paths in a section that is off are left alone; data_routing is kept as given
     off = sampling({"m": {**metric, "index_to_sample_path": "/x"}}, enabled=False)
     off["data_efficiency"]["data_routing"] = {"random_ltd": {"enabled": False}}
-    cfg = load_config(off)
+    with pytest.warns(ConfigWarning, match="does not act on data_efficiency.data_routing"):
+        cfg = load_config(off)
     assert cfg.data_efficiency.data_routing == {"random_ltd": {"enabled": False}}
     assert not load_config(sampling({"m": metric}, enabled=False)).data_efficiency.curriculum_sampling
     assert load_config(sampling({"m": metric})).data_efficiency.curriculum_sampling
