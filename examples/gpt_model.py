@@ -133,12 +133,16 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+                curriculum_seqlen: int | None = None) -> torch.Tensor:
         """Run the model.
 
         Args:
             idx: (B, T) int64 token ids in [0, vocab_size), T <= seq_len.
             targets: optional (B, T) int64 next-token ids.
+            curriculum_seqlen: train on the first curriculum_seqlen tokens of
+                each window only (the engine passes it under a seqlen
+                curriculum, as DeepSpeed's does to Megatron's GPT).
 
         Returns:
             (B, T, vocab_size) float logits when targets is None, else the
@@ -147,6 +151,9 @@ class GPT(nn.Module):
         Raises:
             ValueError: T exceeds the position embedding's seq_len.
         """
+        if curriculum_seqlen is not None:
+            idx = idx[:, :curriculum_seqlen]
+            targets = targets[:, :curriculum_seqlen] if targets is not None else None
         B, T = idx.shape
         if T > self.cfg.seq_len:
             raise ValueError(f"sequence of {T} tokens is longer than seq_len={self.cfg.seq_len}")

@@ -34,10 +34,18 @@ P`` as well, each stage's blocks are split the same way on a pipe x model x
 data mesh (gpt_pipe.tensor_parallel_gpt_pipeline; P x T must divide the
 world size). That combination uses dsrun's mesh and AutoTP placement
 directly: DeepSpeed's AutoTP does not shard a PipelineModule.
+
+With ``--curriculum_seqlen MIN`` the config gets a sequence-length
+curriculum (its ``curriculum_learning`` section, DeepSpeed's legacy one):
+windows start MIN bytes long and grow linearly, in multiples of 8, to
+--seq_len over the first --curriculum_steps steps (default: half of --steps);
+the learning-rate schedule then counts tokens, not steps
+(docs/curriculum.md). bench/curriculum/ compares it with a plain run.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import time
@@ -77,6 +85,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="split the model into N pipeline stages (0: data parallelism only)")
     p.add_argument("--tensor_parallel", type=int, default=1,
                    help="split the attention and MLP layers over N ranks with AutoTP (1: no tensor parallelism)")
+    p.add_argument("--curriculum_seqlen", type=int, default=0,
+                   help="start with windows of this many bytes and grow them to --seq_len (0: no curriculum)")
+    p.add_argument("--curriculum_steps", type=int, default=0,
+                   help="steps of the sequence-length curriculum (default: half of --steps)")
     # The `deepspeed` launcher appends --local_rank=N; accept it so the script
     # runs under either launcher. The rank itself comes from the environment.
     p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)
@@ -89,10 +101,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--pipeline_stages must be >= 0 (0: no pipeline), got {args.pipeline_stages}")
     if args.tensor_parallel < 1:
         p.error(f"--tensor_parallel must be >= 1 (1: no tensor parallelism), got {args.tensor_parallel}")
+    if args.curriculum_seqlen and not 8 <= args.curriculum_seqlen <= args.seq_len:
+        p.error(f"--curriculum_seqlen must lie in [8, --seq_len={args.seq_len}], got {args.curriculum_seqlen}")
     if args.tensor_parallel > 1 and args.n_head % args.tensor_parallel:
         p.error(f"--tensor_parallel {args.tensor_parallel} must divide --n_head {args.n_head} "
                 "(each rank computes n_head / tensor_parallel attention heads)")
     return args
+
+
+def curriculum_config(args: argparse.Namespace) -> dict | None:
+    """The config file of --config with a seqlen curriculum added for
+    --curriculum_seqlen (None without it): fixed_linear from
+    curriculum_seqlen to seq_len in multiples of 8 over curriculum_steps,
+    the LR schedule advanced by tokens (lr_schedule_in_tokens)."""
+    if not args.curriculum_seqlen:
+        return None
+    if not args.deepspeed_config:
+        raise SystemExit("train_gpt.py: --curriculum_seqlen needs --config (the curriculum is added to it)")
+    with open(args.deepspeed_config) as f:
+        config = json.load(f)
+    config["curriculum_learning"] = {
+        "enabled": True, "curriculum_type": "seqlen", "min_difficulty": args.curriculum_seqlen,
+        "max_difficulty": args.seq_len, "schedule_type": "fixed_linear", "lr_schedule_in_tokens": True,
+        "schedule_config": {"total_curriculum_step": args.curriculum_steps or max(1, args.steps // 2),
+                            "difficulty_step": 8}}
+    return config
 
 
 def set_threads() -> None:
@@ -228,7 +261,10 @@ def train(args: argparse.Namespace) -> None:
         del full
     elif args.tensor_parallel > 1:  # each rank keeps its slices of the attention and MLP layers
         dsrun.tp_model_init(model, args.tensor_parallel)
-    engine, _, _, _ = dsrun.initialize(args=args, model=model,
+    config = curriculum_config(args)
+    if config is not None:  # the file's config with the curriculum added, passed as a dict
+        args.deepspeed_config = None
+    engine, _, _, _ = dsrun.initialize(args=args, model=model, config=config,
                                        model_parameters=param_groups(model) if pipeline else model.param_groups())
     rank, world = engine.global_rank, engine.world_size
     # Data-parallel replicas draw different windows; the stages of one replica the same ones.
@@ -255,7 +291,8 @@ def train(args: argparse.Namespace) -> None:
     val_before = score(engine, val_x, val_y)
     log(f"validation loss before training: {val_before:.4f}")
 
-    tokens_per_step = engine.train_batch_size() * args.seq_len  # all ranks together
+    curriculum = engine.curriculum_scheduler_legacy  # None without --curriculum_seqlen
+    tokens = 0  # trained on so far, all ranks together
     progress = make_progress(console)
     task = progress.add_task("train", total=args.steps, loss=math.nan, tok_s=0.0, lr=engine.get_lr()[0])
     # Under dsrun's launcher the output is a pipe and the launcher draws rank 0's
@@ -269,7 +306,8 @@ def train(args: argparse.Namespace) -> None:
             loss = engine.train_batch(train_iter).item()  # the mean over the step's micro-batches and replicas
         else:
             loss = train_step(engine, sampler, micro, accum)
-        tok_s = tokens_per_step * step / (time.perf_counter() - start)
+        tokens += engine.train_batch_size() * (curriculum.get_current_difficulty() if curriculum else args.seq_len)
+        tok_s = tokens / (time.perf_counter() - start)
         if rank == 0:
             progress.update(task, advance=1, loss=loss, tok_s=tok_s, lr=engine.get_lr()[0])
             if step % args.log_every == 0 or step == args.steps:
@@ -280,7 +318,7 @@ def train(args: argparse.Namespace) -> None:
         progress.stop()
 
     val_after = score(engine, val_x, val_y)
-    log(f"trained {args.steps} steps in {elapsed:.1f} s: {tokens_per_step * args.steps / elapsed:,.0f} tok/s "
+    log(f"trained {args.steps} steps ({tokens:,} tokens) in {elapsed:.1f} s: {tokens / elapsed:,.0f} tok/s "
         f"(all ranks), {elapsed / args.steps * 1000:.0f} ms/step")
     log(f"validation loss: before {val_before:.4f}  after {val_after:.4f}  "
         f"drop {val_before - val_after:.4f} (nats/byte)")

@@ -40,8 +40,7 @@ def test_steps_per_print_inf_means_never():
         load_config({**BASE, "steps_per_print": 0})
 
 
-@pytest.mark.parametrize("section", ["hybrid_engine", "amp", "compression_training",
-                                     "data_efficiency", "curriculum_learning"])
+@pytest.mark.parametrize("section", ["hybrid_engine", "amp", "compression_training"])
 def test_disabled_deepspeed_sections_are_accepted(section):
     with warnings.catch_warnings():
         warnings.simplefilter("error")

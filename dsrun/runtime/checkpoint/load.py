@@ -309,6 +309,11 @@ def load(parts: TrainingParts, rdv: Rendezvous, load_dir: str, tag: str | None, 
         _realign_micro_steps(parts, index)
         if load_lr_scheduler_states and lr_scheduler is not None and index.lr_scheduler is not None:
             lr_scheduler.load_state_dict(index.lr_scheduler)
+        for name, obj in parts.stateful.items():
+            if name in index.states:
+                obj.load_state_dict(index.states[name])
+            elif topo.rank == 0:
+                log.warning("checkpoint %s holds no state of %s; it starts from its beginning", tag_dir, name)
         _restore_rng(topo, index, rng)
         if dataloader is not None and index.dataloader is not None:
             if _same_layout(parts, index):

@@ -328,6 +328,8 @@ def _index_fields(parts: TrainingParts, names: dict, scheduler, param_groups, da
                 precision=strategy.precision_name(), config=parts.config.model_dump(mode="json"),
                 param_groups=param_groups, scaler=strategy.scaler_state(), counters=parts.state.state_dict(),
                 lr_scheduler=scheduler, dataloader=loader, frozen=frozen,
+                states={name: _json_checked(obj.state_dict(), f"the state_dict of {name}")
+                        for name, obj in parts.stateful.items()},
                 excluded_frozen=frozen if exclude_frozen else [])
 
 

@@ -98,6 +98,10 @@ NO_EFFECT_YET: dict[str, Any] = {
     "zero_optimization.offload_param.buffer_size": 100_000_000,  # NVMe reads whole unit partitions
     "zero_optimization.offload_param.max_in_cpu": 1_000_000_000,  # no host cache of NVMe partitions
     "elasticity.min_time": 0,  # a hint for resource schedulers; DeepSpeed's runtime does not read it either
+    "data_efficiency.data_sampling.num_workers": 0,  # the curriculum loader reads samples in the rank's process
+    "data_efficiency.data_sampling.pin_memory": False,
+    "data_efficiency.data_sampling.curriculum_learning.data_cluster_path": None,  # clusters live in memory
+    "data_efficiency.data_routing": {},  # random-LTD: its own section model reads it when it lands
 }
 
 

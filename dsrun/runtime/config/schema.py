@@ -17,7 +17,7 @@ from pydantic import (
 )
 
 from dsrun.runtime.config.errors import _Problem
-from dsrun.runtime.config.sections import ActivationCheckpointingConfig, AioConfig, AutotuningConfig, Bf16Config, CheckpointConfig, CommsLoggerConfig, Count, DataTypesConfig, ElasticityConfig, FlopsProfilerConfig, Fp16Config, MonitorConfig, NonNegReal, _NUMBER, OptimizerConfig, PipelineConfig, PosInt, PosReal, SchedulerConfig, _Section, TensorParallelConfig, WandbConfig, ZeroConfig
+from dsrun.runtime.config.sections import ActivationCheckpointingConfig, AioConfig, AutotuningConfig, Bf16Config, CheckpointConfig, CommsLoggerConfig, Count, CurriculumLearningConfig, DataEfficiencyConfig, DataTypesConfig, ElasticityConfig, FlopsProfilerConfig, Fp16Config, MonitorConfig, NonNegReal, _NUMBER, OptimizerConfig, PipelineConfig, PosInt, PosReal, SchedulerConfig, _Section, TensorParallelConfig, WandbConfig, ZeroConfig
 
 class _BatchTriple(_Section):
     """The three batch keys, validated on their own (see [Note: order of the checks])."""
@@ -46,8 +46,6 @@ def _never_for_inf(value: Any) -> Any:
 _DEEPSPEED_ONLY_KEYS = {
     "amp": "NVIDIA Apex AMP",
     "compression_training": "compression training",
-    "curriculum_learning": "curriculum learning",
-    "data_efficiency": "data efficiency",
     "nebula": "Nebula checkpointing",
     "hybrid_engine": "the hybrid engine",
     "sparse_attention": "sparse attention",
@@ -128,6 +126,12 @@ class DsConfig(_BatchTriple):
                                          description="The autotuner (dsrun --autotuning tune|run).")
     elasticity: ElasticityConfig = Field(default_factory=ElasticityConfig, description="Elastic training: the "
                                          "batch size chosen for a range of world sizes (dsrun.elasticity).")
+    curriculum_learning: CurriculumLearningConfig = Field(
+        default_factory=CurriculumLearningConfig, description="Legacy sequence-length curriculum "
+                                                              "(docs/curriculum.md).")
+    data_efficiency: DataEfficiencyConfig = Field(
+        default_factory=DataEfficiencyConfig, description="Curriculum data sampling and data routing "
+                                                          "(docs/curriculum.md).")
 
     # The world size load_config resolved the batch triple for.
     _world_size: Optional[int] = PrivateAttr(default=None)

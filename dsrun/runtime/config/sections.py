@@ -713,3 +713,177 @@ class ElasticityConfig(_Section):
                            f"model_parallel_size ({self.model_parallel_size}); a model replica must fit "
                            "in a node", key="num_gpus_per_node")
         return self
+
+
+class CurriculumScheduleConfig(_Section):
+    """`schedule_config` of a curriculum: the keys each schedule_type needs
+    (dsrun/runtime/data_pipeline/curriculum_scheduler.py [Note: the fixed schedules])."""
+
+    total_curriculum_step: Optional[PosInt] = Field(
+        None, description="fixed_linear/fixed_root: optimizer steps from min_difficulty to max_difficulty.")
+    difficulty_step: Optional[PosInt] = Field(
+        None, description="fixed_linear/fixed_root: every difficulty is rounded down to a multiple of this "
+                          "(8 for fp16 Tensor Cores with the seqlen curriculum).")
+    root_degree: Optional[PosReal] = Field(None, description="fixed_root: 2 = square root, 3 = cube root.")
+    difficulty: Optional[list[Int]] = Field(None, description="fixed_discrete: the difficulties in order.")
+    max_step: Optional[list[PosInt]] = Field(
+        None, description="fixed_discrete: the last step of each difficulty but the last (one fewer entries).")
+
+
+_SCHEDULE_KEYS = {"fixed_linear": ("total_curriculum_step", "difficulty_step"),
+                  "fixed_root": ("total_curriculum_step", "difficulty_step", "root_degree"),
+                  "fixed_discrete": ("difficulty", "max_step"), "custom": ()}
+ScheduleType = Literal["fixed_linear", "fixed_root", "fixed_discrete", "custom"]
+
+
+def _check_curriculum_schedule(min_difficulty: Optional[int], max_difficulty: Optional[int],
+                               schedule_type: Optional[str], schedule: CurriculumScheduleConfig) -> None:
+    """The checks of an enabled curriculum; raises _Problem naming the key."""
+    for key, value in (("min_difficulty", min_difficulty), ("max_difficulty", max_difficulty),
+                       ("schedule_type", schedule_type)):
+        if value is None:
+            raise _Problem("required when the curriculum is enabled", key=key)
+    if min_difficulty > max_difficulty:
+        raise _Problem(f"min_difficulty ({min_difficulty}) is above max_difficulty ({max_difficulty})",
+                       key="min_difficulty")
+    for key in _SCHEDULE_KEYS[schedule_type]:
+        if getattr(schedule, key) is None:
+            raise _Problem(f"schedule_type {schedule_type!r} needs schedule_config.{key} "
+                           f"(it needs {', '.join(_SCHEDULE_KEYS[schedule_type])})", key="schedule_config")
+    if schedule_type == "fixed_discrete" and len(schedule.difficulty) != len(schedule.max_step) + 1:
+        raise _Problem(f"fixed_discrete needs one more difficulty than max_step (the last difficulty holds "
+                       f"after the last max_step); got {len(schedule.difficulty)} and {len(schedule.max_step)}",
+                       key="schedule_config")
+
+
+class CurriculumLearningConfig(_Section):
+    """`curriculum_learning`: DeepSpeed's legacy sequence-length curriculum. While enabled, the engine
+    passes `curriculum_seqlen=<difficulty>` to the model's forward in training (the model truncates its
+    inputs); a PipelineEngine truncates the micro-batch itself (docs/curriculum.md)."""
+
+    enabled: bool = Field(False, description="Run the curriculum.")
+    curriculum_type: Literal["seqlen"] = Field("seqlen", description="What the difficulty is: seqlen "
+                                               "(the sequence length; the only type DeepSpeed acts on).")
+    min_difficulty: Optional[PosInt] = Field(None, description="Difficulty of the first step.")
+    max_difficulty: Optional[PosInt] = Field(None, description="Difficulty at the end of the schedule.")
+    schedule_type: Optional[ScheduleType] = Field(
+        None, description="fixed_linear, fixed_root, fixed_discrete, or custom (a function set with "
+                          "engine.set_custom_curriculum_learning_schedule).")
+    schedule_config: CurriculumScheduleConfig = Field(default_factory=CurriculumScheduleConfig,
+                                                      description="The schedule's parameters.")
+    lr_schedule_in_tokens: bool = Field(
+        False, description="dsrun: advance the LR scheduler by the tokens of each step in units of a full-length "
+                           "step (curriculum_seqlen / max_difficulty per step), so that warmup_num_steps and "
+                           "total_num_steps count full-length steps' worth of tokens (Megatron's "
+                           "--lr-warmup-tokens / --lr-decay-tokens over the tokens of one full step).")
+
+    @model_validator(mode="after")
+    def _complete_when_enabled(self) -> "CurriculumLearningConfig":
+        if self.enabled:
+            _check_curriculum_schedule(self.min_difficulty, self.max_difficulty, self.schedule_type,
+                                       self.schedule_config)
+        return self
+
+
+class CurriculumMetricConfig(_Section):
+    """One entry of `data_efficiency.data_sampling.curriculum_learning.curriculum_metrics`: a difficulty
+    metric, computed in memory for every sample, and its schedule."""
+
+    index_to_sample_path: Optional[str] = Field(
+        None, description="DeepSpeed's offline-analyzer index file; dsrun computes metrics in memory and "
+                          "refuses it (give metric_fn, or engine.deepspeed_io(..., difficulty_metrics=)).")
+    index_to_metric_path: Optional[str] = Field(None, description="As index_to_sample_path.")
+    metric_fn: Optional[str] = Field(
+        None, description="dsrun: \"package.module:function\" called on each sample of the dataset, returning "
+                          "its difficulty (a number); engine.deepspeed_io(difficulty_metrics=) may give the "
+                          "function instead.")
+    difficulty_type: Literal["value", "percentile"] = Field(
+        "value", description="value: a sample is eligible when its metric <= the difficulty; percentile: when "
+                             "it is among the easiest difficulty% of the dataset.")
+    clustering_type: Literal["schedule_based", "single_cluster"] = Field(
+        "schedule_based", description="schedule_based: the metric filters samples; single_cluster: every "
+                                      "sample is eligible (the metric only runs its schedule).")
+    min_difficulty: Optional[Int] = Field(None, description="Difficulty of the first step.")
+    max_difficulty: Optional[Int] = Field(None, description="Difficulty at the end of the schedule (at most "
+                                                            "100 for percentile).")
+    schedule_type: Optional[ScheduleType] = Field(None, description="As curriculum_learning.schedule_type.")
+    schedule_config: CurriculumScheduleConfig = Field(default_factory=CurriculumScheduleConfig,
+                                                      description="The schedule's parameters.")
+
+    def check(self) -> None:
+        """The checks of a metric of an enabled curriculum (a disabled one may
+        hold DeepSpeed's offline paths); raises _Problem naming the key."""
+        for key in ("index_to_sample_path", "index_to_metric_path"):
+            if getattr(self, key) is not None:
+                raise _Problem("dsrun computes difficulty metrics in memory and reads no index files; remove "
+                               "it and give metric_fn (\"module:function\" of a sample) or pass the function "
+                               "to engine.deepspeed_io(..., difficulty_metrics={name: fn})", key=key)
+        _check_curriculum_schedule(self.min_difficulty, self.max_difficulty, self.schedule_type,
+                                   self.schedule_config)
+        if self.difficulty_type == "percentile" and not 0 <= self.min_difficulty <= self.max_difficulty <= 100:
+            raise _Problem(f"percentile difficulties lie in [0, 100], got min {self.min_difficulty} and max "
+                           f"{self.max_difficulty}", key="max_difficulty")
+
+
+class DataSamplingCurriculumConfig(_Section):
+    """`data_efficiency.data_sampling.curriculum_learning`: sample each step only from the examples
+    whose difficulty metrics are within the current difficulties."""
+
+    enabled: bool = Field(False, description="Sample by curriculum.")
+    data_cluster_path: Optional[str] = Field(
+        None, description="DeepSpeed's directory for cluster files; dsrun keeps the clusters in memory.")
+    curriculum_metrics: dict[str, CurriculumMetricConfig] = Field(
+        default_factory=dict, description="Metric name -> its difficulty type and schedule.")
+
+    @model_validator(mode="after")
+    def _some_metric(self) -> "DataSamplingCurriculumConfig":
+        if self.enabled and not self.curriculum_metrics:
+            raise _Problem("give at least one metric when the curriculum is enabled, e.g. {\"seqlen\": "
+                           "{\"metric_fn\": ..., \"min_difficulty\": ..., ...}}", key="curriculum_metrics")
+        if self.enabled:
+            for name, metric in self.curriculum_metrics.items():
+                try:
+                    metric.check()
+                except _Problem as problem:
+                    raise _Problem(problem.text, key=f"curriculum_metrics.{name}.{problem.key}") from None
+        return self
+
+
+class DataSamplingConfig(_Section):
+    """`data_efficiency.data_sampling`: how the engine's data loader picks samples."""
+
+    enabled: bool = Field(False, description="Use the data-sampling features below.")
+    num_epochs: PosInt = Field(1000, description="The curriculum loader ends after this many passes' worth "
+                                                 "of samples.")
+    num_workers: Count = Field(0, description="Data loader worker processes.")
+    pin_memory: bool = Field(False, description="Pin the loader's batches in page-locked host memory.")
+    curriculum_learning: DataSamplingCurriculumConfig = Field(
+        default_factory=DataSamplingCurriculumConfig, description="Curriculum sampling by difficulty metrics.")
+
+
+class DataEfficiencyConfig(_Section):
+    """`data_efficiency`: DeepSpeed's data-efficiency library: curriculum data sampling and data
+    routing (random-LTD)."""
+
+    enabled: bool = Field(False, description="Use the features below (each has its own switch too).")
+    seed: Int = Field(1234, description="Seed of the curriculum sampler (the same on every rank).")
+    data_sampling: DataSamplingConfig = Field(default_factory=DataSamplingConfig,
+                                              description="Curriculum data sampling.")
+    data_routing: dict[str, Any] = Field(default_factory=dict, description="Data routing (random_ltd).")
+
+    @model_validator(mode="after")
+    def _switches_agree(self) -> "DataEfficiencyConfig":
+        """The sampler's switch on with a switch above it off is refused: DeepSpeed's loader reads only
+        the innermost switch, its documentation asks for all three; either reading would surprise."""
+        if self.data_sampling.curriculum_learning.enabled and not (self.enabled and self.data_sampling.enabled):
+            off = [k for k, v in (("enabled", self.enabled), ("data_sampling.enabled", self.data_sampling.enabled))
+                   if not v]
+            raise _Problem(f"data_sampling.curriculum_learning.enabled is true but {' and '.join(off)} "
+                           "false; set all three to true to sample by curriculum, or the innermost to false",
+                           key="data_sampling")
+        return self
+
+    @property
+    def curriculum_sampling(self) -> bool:
+        """Whether the curriculum sampler runs (every switch on its path is on)."""
+        return self.data_sampling.curriculum_learning.enabled

@@ -48,6 +48,19 @@ class DeepSpeedEngineCompat:
     def bfloat16_enabled(self) -> bool:
         return self.config.bf16.enabled
 
+    # -- curriculum (DeepSpeed's names) ----------------------------------------------------
+    def curriculum_enabled_legacy(self) -> bool:
+        """Whether the legacy `curriculum_learning` section is on."""
+        return self.config.curriculum_learning.enabled
+
+    def curriculum_params_legacy(self) -> dict:
+        """The `curriculum_learning` section as a dict without "enabled" (DeepSpeed's form)."""
+        return self.config.curriculum_learning.model_dump(mode="json", exclude={"enabled"})
+
+    def curriculum_learning_enabled(self) -> bool:
+        """Whether the data sampler's curriculum runs (every switch of its path on)."""
+        return self.config.data_efficiency.curriculum_sampling
+
     def amp_enabled(self) -> bool:
         return False  # the amp section is not supported (config rejects it when enabled)
 

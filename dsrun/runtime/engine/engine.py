@@ -9,6 +9,7 @@ branches on the stage; `build_strategy` is the one place that does.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any, Callable, Iterator
 
 import torch
@@ -17,6 +18,10 @@ from dsrun.runtime.checkpoint.checkpointer import Checkpointer
 from dsrun.runtime.comm import OpStats, comms_logger
 from dsrun.runtime.compression import build_compression_strategy, takes_over
 from dsrun.runtime.config import DsConfig
+from dsrun.runtime.data_pipeline.curriculum import TokenStepLR, check_takes_seqlen, legacy_scheduler
+from dsrun.runtime.data_pipeline.data_sampling import CurriculumDataLoader, build_curriculum_loader
+from dsrun.runtime.engine.dataloader import DistributedDataLoader
+from dsrun.runtime.parallel.mesh import current as current_mesh
 from dsrun.runtime.strategy.data_parallel import AllReduceStrategy, GradientStrategy
 from dsrun.runtime.distributed.dist import Topology
 from dsrun.runtime.parallel.expert.groups import is_expert_param
@@ -129,7 +134,10 @@ class Engine(DeepSpeedEngineCompat, torch.nn.Module):
         the tag directory initialize loaded and its client_state, else None),
         monitor (dsrun.runtime.monitor.MonitorMaster: the config's
         tensorboard/csv_monitor/wandb outputs; `write_events([(name,
-        value, step)])` writes on rank 0).
+        value, step)])` writes on rank 0),
+        curriculum_scheduler_legacy (the `curriculum_learning` section's
+        CurriculumScheduler, or None; see [Note: curriculum_seqlen] in
+        dsrun/runtime/data_pipeline/curriculum.py).
 
     Memory profiling (config "memory_breakdown": true, or
     `enable_memory_profile()`) measures forward, backward and step as
@@ -152,6 +160,11 @@ class Engine(DeepSpeedEngineCompat, torch.nn.Module):
         self.resumed_client_state: dict | None = None
         parts = TrainingParts(module, strategy, topology, config, self.train_state, split)
         self.checkpointer = Checkpointer(parts)
+        self.curriculum_scheduler_legacy = legacy_scheduler(config)
+        if self.curriculum_scheduler_legacy is not None:
+            self.register_checkpoint_state("curriculum_learning", self.curriculum_scheduler_legacy)
+            if config.curriculum_learning.lr_schedule_in_tokens and lr_scheduler is not None:
+                self.lr_scheduler = TokenStepLR(lr_scheduler, self.curriculum_scheduler_legacy)
         self._boundary_override: bool | None = None
         self._in_no_sync = False
         self._grad_norm: float | None = None
@@ -224,9 +237,16 @@ class Engine(DeepSpeedEngineCompat, torch.nn.Module):
         """Run the wrapped module's forward. With fp16.auto_cast (and fp16
         on) the floating-point tensors among `inputs`, nested in lists,
         tuples and dicts, are cast to fp16 first; `kwargs` are passed as
-        they are, as in DeepSpeed."""
+        they are, as in DeepSpeed. With the legacy `curriculum_learning`
+        section on, a training forward also gets `curriculum_seqlen=`
+        (DeepSpeed's keyword; the model truncates its sequences to it)."""
         if self.fp16_auto_cast():
             inputs = cast_floating(inputs, torch.float16)
+        if self.curriculum_scheduler_legacy is not None and self.module.training:
+            if self.global_steps == 0:
+                check_takes_seqlen(self.module)
+            # DeepSpeed's step numbering: the step this forward belongs to (see [Note: curriculum_seqlen])
+            kwargs["curriculum_seqlen"] = self.curriculum_scheduler_legacy.update_difficulty(self.global_steps + 1)
         self._telemetry.observe_inputs(inputs, kwargs)
         heartbeat.beat()  # progress for hung-rank detection: [Note: heartbeats]
         with self._phase("forward"), self._telemetry.phase("forward"):
@@ -301,6 +321,85 @@ class Engine(DeepSpeedEngineCompat, torch.nn.Module):
         gradient sums, dsrun/runtime/parallel/model_parallel.py). Every rank
         registers the same hooks in the same order (they may communicate)."""
         self._pre_step_hooks.append(hook)
+
+    def deepspeed_io(self, dataset, batch_size: int | None = None, route: str = "train", pin_memory: bool = True,
+                     data_sampler=None, collate_fn: Callable | None = None, num_local_io_workers: int | None = None,
+                     difficulty_metrics: dict[str, Callable[[Any], float]] | None = None):
+        """A training loader of this rank's micro-batches (DeepSpeed's method),
+        made the engine's `training_dataloader` (checkpointed).
+
+        With `data_efficiency` curriculum sampling on, the loader of
+        dsrun/runtime/data_pipeline/data_sampling.py: `difficulty_metrics`
+        (metric name -> function of a sample returning its difficulty)
+        computes the metrics in memory, over every sample once; a metric
+        not given uses its config metric_fn. Otherwise a
+        DistributedDataLoader over the data axis.
+
+        Raises:
+            ValueError: batch_size other than the config's micro-batch,
+                data_sampler given (the loader samples itself), or
+                difficulty_metrics without curriculum sampling in the config.
+        """
+        micro = self.train_micro_batch_size_per_gpu()
+        if batch_size not in (None, micro):
+            raise ValueError(f"deepspeed_io(batch_size={batch_size}): the loader reads micro-batches of "
+                             f"train_micro_batch_size_per_gpu={micro}; leave batch_size out")
+        if data_sampler is not None:
+            raise ValueError("deepspeed_io(data_sampler=...) is not supported: the loader shards the data over "
+                             "the data-parallel ranks itself")
+        mesh = current_mesh()
+        if self.config.data_efficiency.curriculum_sampling:
+            loader = build_curriculum_loader(dataset, self.config, mesh.rank("data"), mesh.size("data"),
+                                             collate_fn, difficulty_metrics)
+            self.register_checkpoint_state("data_sampling", loader.sampler)
+        elif difficulty_metrics:
+            raise ValueError("deepspeed_io(difficulty_metrics=...) needs curriculum sampling on: "
+                             "data_efficiency.enabled, data_sampling.enabled and data_sampling."
+                             "curriculum_learning.enabled in the config")
+        else:
+            shard = dataclasses.replace(self.topology, rank=mesh.rank("data"), world_size=mesh.size("data"))
+            loader = DistributedDataLoader(dataset, micro, shard, collate_fn=collate_fn,
+                                           num_workers=num_local_io_workers or 0)
+        self.training_dataloader = loader
+        return loader
+
+    def register_checkpoint_state(self, name: str, obj: Any) -> None:
+        """Save `obj.state_dict()` (JSON data) under `name` in every checkpoint
+        and restore it with `obj.load_state_dict` on load (the curriculum
+        schedulers are registered so; a data-routing schedule may be too).
+
+        Raises:
+            ValueError: `name` is registered already.
+        """
+        stateful = self.checkpointer.parts.stateful
+        if name in stateful:
+            raise ValueError(f"a checkpoint state named {name!r} is registered already; choose another name")
+        stateful[name] = obj
+
+    def set_custom_curriculum_learning_schedule(self, schedule: Callable[[int], int] | dict) -> None:
+        """The schedule function (step -> difficulty) of curricula whose
+        schedule_type is "custom" (DeepSpeed's method).
+
+        Args:
+            schedule: a function, for the legacy `curriculum_learning`
+                section (and every custom metric of the data sampler); or
+                a dict metric name -> function for the data sampler's
+                metrics (DeepSpeed's form).
+
+        Raises:
+            ValueError: no curriculum of schedule_type "custom" takes it.
+        """
+        taken = False
+        legacy = self.curriculum_scheduler_legacy
+        if callable(schedule) and legacy is not None and legacy.state["schedule_type"] == "custom":
+            legacy.set_custom_get_difficulty(schedule)
+            taken = True
+        if isinstance(self.training_dataloader, CurriculumDataLoader):
+            taken = self.training_dataloader.sampler.set_custom_curriculum_learning_schedule(schedule) or taken
+        if not taken:
+            raise ValueError("set_custom_curriculum_learning_schedule: no curriculum has schedule_type 'custom' "
+                             "(curriculum_learning, or a metric of data_efficiency.data_sampling."
+                             "curriculum_learning with the engine's loader); set schedule_type to custom")
 
     def _optimizer_step(self) -> None:
         """The accumulation boundary: pre-step hooks, clip, optimizer step, LR

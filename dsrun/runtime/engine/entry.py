@@ -22,6 +22,7 @@ from dsrun.runtime.observability import exit_report
 from dsrun.runtime.distributed.agreement import check_ranks_agree
 from dsrun.runtime.activation_checkpointing import checkpointing
 from dsrun.runtime.config import ConfigError, DsConfig, load_config, sequence_parallel_size_of, tensor_parallel_of
+from dsrun.runtime.data_pipeline.data_sampling import CurriculumDataLoader, build_curriculum_loader
 from dsrun.runtime.engine.dataloader import DistributedDataLoader, RepeatingLoader
 from dsrun.runtime.distributed.dist import Topology, init_distributed
 from dsrun.runtime.engine.engine import Engine, build_strategy
@@ -396,8 +397,11 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
             # replica read the same samples (each sequence rank keeps its tokens: shard_sequence).
             shard = (dataclasses.replace(topology, rank=mesh.rank("data"), world_size=mesh.size("data"))
                      if mesh is not None else topology)
-            loader = DistributedDataLoader(training_data, cfg.train_micro_batch_size_per_gpu,
-                                           shard, collate_fn=collate_fn)
+            if cfg.data_efficiency.curriculum_sampling:  # metrics from the config's metric_fn
+                loader = build_curriculum_loader(training_data, cfg, shard.rank, shard.world_size, collate_fn)
+            else:
+                loader = DistributedDataLoader(training_data, cfg.train_micro_batch_size_per_gpu,
+                                               shard, collate_fn=collate_fn)
         if pipeline:
             engine = PipelineEngine(model, strategy, scheduler, cfg, topology, mesh, tied)
             if loader is not None:
@@ -407,6 +411,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
         if mesh is not None:
             attach_model_parallel(model, mesh, strategy, engine.register_pre_step_hook)
         engine.training_dataloader = loader  # its position is checkpointed
+        if isinstance(loader, CurriculumDataLoader):
+            engine.register_checkpoint_state("data_sampling", loader.sampler)
     _auto_resume(engine, cfg, topology)
     if engine.dump_state() and topology.is_rank_zero:
         print(describe_engine(engine), flush=True)

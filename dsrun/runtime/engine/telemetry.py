@@ -34,6 +34,7 @@ import torch
 
 from dsrun.launcher.progress import encode_record, progress_enabled
 from dsrun.runtime import comm
+from dsrun.runtime.data_pipeline.curriculum import tokens_of
 from dsrun.runtime.observability.logging import log_rank0
 from dsrun.runtime.memory.profile import MemorySnapshot
 from dsrun.runtime.monitor import MonitorMaster, events
@@ -101,7 +102,9 @@ class StepTelemetry:
                 self._flops.stop_profile()
 
     def observe_inputs(self, args: tuple, kwargs: dict) -> None:
-        """Count tokens: the first integer tensor of >= 2 dims among the forward's inputs (token ids).
+        """Count tokens: the first integer tensor of >= 2 dims among the forward's inputs (token ids),
+        only its first `curriculum_seqlen` positions per sequence when the kwargs carry one (the
+        model truncates to it: the tokens really trained on).
 
         Forwards in eval mode or under no_grad (validation) are not counted."""
         if self._step_start is None:
@@ -111,7 +114,7 @@ class StepTelemetry:
         for value in (*args, *kwargs.values()):
             if isinstance(value, torch.Tensor) and value.dim() >= 2 and not value.is_floating_point() \
                     and not value.is_complex() and value.dtype != torch.bool:
-                self._tokens += value.numel()
+                self._tokens += tokens_of(value, kwargs.get("curriculum_seqlen"))
                 return
 
     def observe_loss(self, loss: torch.Tensor) -> None:

@@ -93,6 +93,10 @@ class TrainingParts:
         state: the loop's counters.
         split: how the model is split across ranks (a pipeline), or None
             when every rank holds the whole model.
+        stateful: name -> object with state_dict()/load_state_dict() of
+            JSON data, saved in every checkpoint under its name and restored
+            by a load (curriculum schedulers: see
+            Engine.register_checkpoint_state).
     """
 
     module: torch.nn.Module
@@ -101,6 +105,7 @@ class TrainingParts:
     config: DsConfig
     state: TrainState
     split: ModelSplit | None = None
+    stateful: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:

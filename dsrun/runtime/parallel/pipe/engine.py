@@ -55,6 +55,7 @@ import torch
 
 from dsrun.runtime import comm
 from dsrun.runtime.config import ConfigError
+from dsrun.runtime.data_pipeline.curriculum import truncate_sequence
 from dsrun.runtime.engine.engine import Engine
 from dsrun.runtime.engine.train_state import ModelSplit
 from dsrun.runtime.parallel.grid import PipelineParallelGrid
@@ -121,6 +122,7 @@ class PipelineEngine(Engine):
         self._link = StageLink(topology.device)
         self._data_iterator: Iterator | None = None
         self._batch_fn: Callable | None = None
+        self._curriculum_seqlen: int | None = None  # this train_batch's; see [Note: curriculum_seqlen]
         self._tied_groups = tied
         self.agg_train_loss: torch.Tensor | None = None
         self._capturing: list | None = None  # zero bubble: module outputs recorded by the forward hooks
@@ -168,6 +170,11 @@ class PipelineEngine(Engine):
         tuple of tensors (floating-point ones are cast to the bf16/fp16
         compute dtype under mixed precision, as DeepSpeed's pipeline does).
 
+        With the legacy `curriculum_learning` section on, every tensor of
+        two or more dimensions of the micro-batch's inputs and labels is
+        truncated to `[:, :curriculum_seqlen]` first (see [Note:
+        curriculum_seqlen] in dsrun/runtime/data_pipeline/curriculum.py).
+
         Returns:
             The mean loss of the step's micro-batches, averaged over the
             data-parallel ranks, on every rank (a 0-dim fp32 tensor).
@@ -179,6 +186,8 @@ class PipelineEngine(Engine):
             self.set_dataiterator(data_iter)
         self._require_iterator()
         self.module.train()
+        if self.curriculum_scheduler_legacy is not None:
+            self._curriculum_seqlen = self.curriculum_scheduler_legacy.update_difficulty(self.global_steps + 1)
         actions = sched.build_schedule(self.schedule_name, self.num_stages, self.stage_id,
                                        self.micro_batches, self.virtual_stages)
         last_backward = max(i for i, a in enumerate(actions)
@@ -216,6 +225,7 @@ class PipelineEngine(Engine):
         self.module.eval()
         m = num_micro_batches or self.micro_batches
         buffers = _Buffers()
+        self._curriculum_seqlen = None  # evaluation reads whole sequences, as DeepSpeed's
         with torch.no_grad():
             for action in self._inference_actions(m):
                 self._run(action, buffers, train=False, compute_loss=compute_loss)
@@ -287,6 +297,9 @@ class PipelineEngine(Engine):
                             + (f" of {len(batch)} items" if isinstance(batch, (tuple, list)) else "")
                             + "; return such pairs from the data iterator or set_batch_fn")
         inputs, labels = batch
+        if self._curriculum_seqlen is not None:
+            inputs = truncate_sequence(inputs, self._curriculum_seqlen)
+            labels = truncate_sequence(labels, self._curriculum_seqlen)
         if self.module.is_first_stage(action.chunk):
             buffers.inputs[(action.micro_batch, action.chunk)] = _to_device(inputs, self.device,
                                                                             self.strategy.compute_dtype)
