@@ -44,6 +44,7 @@ from dsrun.runtime.memory.accounting import tensor_breakdown
 from dsrun.runtime.offload.optimizer_tier import OptimizerTier
 from dsrun.runtime.offload.param_tier import ParamTier
 from dsrun.runtime.optim.precision import PrecisionPolicy
+from dsrun.runtime.parallel.expert.names import global_expert_name
 from dsrun.runtime.zero.experts import add_expert_sq_norms
 from dsrun.runtime.zero.flat_params import FlatParamSet, Span
 from dsrun.runtime.zero.groups import ZeroGroups
@@ -445,7 +446,8 @@ class ZeroStrategy(GradientStrategy):
                     span, key = next((s, v) for s, v in views if s.lo <= so < s.hi)
                     offset = so - span.lo
                 wlo, whi = even_part(piece.lo, piece.hi, rep.rank, rep.size)
-                pieces.append(HeldPiece(slot.name, slot.shape, "param", piece.lo, piece.hi, wlo, whi,
+                name = slot.name if fset.experts is None else global_expert_name(slot.name, fset.params[slot.index])
+                pieces.append(HeldPiece(name, slot.shape, "param", piece.lo, piece.hi, wlo, whi,
                                         value, trainable, key, offset, rep if rep.size > 1 else None))
         return pieces
 
