@@ -261,6 +261,7 @@ class Engine(DeepSpeedEngineCompat, torch.nn.Module):
         sync = self.is_gradient_accumulation_boundary() and not self._in_no_sync
         with self._phase("backward"), self._telemetry.phase("backward"):
             self.strategy.backward(loss, sync=sync, retain_graph=retain_graph)
+        self._telemetry.after_backward()  # warns once per MoE layer whose l_aux the loss left out
         self._backward_since_step = True
         return loss
 
