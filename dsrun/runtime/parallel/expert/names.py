@@ -60,7 +60,7 @@ def all_expert_names(name: str, param: torch.nn.Parameter) -> list[str]:
     if parts is None:
         return [name]
     head, index, tail = parts
-    first, count = _first_and_count(param)
+    _, count = _first_and_count(param)
     local = getattr(param, "num_local_experts", 1)
     if index >= local:
         return [name]
