@@ -3,6 +3,8 @@ the once-per-layer warning when the loss leaves l_aux out, the monitors'
 per-layer expert load, and a rank whose tokens all go elsewhere (2 gloo ranks)."""
 from __future__ import annotations
 
+import pytest
+
 from tests.dist_helpers import run_ranks
 
 HIDDEN, EXPERTS = 8, 4
@@ -77,3 +79,25 @@ def test_warning_monitor_load_and_a_rank_with_no_tokens(tmp_path):
     assert 2.0 < dropping["Train/MoE/moe/l_aux"] <= EXPERTS
     assert len(zero["warnings"]) == 1 and "MoE layer moe:" in zero["warnings"][0]
     assert results[1]["warnings"] == []
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_counts_each_forward_once(reentrant):
+    """Checkpointing's recompute (inside the backward) is not a second
+    forward: tokens are counted once, and a loss with l_aux leaves nothing
+    pending; without it, non-reentrant checkpointing still flags the layer
+    (reentrant's first pass runs without grad: no l_aux to watch)."""
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    from dsrun.moe.layer import MoE
+    torch.manual_seed(0)
+    layer = MoE(HIDDEN, torch.nn.Linear(HIDDEN, HIDDEN), num_experts=2, min_capacity=1)
+    x = torch.randn(6, HIDDEN, requires_grad=True)
+    load = layer.deepspeed_moe.load
+    for use_aux in (True, False):
+        load.reset()
+        out, l_aux = checkpoint(lambda t: layer(t)[:2], x, use_reentrant=reentrant)
+        (out.sum() + l_aux if use_aux else out.sum()).backward()
+        assert load.forwards == 1 and int(load.tokens.sum()) == 6
+        assert load.aux_pending is (not use_aux and not reentrant)

@@ -65,7 +65,9 @@ class MOELayer(torch.nn.Module):
         ep_group = self.groups().ep_group  # None before torch.distributed is initialised (one rank)
         routed = self.gate(tokens, used_token, ep_group=ep_group)
         self.l_aux, self.exp_counts = routed.l_aux, routed.exp_counts
-        if self.training and torch.is_grad_enabled():
+        # A training-mode forward (under no_grad too: reentrant activation checkpointing's first pass),
+        # not checkpointing's recompute inside a backward (counted already).
+        if self.training and torch._C._current_graph_task_id() == -1:
             self.load.record(routed.l_aux, routed.exp_counts, routed.dispatch_mask)
         dispatched = torch.einsum("sec,sm->ecm", routed.dispatch_mask.to(tokens.dtype), tokens)
         slots = dispatched.shape[1]

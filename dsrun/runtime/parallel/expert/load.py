@@ -7,7 +7,9 @@ import torch
 
 
 class ExpertLoad:
-    """Accumulates one MoE layer's routing over the training forwards of a step.
+    """Accumulates one MoE layer's routing over the training forwards of a step
+    (training mode, outside a backward: activation checkpointing's
+    recompute is not counted twice; see MOELayer.forward).
 
     Attributes:
         tokens: [E] int64 (CPU), token choices per expert before drops.
