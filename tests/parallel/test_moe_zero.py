@@ -101,3 +101,20 @@ def test_moe_refuses_zero_features_bound_to_the_whole_data_axis():
         dsrun.initialize(model=_Net(1), config={
             "train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
             "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})
+
+
+def test_stage3_refuses_a_unit_mixing_experts_and_dense_parameters():
+    """The MoE layer marked as a z3 leaf module puts its experts in the unit
+    above it, with dense parameters (none persistent here): their partitions
+    would need two groups."""
+    import dsrun
+    from dsrun.moe.layer import MoE
+    from dsrun.runtime.config import ConfigError
+    from dsrun.runtime.zero.module_hints import set_z3_leaf_modules
+    from tests.parallel.test_moe import _Net
+    net = _Net(1)
+    set_z3_leaf_modules(net, [MoE])
+    with pytest.raises(ConfigError, match="unit '.*' holds parameters of different expert groups"):
+        dsrun.initialize(model=net, config={
+            "train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})
