@@ -41,6 +41,13 @@ windows start MIN bytes long and grow linearly, in multiples of 8, to
 --seq_len over the first --curriculum_steps steps (default: half of --steps);
 the learning-rate schedule then counts tokens, not steps
 (docs/curriculum.md). bench/curriculum/ compares it with a plain run.
+
+With ``--moe_experts E`` the MLPs of alternate blocks (1, 3, ...) are
+Mixture-of-Experts layers of E experts (gpt_moe.py), ``--moe_ep_size P``
+spreads them over P expert-parallel ranks (P divides E and the world size;
+the ranks stay data-parallel for everything else) and ``--moe_top_k k``
+sends each token to k experts. The optimizer's groups go through
+``split_params_into_different_moe_groups_for_optimizer`` as DeepSpeed asks.
 """
 from __future__ import annotations
 
@@ -58,7 +65,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 import dsrun
 from dsrun.utils import groups
 from byte_data import WindowSampler, eval_windows, load_corpus
+from dsrun.moe.utils import split_params_into_different_moe_groups_for_optimizer
 from gpt_model import GPT, GPTConfig
+from gpt_moe import MoEGPT
 from gpt_pipe import gpt_pipeline, load_gpt_weights, param_groups, tensor_parallel_gpt_pipeline
 
 # The validation windows do not depend on --seed, so runs with different
@@ -89,6 +98,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="start with windows of this many bytes and grow them to --seq_len (0: no curriculum)")
     p.add_argument("--curriculum_steps", type=int, default=0,
                    help="steps of the sequence-length curriculum (default: half of --steps)")
+    p.add_argument("--moe_experts", type=int, default=0,
+                   help="Mixture-of-Experts MLPs in alternate blocks with E experts (0: dense)")
+    p.add_argument("--moe_ep_size", type=int, default=1, help="expert-parallel ranks the experts are spread over")
+    p.add_argument("--moe_top_k", type=int, default=1, help="experts per token")
     # The `deepspeed` launcher appends --local_rank=N; accept it so the script
     # runs under either launcher. The rank itself comes from the environment.
     p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)
@@ -106,6 +119,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.tensor_parallel > 1 and args.n_head % args.tensor_parallel:
         p.error(f"--tensor_parallel {args.tensor_parallel} must divide --n_head {args.n_head} "
                 "(each rank computes n_head / tensor_parallel attention heads)")
+    if args.moe_experts < 0:
+        p.error(f"--moe_experts must be >= 0 (0: dense MLPs), got {args.moe_experts}")
+    if args.moe_experts:
+        if args.pipeline_stages or args.tensor_parallel > 1:
+            p.error("--moe_experts runs with data (and expert) parallelism only; drop --pipeline_stages "
+                    "and --tensor_parallel")
+        if args.moe_ep_size < 1 or args.moe_experts % args.moe_ep_size:
+            p.error(f"--moe_ep_size {args.moe_ep_size} must divide --moe_experts {args.moe_experts}")
+        if not 1 <= args.moe_top_k <= args.moe_experts:
+            p.error(f"--moe_top_k must be between 1 and --moe_experts {args.moe_experts}, got {args.moe_top_k}")
+        if args.n_layer < 2:
+            p.error("--moe_experts needs --n_layer >= 2 (blocks 1, 3, ... hold the MoE layers)")
     return args
 
 
@@ -247,7 +272,11 @@ def train(args: argparse.Namespace) -> None:
         raise SystemExit(f"train_gpt.py: {exc}") from None
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     cfg = GPTConfig(seq_len=args.seq_len, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
-    model = GPT(cfg)
+    if args.moe_experts:
+        dsrun.init_distributed()  # the MoE layers make their expert groups as they are built
+        model = MoEGPT(cfg, args.moe_experts, args.moe_ep_size, args.moe_top_k)
+    else:
+        model = GPT(cfg)
     n_params = sum(p.numel() for p in model.parameters())  # the tied head/embedding weight once
     pipeline = args.pipeline_stages > 0
     if pipeline:  # each rank keeps its stage's layers, starting from the GPT's weights
@@ -261,11 +290,16 @@ def train(args: argparse.Namespace) -> None:
         del full
     elif args.tensor_parallel > 1:  # each rank keeps its slices of the attention and MLP layers
         dsrun.tp_model_init(model, args.tensor_parallel)
+    if pipeline:
+        parameters = param_groups(model)
+    elif args.moe_experts:  # expert parameters in groups of their own, as DeepSpeed requires
+        parameters = split_params_into_different_moe_groups_for_optimizer(model.param_groups())
+    else:
+        parameters = model.param_groups()
     config = curriculum_config(args)
     if config is not None:  # the file's config with the curriculum added, passed as a dict
         args.deepspeed_config = None
-    engine, _, _, _ = dsrun.initialize(args=args, model=model, config=config,
-                                       model_parameters=param_groups(model) if pipeline else model.param_groups())
+    engine, _, _, _ = dsrun.initialize(args=args, model=model, config=config, model_parameters=parameters)
     rank, world = engine.global_rank, engine.world_size
     # Data-parallel replicas draw different windows; the stages of one replica the same ones.
     data_rank, replicas = ((engine.grid.get_data_parallel_rank(), engine.grid.get_data_parallel_world_size())
@@ -278,9 +312,16 @@ def train(args: argparse.Namespace) -> None:
     sampler = WindowSampler(corpus.train, args.seq_len, seed=args.seed * 100_003 + data_rank)
     train_iter = windows_forever(sampler, micro)
     score = evaluate_pipeline if pipeline else evaluate
+    if args.moe_experts and (args.eval_batches * micro) % replicas:
+        # an expert-parallel group exchanges blocks sized by each rank's tokens: equal shares only
+        raise SystemExit(f"train_gpt.py: --eval_batches {args.eval_batches} x micro-batch {micro} windows do not "
+                         f"split evenly over {replicas} data-parallel ranks, which MoE layers need; change "
+                         "--eval_batches")
     val_x, val_y = eval_windows(corpus.val, args.eval_batches * micro, args.seq_len, EVAL_SEED)
     log(f"data: {corpus.describe()}")
-    layout = " x ".join([f"{args.pipeline_stages} pipeline stages"] * pipeline +
+    layout = " x ".join([f"MoE {args.moe_experts} experts top-{args.moe_top_k} over "
+                         f"{args.moe_ep_size} expert-parallel ranks"] * bool(args.moe_experts) +
+                        [f"{args.pipeline_stages} pipeline stages"] * pipeline +
                         [f"tensor parallel {args.tensor_parallel}"] * (args.tensor_parallel > 1) +
                         [f"{replicas} data-parallel replicas"] * (pipeline or args.tensor_parallel > 1))
     log(f"model: {n_params / 1e6:.2f}M parameters; world size {world}{', ' + layout if layout else ''}, "

@@ -27,6 +27,7 @@ import torch
 from dsrun.runtime import comm
 from dsrun.runtime.checkpoint.pieces import HeldPiece, plain_pieces
 from dsrun.runtime.fp16.onebit.base import CompressedCommOptimizer
+from dsrun.runtime.parallel.expert.names import all_expert_names
 from dsrun.runtime.engine.train_state import TrainingParts
 from dsrun.runtime.zero.groups import RankGroup
 from dsrun.runtime.zero.params import record_of
@@ -45,11 +46,14 @@ def held_pieces(parts: TrainingParts) -> list[HeldPiece]:
 
 def global_names(parts: TrainingParts) -> dict[str, tuple[tuple[int, ...], bool]]:
     """Name -> (global shape, frozen) of every parameter and persistent
-    buffer (all ranks agree: read from the module)."""
+    buffer (all ranks agree: read from the module; expert parameters under
+    every global expert name, [Note: expert names in checkpoints] in
+    dsrun/runtime/parallel/expert/names.py)."""
     out = {}
     for name, p in parts.module.named_parameters():
         rec = record_of(p)
-        out[name] = (tuple(rec.shape) if rec is not None else tuple(p.shape), not p.requires_grad)
+        for global_name in all_expert_names(name, p):  # an expert stands for every expert-parallel rank's
+            out[global_name] = (tuple(rec.shape) if rec is not None else tuple(p.shape), not p.requires_grad)
     for mod_name, mod in parts.module.named_modules():
         for bname, buf in mod._buffers.items():
             if buf is not None and bname not in mod._non_persistent_buffers_set:

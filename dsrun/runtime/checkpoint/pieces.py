@@ -26,6 +26,9 @@ from typing import Any
 
 import torch
 
+from dsrun.runtime.parallel.expert.groups import is_expert_param
+from dsrun.runtime.parallel.expert.names import expert_holders, global_expert_name
+
 
 @dataclass
 class HeldPiece:
@@ -81,8 +84,11 @@ def plain_pieces(module: torch.nn.Module, optimizer: torch.optim.Optimizer, skip
                  world: Any) -> list[HeldPiece]:
     """Pieces of every parameter not in `skip` (ids of ZeRO-managed ones) and of
     every persistent buffer: every rank of `world` (the job's RankGroup)
-    holds all elements and writes an even 1/world.size slice. Optimizer state
-    key: the parameter itself when the optimizer holds it."""
+    holds all elements and writes an even 1/world.size slice; an expert
+    parameter goes by its global expert name, held by its expert-data-
+    parallel group (see [Note: expert names in checkpoints] in
+    dsrun/runtime/parallel/expert/names.py). Optimizer state key: the
+    parameter itself when the optimizer holds it."""
     rank, world_size = world.rank, world.size
     replicas = world if world_size > 1 else None
     in_optimizer = {id(p) for g in optimizer.param_groups for p in g["params"]}
@@ -91,10 +97,14 @@ def plain_pieces(module: torch.nn.Module, optimizer: torch.optim.Optimizer, skip
         if id(p) in skip:
             continue
         n = p.numel()
-        wlo, whi = even_part(0, n, rank, world_size)
+        holders = world
+        if is_expert_param(p):  # by global expert id, held by its expert-data-parallel group (names.py)
+            name, holders = global_expert_name(name, p), expert_holders(p)
+        wlo, whi = even_part(0, n, holders.rank, holders.size)
         trainable = id(p) in in_optimizer
         pieces.append(HeldPiece(name, tuple(p.shape), "param", 0, n, wlo, whi, flat_view(p.data, name),
-                                trainable, p if trainable else None, 0, replicas))
+                                trainable, p if trainable else None, 0,
+                                replicas if holders is world else (holders if holders.size > 1 else None)))
     for mod_name, mod in module.named_modules():
         for bname, buf in mod._buffers.items():
             if buf is None or bname in mod._non_persistent_buffers_set:

@@ -51,9 +51,9 @@ def build_strategy(cfg: DsConfig, module: torch.nn.Module, optimizer: torch.opti
     Raises:
         ValueError: a data group with a strategy that cannot take one (the
             1-bit optimizers).
-        NotImplementedError: expert (MoE) parameters with any strategy but
-            AllReduceStrategy (see [Note: expert gradients] in
-            strategy/data_parallel.py).
+        NotImplementedError: expert (MoE) parameters with a 1-bit optimizer
+            (see [Note: expert gradients] in strategy/data_parallel.py and
+            [Note: expert partitions] in zero/experts.py).
     """
     zero_path = takes_over(cfg, optimizer) or cfg.zero_optimization.stage > 0 or cfg.fp16.enabled \
         or cfg.bf16.enabled or cfg.communication_data_type not in (None, "fp32")
@@ -61,11 +61,10 @@ def build_strategy(cfg: DsConfig, module: torch.nn.Module, optimizer: torch.opti
         logger.warning("sparse_gradients acts at ZeRO stage 0 in fp32 only (DeepSpeed's ZeRO and 1-bit "
                        "optimizers also reduce every gradient densely); embedding gradients are reduced "
                        "densely in this run")
-    if zero_path and any(is_expert_param(p) for p in module.parameters()):
+    if takes_over(cfg, optimizer) and any(is_expert_param(p) for p in module.parameters()):
         raise NotImplementedError(
-            "the model has Mixture-of-Experts parameters (allreduce=False), which dsrun reduces over their "
-            "expert-data-parallel group at ZeRO stage 0 in fp32 only so far; set zero_optimization.stage "
-            "to 0, leave fp16/bf16 off and use a plain torch optimizer (not 1-bit)")
+            "the model has Mixture-of-Experts parameters (allreduce=False), which the 1-bit optimizers and "
+            "the flat-buffer Lamb would average over every rank; use Adam/AdamW (any ZeRO stage)")
     if takes_over(cfg, optimizer):
         if data_group is not None:
             raise ValueError("the 1-bit optimizers (OneBitAdam, ZeroOneAdam, OneBitLamb) average over "
@@ -288,6 +287,7 @@ class Engine(DeepSpeedEngineCompat, torch.nn.Module):
         sync = self.is_gradient_accumulation_boundary() and not self._in_no_sync
         with self._phase("backward"), self._telemetry.phase("backward"):
             self.strategy.backward(loss, sync=sync, retain_graph=retain_graph)
+        self._telemetry.after_backward()  # warns once per MoE layer whose l_aux the loss left out
         self._backward_since_step = True
         return loss
 

@@ -5,7 +5,9 @@ The engine calls four things and knows nothing else about reporting:
 `observe_loss` for each micro-batch, and `end_step()` after each optimizer
 step. From these `StepTelemetry` produces, as the config asks:
 
-- monitor events (events.py) on the engine's monitor, rank 0 writing;
+- monitor events (events.py) on the engine's monitor, rank 0 writing,
+  with the MoE layers' expert load ([Note: MoE in the monitors] in
+  dsrun/runtime/parallel/expert/watch.py);
 - the `wall_clock_breakdown` line every `steps_per_print` steps (timers.py);
 - progress records for dsrun's launcher (dsrun/launcher/progress.py);
 - the `flops_profiler` report at `profile_step` (dsrun/profiling);
@@ -39,6 +41,7 @@ from dsrun.runtime.observability.logging import log_rank0
 from dsrun.runtime.memory.profile import MemorySnapshot
 from dsrun.runtime.monitor import MonitorMaster, events
 from dsrun.runtime.offload.transfer import format_timeline
+from dsrun.runtime.parallel.expert.watch import MoEWatch
 from dsrun.runtime.observability.timers import StepTimes, StepTimers, format_breakdown
 from dsrun.runtime.engine.autotuning_probe import AutotuningProbe
 from dsrun.runtime.engine.train_state import TrainingParts
@@ -80,6 +83,7 @@ class StepTelemetry:
         self._flops: FlopsProfiler | None = None
         self._flops_done = not (cfg.flops_profiler.enabled and self._rank0)
         self._autotuning = AutotuningProbe(parts)
+        self._moe = MoEWatch(parts.module, parts.topology.rank)
 
     # -- per micro-batch ---------------------------------------------------------------------
     def phase(self, name: str) -> contextlib.AbstractContextManager:
@@ -124,6 +128,11 @@ class StepTelemetry:
             self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
             self._loss_count += 1
 
+    def after_backward(self) -> None:
+        """After each micro-batch's backward: the MoE layers' auxiliary-loss
+        check (dsrun/runtime/parallel/expert/watch.py)."""
+        self._moe.after_backward()
+
     # -- per optimizer step ------------------------------------------------------------------
     def end_step(self, grad_norm: float | None) -> None:
         """Report the optimizer step that just ended (call on every rank);
@@ -140,8 +149,9 @@ class StepTelemetry:
         self._loss_sum, self._loss_count = None, 0
         if self._monitor.enabled:
             peak = self._peak_memory()  # collective: every rank
+            moe = self._moe.step_events(state.global_samples, parts.topology.device)  # collective too
             if self._rank0:
-                self._monitor.write_events(self._events(times, interval, loss, tokens, peak, grad_norm))
+                self._monitor.write_events(self._events(times, interval, loss, tokens, peak, grad_norm) + moe)
         if self._breakdown:
             self._period.add(times)
             every = parts.config.steps_per_print

@@ -329,9 +329,17 @@ class AllReduceStrategy(GradientStrategy):
     experts), then divided like the others by the data-parallel size: each
     copy of an expert has seen the tokens of its whole expert-parallel
     group, so the sum over its expert-data group covers every data rank
-    once and the result is the data-parallel average. Expert gradients
+    once and the result is the data-parallel average. This is DeepSpeed's
+    divisor (checked against 0.19.8: engine._reduce_expert_gradients
+    all-reduces expert buckets over the expert-data-parallel group and
+    divides by the data-parallel world size "to maintain the gradients
+    value unaffected by ep_size"; ZeRO 1-2's average_tensor divides by it
+    too), so the same script trains alike on both. Expert gradients
     differ across an expert-parallel group, so the step's norm adds their
-    squares over it (each expert counted once).
+    squares over it (each expert counted once; DeepSpeed averages the
+    expert norm over the expert-data group instead, #8475). ZeRO stages
+    and 16-bit precision do the same with partitions: [Note: expert
+    partitions] in dsrun/runtime/zero/experts.py.
 
     Args:
         module: the model (parameters with requires_grad are reduced).

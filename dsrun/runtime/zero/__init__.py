@@ -13,6 +13,7 @@ from dsrun.runtime.distributed.dist import Topology
 from dsrun.runtime.offload import build_optimizer_tier, build_param_tier
 from dsrun.runtime.optim.precision import PrecisionPolicy
 from dsrun.runtime.config import ConfigError
+from dsrun.runtime.zero.experts import check_expert_support
 from dsrun.runtime.zero.groups import ZeroGroups
 from dsrun.runtime.zero.params import record_of
 from dsrun.runtime.zero.api import (GatheredParameters, safe_get_full_fp32_param, safe_get_full_grad,
@@ -59,8 +60,18 @@ def build_zero_strategy(cfg, module: torch.nn.Module, optimizer: torch.optim.Opt
     blocks (ZeroGroups.mics; ConfigError when it does not divide the
     data-parallel size). Stage 0 shards nothing: there it changes nothing,
     as in DeepSpeed, which builds MiCS for stage 3 only.
+
+    Mixture-of-Experts parameters are partitioned over their
+    expert-data-parallel group (see [Note: expert partitions] in
+    experts.py); with them, MiCS, ZeRO++ hpZ and qgZ and offload raise
+    ConfigError (check_expert_support).
     """
     zero = cfg.zero_optimization
+    check_expert_support(module, mics=zero.mics_shard_size > 0 and zero.stage > 0,
+                         hpz=zero.stage == 3 and zero.zero_hpz_partition_size > 1,
+                         quantized_gradients=zero.stage == 3 and zero.zero_quantized_gradients,
+                         offload=zero.offload_optimizer.device in ("cpu", "nvme")
+                         or (zero.stage == 3 and zero.offload_param.device in ("cpu", "nvme")))
     precision = PrecisionPolicy.from_config(cfg)
     tier = build_optimizer_tier(cfg, topology)
     mics = None

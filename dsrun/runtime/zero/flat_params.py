@@ -48,7 +48,8 @@ import torch
 
 from dsrun.runtime.comm import quantized
 from dsrun.runtime.optim.precision import PrecisionPolicy
-from dsrun.runtime.zero.groups import RankGroup
+from dsrun.runtime.zero.experts import ExpertSetGroups
+from dsrun.runtime.zero.groups import RankGroup, ZeroGroups
 from dsrun.runtime.zero.params import home_device, record_of
 from dsrun.runtime.zero.partition import BucketSlot, FlatLayout
 
@@ -93,6 +94,10 @@ class FlatParamSet:
             offload/transfer.py). Not used with grad_in_full.
         frozen_block: > 0 (stage 3 only) keeps the frozen shards as int8
             blocks of this many elements (see [Note: int8 frozen shards]).
+        experts: for a set of Mixture-of-Experts parameters, the groups it
+            is partitioned, reduced and averaged over instead of the
+            strategy's (`shard` is then `experts.groups.shard`; see [Note:
+            expert partitions] in experts.py); None for dense parameters.
 
     Raises:
         ValueError: frozen parameters before trainable ones, a group's
@@ -104,7 +109,7 @@ class FlatParamSet:
                  partition_params: bool, grad_in_full: bool = False,
                  master_device: torch.device | None = None, pin_memory: bool = False,
                  partition_device: torch.device | None = None, frozen_block: int = 0,
-                 grad_device: torch.device | None = None):
+                 grad_device: torch.device | None = None, experts: ExpertSetGroups | None = None):
         keys = [k for _, _, k in members]
         if None in keys and any(k is not None for k in keys[keys.index(None):]):
             raise ValueError(f"{name}: frozen parameters must come after trainable ones")
@@ -115,6 +120,7 @@ class FlatParamSet:
                     raise ValueError(f"{name}: parameters of optimizer group {k} are not adjacent")
                 seen.append(k)
         self.name = name
+        self.experts = experts
         self.params = [p for p, _, _ in members]
         self.rank = shard.rank
         self.precision = precision
@@ -169,6 +175,17 @@ class FlatParamSet:
             self.grad_partition = torch.zeros(self.trainable_shard_numel, dtype=accum, device=where,
                                               pin_memory=_pin(True, where, self.compute_device))
             self.grads_offloaded = where != self.compute_device
+
+    def reduce_groups(self, default: ZeroGroups) -> ZeroGroups:
+        """The (shard, replicate) pair this set's gradients are reduced and
+        its parameters gathered over: its experts' pair, else `default`
+        (the strategy's)."""
+        return default if self.experts is None else self.experts.groups
+
+    def average_over(self, default: ZeroGroups) -> int:
+        """The number of ranks this set's gradient sums are averaged over
+        (the data-parallel size D for experts, else `default`'s)."""
+        return default.data_parallel_size if self.experts is None else self.experts.average_over
 
     def _load_initial_values(self) -> None:
         """Copy each parameter's value into the compute copy and the master,

@@ -8,7 +8,10 @@ data-dependent subset of their children, such as a Mixture-of-Experts layer
 whose experts sit in an nn.ModuleList: with one unit per expert, ranks
 that route to different experts would issue different all-gathers and wait
 for each other for ever; with the block as one unit, every rank gathers
-the same parameters. Mark the modules before `initialize()`.
+the same parameters. Mark the modules before `initialize()`. (dsrun's own
+`moe.layer.MoE` runs every local expert on every forward and needs no mark:
+its experts are units of their own, partitioned over their expert-data-
+parallel group; marking it raises, see zero/experts.py.)
 
 An external parameter is one that a module's forward reads from another
 module (e.g. a tied embedding read by the output layer). Registered with

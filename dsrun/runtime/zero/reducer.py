@@ -118,7 +118,8 @@ class Region:
 class OrderedReducer:
     """Owns the regions, in launch order. See [Note: ordered reduction].
 
-    groups: the (shard, replicate) pair the gradients are reduced over.
+    groups: the (shard, replicate) pair the gradients are reduced over
+    (a set of expert parameters has its own: FlatParamSet.reduce_groups).
     on_launched(region) is called right after a region's collective is
     issued (stage 3 releases the unit's gathered parameters there).
     watchdog: reports a launch that blocks too long (see watchdog.py).
@@ -185,7 +186,7 @@ class OrderedReducer:
         with self.watchdog.waiting(f"reduce-scatter of gradients of '{region.fset.name}'"):
             region.fill_missing()
             staging = region.buffer()
-            before, _ = region.fset.precision.division.divisors(self.groups.data_parallel_size)
+            before, _ = region.fset.precision.division.divisors(region.fset.average_over(self.groups))
             if before != 1.0:
                 staging.div_(before)
             comm_dtype = staging.dtype if self.quantize is not None else region.fset.precision.comm_dtype
@@ -195,7 +196,8 @@ class OrderedReducer:
                 region.staging = None  # the copy is all that is needed from here on
             region.out = region.own_shard(send)
             region.handle = reduce_region(region.fset.layout, region.buckets, send, region.out,
-                                          self.groups, async_op=True, quantize=self.quantize)
+                                          region.fset.reduce_groups(self.groups), async_op=True,
+                                          quantize=self.quantize)
         if self.on_launched is not None:
             self.on_launched(region)
         self.inflight.append(region)
@@ -209,7 +211,7 @@ class OrderedReducer:
         region.handle = None
         out, region.out = region.out, None
         fset = region.fset
-        _, after = fset.precision.division.divisors(self.groups.data_parallel_size)
+        _, after = fset.precision.division.divisors(fset.average_over(self.groups))
         if region.in_place:
             target = region.own_shard(region.staging)
             if out.data_ptr() != target.data_ptr():

@@ -38,6 +38,7 @@ from dsrun.runtime.strategy.hooks import HookSet
 from dsrun.runtime.offload.transfer import OFFLOAD_BUCKET_NUMEL
 from dsrun.runtime.optim.precision import PrecisionPolicy
 from dsrun.runtime.zero.collectives import all_gather_region
+from dsrun.runtime.zero.experts import expert_name, expert_set_groups
 from dsrun.runtime.zero.flat_params import FlatParamSet
 from dsrun.runtime.zero.groups import ZeroGroups
 from dsrun.runtime.zero.init import restore_full
@@ -76,23 +77,27 @@ class PartitionedOptimizerStrategy(ZeroStrategy):
         super().__init__(optimizer, topology, precision, groups, sub_group_size, optimizer_tier=optimizer_tier)
         self.stage = stage
         self.module = module
-        by_group: dict[int, list] = {}
+        by_group: dict[tuple[int, str], list] = {}
         trainable = self.trainable_groups(optimizer, module)
         self._prepare_tier(trainable)
         for p, n, g in trainable:
             restore_full(p, groups.shard.group)  # built under zero.Init: full values back, once
-            by_group.setdefault(g, []).append((p, n, g))
-        for g, members in sorted(by_group.items()):
+            by_group.setdefault((g, expert_name(p) or ""), []).append((p, n, g))
+        experts = {name: expert_set_groups(name, stage > 0, groups.data_parallel_size)
+                   for name in sorted({name for _, name in by_group if name})}
+        for (g, name), members in sorted(by_group.items()):
             device = home_device(members[0][0])
             grad_device = self.optimizer_tier.grad_device(device)
             # Gradients leaving the device (optimizer offload): buckets of at most OFFLOAD_BUCKET_NUMEL.
             bucket = reduce_bucket_size if grad_device == device or stage in (0, 1) \
                 else min(reduce_bucket_size, OFFLOAD_BUCKET_NUMEL)
-            fset = FlatParamSet(f"group{g}", members, groups.shard, precision, bucket,
+            own = experts.get(name)  # expert parameters: their own groups ([Note: expert partitions])
+            fset = FlatParamSet(f"group{g}" + (f".{name}" if name else ""), members,
+                                groups.shard if own is None else own.groups.shard, precision, bucket,
                                 partition_params=False, grad_in_full=stage in (0, 1),
                                 master_device=self._master_device(members[0][0]),
                                 pin_memory=self.optimizer_tier.pin_memory,
-                                grad_device=grad_device)
+                                grad_device=grad_device, experts=own)
             self.sets.append(fset)
             self._adopt(fset)
         if precision.mixed:
@@ -106,7 +111,9 @@ class PartitionedOptimizerStrategy(ZeroStrategy):
         self.reducer = OrderedReducer(regions, groups, watchdog=self.watchdog,
                                       host_grads=self.optimizer_tier.host_grads)
         self._register_hooks()
-        self._gather_plan = [(fset, _runs(fset, allgather_bucket_size)) for fset in self.sets]
+        # Sets over one rank (everything at 16-bit stage 0) need no gather: the step wrote their copy.
+        self._gather_plan = [(fset, _runs(fset, allgather_bucket_size)) for fset in self.sets
+                             if fset.reduce_groups(groups).shard.size > 1]
         self._gathers: list = []  # handles of this step's gathers, in plan order
         self._next_gather = 0  # index of the next run to issue, over every set's runs in order
         self._plan = [(fset, buckets) for fset, runs in self._gather_plan for buckets in runs]
@@ -132,7 +139,7 @@ class PartitionedOptimizerStrategy(ZeroStrategy):
     def span_stepped(self, fset, span) -> None:
         """Issue the gathers of the runs whose buckets are all stepped now
         (see [Note: gathering while the step runs])."""
-        if self.groups.shard.size == 1:
+        if not self._plan:
             return
         stepped = (self.sets.index(fset), span.buckets[-1].index)  # the tier steps in plan order
         while self._next_gather < len(self._plan):
@@ -146,11 +153,11 @@ class PartitionedOptimizerStrategy(ZeroStrategy):
         start, end = fset.layout.region(buckets)
         with self.watchdog.waiting("all-gather of updated parameters (after the step)"):
             self._gathers.append(all_gather_region(fset.layout, buckets, fset.full[start:end],
-                                                   self.groups.shard, async_op=True))
+                                                   fset.reduce_groups(self.groups).shard, async_op=True))
         self._next_gather += 1
 
     def _after_step(self) -> None:
-        if self.groups.shard.size == 1:
+        if not self._plan:
             return  # every rank stepped all of it (the copy was written in the step)
         while self._next_gather < len(self._plan):
             self._issue_gather()

@@ -48,6 +48,7 @@ from dsrun.runtime.distributed.dist import Topology
 from dsrun.runtime.strategy.hooks import HookSet, labelled
 from dsrun.runtime.optim.precision import PrecisionPolicy
 from dsrun.runtime.zero.collectives import GradientQuantization
+from dsrun.runtime.zero.experts import ExpertSetGroups, expert_name, expert_set_groups
 from dsrun.runtime.zero.flat_params import FlatParamSet
 from dsrun.runtime.zero.groups import RankGroup, ZeroGroups, block_group, node_groups
 from dsrun.runtime.zero.module_hints import external_parameters, z3_leaf_module
@@ -175,7 +176,8 @@ class PartitionedParamStrategy(ZeroStrategy):
             keep = []
             for member in by_unit[name]:
                 numel = _numel(member[0])
-                if numel < gather.persistence_threshold and numel <= budget:
+                # Expert parameters differ across the expert-parallel group: never in the shared unit.
+                if numel < gather.persistence_threshold and numel <= budget and expert_name(member[0]) is None:
                     persistent.append(member)
                     budget -= numel
                 else:
@@ -183,19 +185,27 @@ class PartitionedParamStrategy(ZeroStrategy):
             by_unit[name] = keep
         self.units: list[Unit] = []
         context = UnitContext(groups.shard, self.hpz, self.param_tier, self.watchdog, zeropp.weight_block)
+        expert_contexts: dict[str, tuple[ExpertSetGroups, UnitContext]] = {}
         plan = [(n or "<root>", [m], by_unit[n]) for n, m in unit_mods] + [(PERSISTENT, [], persistent)]
         for uname, modules, members in plan:
             if not members:
                 continue
             members = sorted(members, key=lambda e: (e[2] is None, -1 if e[2] is None else e[2]))
-            fset = FlatParamSet(uname, members, groups.shard, precision, 1, partition_params=True,
+            name = _unit_expert_name(uname, members)
+            if name is not None and name not in expert_contexts:  # see [Note: expert partitions]
+                own = expert_set_groups(name, True, groups.data_parallel_size)
+                expert_contexts[name] = (own, UnitContext(own.groups.shard, None, self.param_tier, self.watchdog,
+                                                          zeropp.weight_block))
+            own, unit_context = expert_contexts[name] if name is not None else (None, context)
+            fset = FlatParamSet(uname, members, unit_context.shard, precision, 1, partition_params=True,
                                 master_device=self._master_device(members[0][0]),
                                 pin_memory=self.optimizer_tier.pin_memory or self.param_tier.pin_memory,
                                 partition_device=self.param_tier.partition_device(self._param_device(members)),
                                 frozen_block=zeropp.frozen_block,
-                                grad_device=self.optimizer_tier.grad_device(self._param_device(members)))
+                                grad_device=self.optimizer_tier.grad_device(self._param_device(members)),
+                                experts=own)
             self.sets.append(fset)
-            unit = Unit(len(self.units), uname, modules, fset, uname == PERSISTENT, context)
+            unit = Unit(len(self.units), uname, modules, fset, uname == PERSISTENT, unit_context)
             self.units.append(unit)
             self._adopt(fset, unit)
             unit.drop_values()
@@ -313,6 +323,24 @@ class PartitionedParamStrategy(ZeroStrategy):
     def gathered_numel(self) -> int:
         """Elements of non-persistent units currently gathered or being gathered."""
         return self.schedule.live_numel()
+
+
+def _unit_expert_name(unit: str, members) -> str | None:
+    """The expert group name of a unit's parameters (None: dense ones).
+
+    Raises:
+        ConfigError: the unit mixes expert and dense parameters, or experts
+            of two expert groups (e.g. a MoE layer marked as a z3 leaf
+            module, or stage3_unit_modules naming the whole layer): its
+            parameters would be partitioned over different groups.
+    """
+    names = {expert_name(p) for p, _, _ in members}
+    if len(names) > 1:
+        raise ConfigError(f"stage 3 unit '{unit}' holds parameters of different expert groups "
+                          f"({sorted(str(n) for n in names)}); each expert must be a unit of its own (the default "
+                          "for the experts of dsrun.moe.layer.MoE): do not mark the MoE layer as a z3 leaf module "
+                          "or name it in stage3_unit_modules")
+    return names.pop()
 
 
 def _gradient_quantization(groups: ZeroGroups) -> GradientQuantization:

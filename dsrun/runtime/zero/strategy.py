@@ -44,6 +44,8 @@ from dsrun.runtime.memory.accounting import tensor_breakdown
 from dsrun.runtime.offload.optimizer_tier import OptimizerTier
 from dsrun.runtime.offload.param_tier import ParamTier
 from dsrun.runtime.optim.precision import PrecisionPolicy
+from dsrun.runtime.parallel.expert.names import global_expert_name
+from dsrun.runtime.zero.experts import add_expert_sq_norms
 from dsrun.runtime.zero.flat_params import FlatParamSet, Span
 from dsrun.runtime.zero.groups import ZeroGroups
 from dsrun.runtime.zero.params import ensure_record, home_device, record_of
@@ -164,23 +166,33 @@ class ZeroStrategy(GradientStrategy):
 
     def _global_sq_norm(self) -> float:
         """Sum of squares of every averaged gradient shard over the shard group
-        (one collective; see [Note: one small collective per step])."""
-        grads = [g for fset in self.sets for g in fset.grad_shards() if g.numel()]
-        host = self.optimizer_tier.host_grads
-        if host is not None:  # gradients in host memory (see [Note: offload copies] in offload/transfer.py)
-            sq = host.sq_norm(grads, self.topology.device)
-        elif grads:
-            norms = torch._foreach_norm(grads)  # one fused pass, no gradient-sized temporary
-            sq = torch.stack([n.float() for n in norms]).square().sum().reshape(1)
-        else:
-            sq = torch.zeros(1, dtype=torch.float32, device=self.topology.device)
-        if self.groups.shard.size > 1:
-            with self.watchdog.waiting("all-reduce of the gradient norm (optimizer step)"):
+        (one collective; see [Note: one small collective per step]; two more
+        per expert group name, see [Note: expert partitions] in experts.py)."""
+        sq = self._local_sq([f for f in self.sets if f.experts is None])
+        with self.watchdog.waiting("all-reduce of the gradient norm (optimizer step)"):
+            if self.groups.shard.size > 1:
                 comm.all_reduce(sq, group=self.groups.shard.group)
+            experts = {f.experts.name: f.experts for f in self.sets if f.experts is not None}
+            if experts:  # each expert shard once (see [Note: expert partitions] in experts.py)
+                local = {name: self._local_sq([f for f in self.sets if f.experts is not None
+                                               and f.experts.name == name]) for name in experts}
+                sq = sq + add_expert_sq_norms(local, experts)
         if self.stages is not None:
             with self.watchdog.waiting("all-reduce of the gradient norm over the pipeline stages"):
                 sq = self._stage_sq_norm(sq, self._duplicate_sq())
         return float(sq.item())  # the one host sync of the step
+
+    def _local_sq(self, sets: list[FlatParamSet]) -> torch.Tensor:
+        """This rank's sum of squares of the averaged gradient shards of
+        `sets`, (1,) fp32 on the device; no communication."""
+        grads = [g for fset in sets for g in fset.grad_shards() if g.numel()]
+        host = self.optimizer_tier.host_grads
+        if host is not None:  # gradients in host memory (see [Note: offload copies] in offload/transfer.py)
+            return host.sq_norm(grads, self.topology.device)
+        if grads:
+            norms = torch._foreach_norm(grads)  # one fused pass, no gradient-sized temporary
+            return torch.stack([n.float() for n in norms]).square().sum().reshape(1)
+        return torch.zeros(1, dtype=torch.float32, device=self.topology.device)
 
     def _duplicate_sq(self) -> torch.Tensor:
         """Squared norm of the stage duplicates' gradients (see StageSpan),
@@ -355,8 +367,9 @@ class ZeroStrategy(GradientStrategy):
         if rec is None or rec.strategy is not self:
             return None
         piece = rec.fset.local_piece_tensor(source(rec.fset), rec.slot)
-        if self.groups.shard.size > 1:
-            comm.all_reduce(piece, group=self.groups.shard.group)
+        shard = rec.fset.reduce_groups(self.groups).shard
+        if shard.size > 1:
+            comm.all_reduce(piece, group=shard.group)
         return piece
 
     def sync_master_from_params(self, params) -> None:
@@ -415,9 +428,9 @@ class ZeroStrategy(GradientStrategy):
         Offloaded masters and states are read into memory first (see
         [Note: streamed step]) and stay there until the next step."""
         self._materialize()
-        rep = self.groups.replicate
         pieces = []
         for fset in self.sets:
+            rep = fset.reduce_groups(self.groups).replicate
             views = [(span, view) for f, span, view in self.master_views if f is fset]
             for piece in fset.layout.local_pieces(fset.rank):
                 slot, n, so = piece.slot, piece.hi - piece.lo, piece.shard_offset
@@ -433,7 +446,8 @@ class ZeroStrategy(GradientStrategy):
                     span, key = next((s, v) for s, v in views if s.lo <= so < s.hi)
                     offset = so - span.lo
                 wlo, whi = even_part(piece.lo, piece.hi, rep.rank, rep.size)
-                pieces.append(HeldPiece(slot.name, slot.shape, "param", piece.lo, piece.hi, wlo, whi,
+                name = slot.name if fset.experts is None else global_expert_name(slot.name, fset.params[slot.index])
+                pieces.append(HeldPiece(name, slot.shape, "param", piece.lo, piece.hi, wlo, whi,
                                         value, trainable, key, offset, rep if rep.size > 1 else None))
         return pieces
 

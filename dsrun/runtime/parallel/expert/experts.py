@@ -8,14 +8,16 @@ import torch
 from dsrun.runtime import comm
 
 
-def mark_expert_params(module: torch.nn.Module, group_name: str) -> None:
+def mark_expert_params(module: torch.nn.Module, group_name: str, num_local_experts: int = 1) -> None:
     """Mark every parameter of `module` as an expert parameter, DeepSpeed's
     convention: `allreduce = False` (not averaged over the whole data axis)
     and `group_name` (the expert groups whose expert-data-parallel group
-    averages it; see groups.py)."""
+    averages it; see groups.py); `num_local_experts` (the experts per rank,
+    which names.py turns local expert indices into global ids with)."""
     for param in module.parameters():
         param.allreduce = False
         param.group_name = group_name
+        param.num_local_experts = num_local_experts
 
 
 class Experts(torch.nn.Module):
@@ -35,7 +37,7 @@ class Experts(torch.nn.Module):
         super().__init__()
         self.deepspeed_experts = torch.nn.ModuleList(copy.deepcopy(expert) for _ in range(num_local_experts))
         self.num_local_experts = num_local_experts
-        mark_expert_params(self, expert_group_name)
+        mark_expert_params(self, expert_group_name, num_local_experts)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [G, L, C, M] (G source ranks, L = num_local_experts, C slots)

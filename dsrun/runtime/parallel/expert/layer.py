@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from dsrun.runtime import comm
 from dsrun.runtime.parallel.expert.experts import Experts, all_to_all
 from dsrun.runtime.parallel.expert.gating import TopKGate
+from dsrun.runtime.parallel.expert.load import ExpertLoad
 from dsrun.runtime.parallel.expert.groups import ExpertGroups, create_expert_groups, group_name
 
 
@@ -35,7 +36,8 @@ class MOELayer(torch.nn.Module):
     """The gate, this rank's experts and the exchange ([Note: one MoE forward]).
 
     Attributes after a forward: l_aux (the gate's load-balancing loss),
-    exp_counts ([E] int64, tokens per expert before drops, this rank).
+    exp_counts ([E] int64, tokens per expert before drops, this rank);
+    load: the training forwards' routing since the last step (load.py).
     """
 
     def __init__(self, gate: TopKGate, experts: Experts, ep_size: int, num_local_experts: int) -> None:
@@ -47,6 +49,7 @@ class MOELayer(torch.nn.Module):
         self.expert_group_name = group_name(ep_size)
         self.l_aux: torch.Tensor | None = None
         self.exp_counts: torch.Tensor | None = None
+        self.load = ExpertLoad(gate.wg.weight.shape[0])  # the training forwards' routing (watch.py)
 
     def groups(self) -> ExpertGroups:
         """This layer's expert groups on the current mesh (made on the first
@@ -62,6 +65,10 @@ class MOELayer(torch.nn.Module):
         ep_group = self.groups().ep_group  # None before torch.distributed is initialised (one rank)
         routed = self.gate(tokens, used_token, ep_group=ep_group)
         self.l_aux, self.exp_counts = routed.l_aux, routed.exp_counts
+        # A training-mode forward (under no_grad too: reentrant activation checkpointing's first pass),
+        # not checkpointing's recompute inside a backward (counted already).
+        if self.training and torch._C._current_graph_task_id() == -1:
+            self.load.record(routed.l_aux, routed.exp_counts, routed.dispatch_mask)
         dispatched = torch.einsum("sec,sm->ecm", routed.dispatch_mask.to(tokens.dtype), tokens)
         slots = dispatched.shape[1]
         received = all_to_all(dispatched, ep_group)
