@@ -62,10 +62,11 @@ class MoEGPT(GPT):
                 else:
                     nn.init.zeros_(p)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+                curriculum_seqlen: int | None = None) -> torch.Tensor:
         """As GPT.forward; in training with targets, the loss plus
         AUX_LOSS_COEF x the MoE layers' l_aux."""
-        out = super().forward(idx, targets)
+        out = super().forward(idx, targets, curriculum_seqlen)
         if targets is None or not self.training:
             return out
         return out + AUX_LOSS_COEF * sum(m.l_aux for m in self.moe_mlps)
