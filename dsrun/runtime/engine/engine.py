@@ -20,6 +20,8 @@ from dsrun.runtime.config import DsConfig
 from dsrun.runtime.strategy.data_parallel import AllReduceStrategy, GradientStrategy
 from dsrun.runtime.distributed.dist import Topology
 from dsrun.runtime.parallel.expert.groups import is_expert_param
+from dsrun.runtime.parallel.mesh import current as current_mesh
+from dsrun.runtime.parallel.sequence.model_loss import token_mean_of_model_loss
 from dsrun.runtime.engine.compat import DeepSpeedEngineCompat
 from dsrun.runtime.observability.logging import ProgressLog, log_rank0, logger
 from dsrun.runtime.memory.profile import MemoryProfiler, format_memory_profile, no_phase, recorded_phases
@@ -219,12 +221,17 @@ class Engine(DeepSpeedEngineCompat, torch.nn.Module):
         """Run the wrapped module's forward. With fp16.auto_cast (and fp16
         on) the floating-point tensors among `inputs`, nested in lists,
         tuples and dicts, are cast to fp16 first; `kwargs` are passed as
-        they are, as in DeepSpeed."""
+        they are, as in DeepSpeed. Under sequence parallelism a model's
+        `loss` computed from `shift_labels` becomes the token mean over the
+        data x sequence ranks (dsrun/runtime/parallel/sequence/model_loss.py)."""
         if self.fp16_auto_cast():
             inputs = cast_floating(inputs, torch.float16)
         self._telemetry.observe_inputs(inputs, kwargs)
         with self._phase("forward"), self._telemetry.phase("forward"):
-            return self.module(*inputs, **kwargs)
+            output = self.module(*inputs, **kwargs)
+        if self.config.sequence_parallel_size > 1:  # [Note: the engine averages a model's loss over tokens]
+            output = token_mean_of_model_loss(output, inputs, kwargs, current_mesh().group("sequence_data"))
+        return output
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False,
                  scale_wrt_gas: bool = True) -> torch.Tensor:
