@@ -34,6 +34,13 @@ P`` as well, each stage's blocks are split the same way on a pipe x model x
 data mesh (gpt_pipe.tensor_parallel_gpt_pipeline; P x T must divide the
 world size). That combination uses dsrun's mesh and AutoTP placement
 directly: DeepSpeed's AutoTP does not shard a PipelineModule.
+
+With ``--sequence_parallel N`` every window's tokens are split over N ranks
+with Ulysses (gpt_sequence.py: DistributedAttention in every block, the
+loss the token mean over the N slices); the world size must be a multiple
+of N, the rest is data parallelism (``initialize(mesh_param=(world // N,
+N))``), and the N ranks of one replica draw the same windows, so sp=N on N
+ranks trains as one rank does.
 """
 from __future__ import annotations
 
@@ -52,6 +59,7 @@ from dsrun.utils import groups
 from byte_data import WindowSampler, eval_windows, load_corpus
 from gpt_model import GPT, GPTConfig
 from gpt_pipe import gpt_pipeline, load_gpt_weights, param_groups, tensor_parallel_gpt_pipeline
+from gpt_sequence import sequence_parallel_gpt
 
 # The validation windows do not depend on --seed, so runs with different
 # seeds are scored on the same text.
@@ -77,6 +85,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="split the model into N pipeline stages (0: data parallelism only)")
     p.add_argument("--tensor_parallel", type=int, default=1,
                    help="split the attention and MLP layers over N ranks with AutoTP (1: no tensor parallelism)")
+    p.add_argument("--sequence_parallel", type=int, default=1,
+                   help="split every window's tokens over N ranks with Ulysses (1: no sequence parallelism)")
     # The `deepspeed` launcher appends --local_rank=N; accept it so the script
     # runs under either launcher. The rank itself comes from the environment.
     p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)
@@ -92,6 +102,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.tensor_parallel > 1 and args.n_head % args.tensor_parallel:
         p.error(f"--tensor_parallel {args.tensor_parallel} must divide --n_head {args.n_head} "
                 "(each rank computes n_head / tensor_parallel attention heads)")
+    if args.sequence_parallel < 1:
+        p.error(f"--sequence_parallel must be >= 1 (1: no sequence parallelism), got {args.sequence_parallel}")
+    if args.sequence_parallel > 1 and (args.n_head % args.sequence_parallel or args.seq_len % args.sequence_parallel):
+        p.error(f"--sequence_parallel {args.sequence_parallel} must divide --n_head {args.n_head} and --seq_len "
+                f"{args.seq_len} (each rank holds seq_len / N tokens and attends with n_head / N heads)")
+    if args.sequence_parallel > 1 and (args.pipeline_stages or args.tensor_parallel > 1):
+        p.error("--sequence_parallel runs with data parallelism only (not with --pipeline_stages or "
+                "--tensor_parallel)")
     return args
 
 
@@ -228,7 +246,11 @@ def train(args: argparse.Namespace) -> None:
         del full
     elif args.tensor_parallel > 1:  # each rank keeps its slices of the attention and MLP layers
         dsrun.tp_model_init(model, args.tensor_parallel)
-    engine, _, _, _ = dsrun.initialize(args=args, model=model,
+    elif args.sequence_parallel > 1:  # each rank keeps its slice of every window's tokens (gpt_sequence.py)
+        model = sequence_parallel_gpt(model, args.sequence_parallel)
+    mesh = ({"mesh_param": (dsrun.comm.get_world_size() // args.sequence_parallel, args.sequence_parallel)}
+            if args.sequence_parallel > 1 else {})  # DeepSpeed's (data, sequence); older DeepSpeed lacks it
+    engine, _, _, _ = dsrun.initialize(args=args, model=model, **mesh,
                                        model_parameters=param_groups(model) if pipeline else model.param_groups())
     rank, world = engine.global_rank, engine.world_size
     # Data-parallel replicas draw different windows; the stages of one replica the same ones.
