@@ -18,9 +18,15 @@ VOCAB, LENGTH, STEPS, LR = 32, 7, 3, 0.5  # 7 tokens: not a multiple of 2, so th
 TOL = {"rtol": 2e-5, "atol": 2e-5}
 
 
-def _model():
-    from transformers import LlamaConfig, LlamaForCausalLM
+def _model(kind: str = "llama"):
+    """A tiny Llama (rotary positions, 4 query and 2 key/value heads) or
+    GPT-2 (learned positions, tied head), no dropout."""
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
+    if kind == "gpt2":
+        return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=16, n_layer=2, n_head=4,
+                                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                          attn_implementation="sdpa"))
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                          attn_implementation="sdpa")
@@ -39,10 +45,10 @@ def _samples(count: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-def _reference(count: int, steps: int = STEPS):
+def _reference(count: int, kind: str = "llama", steps: int = STEPS):
     """The unsharded model on all `count` samples at once, SGD: the losses,
     the first logits and the parameters after `steps` steps."""
-    model = _model()
+    model = _model(kind)
     batch = _samples(count)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     losses, logits = [], None
@@ -56,7 +62,7 @@ def _reference(count: int, steps: int = STEPS):
     return losses, logits, torch.cat([p.detach().flatten() for p in model.parameters()])
 
 
-def _train(stage: int, bf16: bool, data: int, sequence: int):
+def _train(stage: int, bf16: bool, data: int, sequence: int, kind: str = "llama"):
     """Ulysses training of the tiny Llama; data rank d takes samples
     [d * 2, d * 2 + 2) as one micro-batch. Returns the losses (the engine's
     token mean), this rank's first logits and the parameters after."""
@@ -65,7 +71,7 @@ def _train(stage: int, bf16: bool, data: int, sequence: int):
     from dsrun.runtime.sequence_parallel.ulysses_sp import UlyssesSPDataLoaderAdapter, wrap_hf_attention
 
     set_current(None)
-    model = _model()
+    model = _model(kind)
     config = {"train_batch_size": 2 * data, "train_micro_batch_size_per_gpu": 2,
               "optimizer": {"type": "SGD", "params": {"lr": LR}}, "zero_optimization": {"stage": stage},
               "bf16": {"enabled": bf16}, "gradient_clipping": 0.0, "steps_per_print": 1000}
@@ -111,16 +117,20 @@ def _check(results, reference, data: int, sequence: int, cases, tol) -> None:
                                        **tol, msg=str(case))
 
 
-def test_hf_llama_sequence_2_equals_unsharded_with_zero_1_2_3():
+def test_hf_sequence_2_equals_unsharded_with_zero_1_2_3():
     """sequence=2 x data=1 (mesh_param=(1, 2)), ZeRO 1, 2 and 3: logits of
     each rank's tokens, losses and parameters after 3 SGD steps equal the
     unsharded model's on the same 2 samples, whose halves count 6 and 2
-    tokens: the engine averages the loss over tokens, not ranks."""
-    cases = [(1, False, 1, 2), (2, False, 1, 2), (3, False, 1, 2)]
-    results = run_ranks(_cases, 2, cases, timeout=240)
-    reference = _reference(2)
-    assert reference[0][-1] < reference[0][0]  # it trains
-    _check(results, reference, 1, 2, cases, TOL)
+    tokens: the engine averages the loss over tokens, not ranks. GPT-2
+    (learned positions) at ZeRO-2 too."""
+    cases = [(1, False, 1, 2), (2, False, 1, 2), (3, False, 1, 2), (2, False, 1, 2, "gpt2")]
+    results = run_ranks(_cases, 2, cases, timeout=300)
+    for kind in ("llama", "gpt2"):
+        reference = _reference(2, kind)
+        assert reference[0][-1] < reference[0][0]  # it trains
+        chosen = [i for i, case in enumerate(cases) if (case[4:] or ("llama",))[0] == kind]
+        _check([[per_case[i] for i in chosen] for per_case in results], reference, 1, 2,
+               [cases[i] for i in chosen], TOL)
 
 
 def test_hf_llama_bf16_follows_fp32():
