@@ -63,7 +63,7 @@ class SequenceParallelGPT(GPT):
         Raises:
             ValueError: T exceeds seq_len, or P does not divide T.
         """
-        B, T = idx.shape
+        T = idx.shape[1]
         if T > self.cfg.seq_len:
             raise ValueError(f"sequence of {T} tokens is longer than seq_len={self.cfg.seq_len}")
         mine = shard_sequence(idx, 1)

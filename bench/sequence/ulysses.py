@@ -76,7 +76,7 @@ def _measure(sequence: int, args: argparse.Namespace) -> list[dict]:
     import dsrun
     from dsrun.runtime.comm import comms_logger
     from dsrun.runtime.memory import allocator
-    from gpt_model import GPT, GPTConfig
+    from gpt_model import GPT, GPTConfig  # examples/
     from gpt_sequence import sequence_parallel_gpt
 
     torch.set_num_threads(1)
@@ -100,7 +100,7 @@ def _measure(sequence: int, args: argparse.Namespace) -> list[dict]:
         seen: dict[int, int] = {}
         weights = {q.untyped_storage().data_ptr() for q in engine.module.parameters()}
 
-        def pack(t):
+        def pack(t, seen=seen, weights=weights):
             storage = t.untyped_storage()
             if storage.data_ptr() not in weights:  # a layer keeps its weight for backward: not an activation
                 seen[storage.data_ptr()] = storage.nbytes()

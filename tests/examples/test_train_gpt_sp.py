@@ -12,7 +12,7 @@ from tests.examples.test_train_gpt_tp import EXAMPLES, _launch
 
 sys.path.insert(0, str(EXAMPLES))
 
-from train_gpt import parse_args  # noqa: E402
+from train_gpt import parse_args
 
 
 def test_sequence_parallel_flag_refusals(capsys):

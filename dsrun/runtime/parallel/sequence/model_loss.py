@@ -71,5 +71,5 @@ def token_mean_of_model_loss(output: Any, inputs: tuple, kwargs: dict, group: Pr
     if isinstance(output, MutableMapping):
         output["loss"] = averaged
     else:
-        setattr(output, "loss", averaged)
+        output.loss = averaged
     return output
