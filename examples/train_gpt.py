@@ -48,6 +48,13 @@ spreads them over P expert-parallel ranks (P divides E and the world size;
 the ranks stay data-parallel for everything else) and ``--moe_top_k k``
 sends each token to k experts. The optimizer's groups go through
 ``split_params_into_different_moe_groups_for_optimizer`` as DeepSpeed asks.
+
+With ``--sequence_parallel N`` every window's tokens are split over N ranks
+with Ulysses (gpt_sequence.py: DistributedAttention in every block, the
+loss the token mean over the N slices); the world size must be a multiple
+of N, the rest is data parallelism (``initialize(mesh_param=(world // N,
+N))``), and the N ranks of one replica draw the same windows, so sp=N on N
+ranks trains as one rank does.
 """
 from __future__ import annotations
 
@@ -69,6 +76,7 @@ from dsrun.moe.utils import split_params_into_different_moe_groups_for_optimizer
 from gpt_model import GPT, GPTConfig
 from gpt_moe import MoEGPT
 from gpt_pipe import gpt_pipeline, load_gpt_weights, param_groups, tensor_parallel_gpt_pipeline
+from gpt_sequence import sequence_parallel_gpt
 
 # The validation windows do not depend on --seed, so runs with different
 # seeds are scored on the same text.
@@ -102,6 +110,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="Mixture-of-Experts MLPs in alternate blocks with E experts (0: dense)")
     p.add_argument("--moe_ep_size", type=int, default=1, help="expert-parallel ranks the experts are spread over")
     p.add_argument("--moe_top_k", type=int, default=1, help="experts per token")
+    p.add_argument("--sequence_parallel", type=int, default=1,
+                   help="split every window's tokens over N ranks with Ulysses (1: no sequence parallelism)")
     # The `deepspeed` launcher appends --local_rank=N; accept it so the script
     # runs under either launcher. The rank itself comes from the environment.
     p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)
@@ -122,15 +132,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.moe_experts < 0:
         p.error(f"--moe_experts must be >= 0 (0: dense MLPs), got {args.moe_experts}")
     if args.moe_experts:
-        if args.pipeline_stages or args.tensor_parallel > 1:
-            p.error("--moe_experts runs with data (and expert) parallelism only; drop --pipeline_stages "
-                    "and --tensor_parallel")
+        if args.pipeline_stages or args.tensor_parallel > 1 or args.sequence_parallel > 1:
+            p.error("--moe_experts runs with data (and expert) parallelism only; drop --pipeline_stages, "
+                    "--tensor_parallel and --sequence_parallel")
         if args.moe_ep_size < 1 or args.moe_experts % args.moe_ep_size:
             p.error(f"--moe_ep_size {args.moe_ep_size} must divide --moe_experts {args.moe_experts}")
         if not 1 <= args.moe_top_k <= args.moe_experts:
             p.error(f"--moe_top_k must be between 1 and --moe_experts {args.moe_experts}, got {args.moe_top_k}")
         if args.n_layer < 2:
             p.error("--moe_experts needs --n_layer >= 2 (blocks 1, 3, ... hold the MoE layers)")
+    if args.sequence_parallel < 1:
+        p.error(f"--sequence_parallel must be >= 1 (1: no sequence parallelism), got {args.sequence_parallel}")
+    if args.sequence_parallel > 1 and (args.n_head % args.sequence_parallel or args.seq_len % args.sequence_parallel):
+        p.error(f"--sequence_parallel {args.sequence_parallel} must divide --n_head {args.n_head} and --seq_len "
+                f"{args.seq_len} (each rank holds seq_len / N tokens and attends with n_head / N heads)")
+    if args.sequence_parallel > 1 and (args.pipeline_stages or args.tensor_parallel > 1):
+        p.error("--sequence_parallel runs with data parallelism only (not with --pipeline_stages or "
+                "--tensor_parallel)")
+    if args.sequence_parallel > 1 and args.curriculum_seqlen:
+        p.error("--curriculum_seqlen does not work with --sequence_parallel yet (each rank holds a fixed slice "
+                "of every window); drop one of them")
     return args
 
 
@@ -290,6 +311,8 @@ def train(args: argparse.Namespace) -> None:
         del full
     elif args.tensor_parallel > 1:  # each rank keeps its slices of the attention and MLP layers
         dsrun.tp_model_init(model, args.tensor_parallel)
+    elif args.sequence_parallel > 1:  # each rank keeps its slice of every window's tokens (gpt_sequence.py)
+        model = sequence_parallel_gpt(model, args.sequence_parallel)
     if pipeline:
         parameters = param_groups(model)
     elif args.moe_experts:  # expert parameters in groups of their own, as DeepSpeed requires
@@ -299,7 +322,9 @@ def train(args: argparse.Namespace) -> None:
     config = curriculum_config(args)
     if config is not None:  # the file's config with the curriculum added, passed as a dict
         args.deepspeed_config = None
-    engine, _, _, _ = dsrun.initialize(args=args, model=model, config=config, model_parameters=parameters)
+    mesh = ({"mesh_param": (dsrun.comm.get_world_size() // args.sequence_parallel, args.sequence_parallel)}
+            if args.sequence_parallel > 1 else {})  # DeepSpeed's (data, sequence); older DeepSpeed lacks it
+    engine, _, _, _ = dsrun.initialize(args=args, model=model, config=config, model_parameters=parameters, **mesh)
     rank, world = engine.global_rank, engine.world_size
     # Data-parallel replicas draw different windows; the stages of one replica the same ones.
     data_rank, replicas = ((engine.grid.get_data_parallel_rank(), engine.grid.get_data_parallel_world_size())

@@ -279,3 +279,27 @@ def test_initialize_builds_the_sequence_axis():
     (sizes, weight), (other_sizes, other_weight) = run_ranks(_initialize_builds_the_mesh, 2, timeout=60)
     assert sizes == other_sizes == (2, 2, 1, 2)
     torch.testing.assert_close(weight, other_weight, rtol=0, atol=0)
+
+
+def test_token_weighted_mean_and_the_engine_hook_on_one_rank():
+    """Without a group the token mean is the rank's own mean; a model's loss
+    is replaced only when the forward had shift_labels; a rank counting no
+    token needs a tensor to carry its zero gradient."""
+    from types import SimpleNamespace
+
+    from dsrun.runtime.parallel.sequence.loss import token_weighted_mean
+    from dsrun.runtime.parallel.sequence.model_loss import token_mean_of_model_loss
+    mean = torch.tensor(2.5, requires_grad=True)
+    value = token_weighted_mean(mean, 4, None)
+    value.backward()
+    assert float(value.detach()) == 2.5 and float(mean.grad) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="no fallback tensor"):
+        token_weighted_mean(torch.tensor(float("nan")), 0, None)
+    with pytest.raises(ValueError, match="no rank of the group counts a token"):
+        token_weighted_mean(torch.tensor(float("nan")), 0, None, fallback=torch.ones(2, requires_grad=True))
+    labels = torch.tensor([[1, -100, 2]])
+    loss = torch.tensor(1.5, requires_grad=True)
+    output = SimpleNamespace(loss=loss, logits=None)
+    assert token_mean_of_model_loss(output, (), {"labels": labels}, None).loss is loss  # no shift_labels: untouched
+    replaced = token_mean_of_model_loss(output, ({"shift_labels": labels},), {}, None).loss
+    assert replaced is not loss and float(replaced.detach()) == 1.5

@@ -25,6 +25,8 @@ from dsrun.runtime.parallel.mesh import current as current_mesh
 from dsrun.runtime.strategy.data_parallel import AllReduceStrategy, GradientStrategy
 from dsrun.runtime.distributed.dist import Topology
 from dsrun.runtime.parallel.expert.groups import is_expert_param
+from dsrun.runtime.parallel.mesh import current as current_mesh
+from dsrun.runtime.parallel.sequence.model_loss import token_mean_of_model_loss
 from dsrun.runtime.engine.compat import DeepSpeedEngineCompat
 from dsrun.runtime.observability import heartbeat
 from dsrun.runtime.observability.logging import ProgressLog, log_rank0, logger
@@ -238,7 +240,9 @@ class Engine(DeepSpeedEngineCompat, torch.nn.Module):
         tuples and dicts, are cast to fp16 first; `kwargs` are passed as
         they are, as in DeepSpeed. With the legacy `curriculum_learning`
         section on, a training forward also gets `curriculum_seqlen=`
-        (DeepSpeed's keyword; the model truncates its sequences to it)."""
+        (DeepSpeed's keyword; the model truncates its sequences to it).
+        Under sequence parallelism a model's `loss` computed from
+        `shift_labels` becomes the token mean over the data x sequence ranks (dsrun/runtime/parallel/sequence/model_loss.py)."""
         if self.fp16_auto_cast():
             inputs = cast_floating(inputs, torch.float16)
         if self.curriculum_scheduler_legacy is not None and self.module.training:
@@ -249,7 +253,10 @@ class Engine(DeepSpeedEngineCompat, torch.nn.Module):
         self._telemetry.observe_inputs(inputs, kwargs)
         heartbeat.beat()  # progress for hung-rank detection: [Note: heartbeats]
         with self._phase("forward"), self._telemetry.phase("forward"):
-            return self.module(*inputs, **kwargs)
+            output = self.module(*inputs, **kwargs)
+        if self.config.sequence_parallel_size > 1:  # [Note: the engine averages a model's loss over tokens]
+            output = token_mean_of_model_loss(output, inputs, kwargs, current_mesh().group("sequence_data"))
+        return output
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False,
                  scale_wrt_gas: bool = True) -> torch.Tensor:

@@ -146,15 +146,41 @@ def _replica_size(model: torch.nn.Module, source: ConfigSource) -> int:
     return autotp
 
 
-def _sequence_size(model: torch.nn.Module, source: ConfigSource, world: int) -> int:
-    """The config's sequence_parallel_size, checked against the job.
+def _mesh_param_size(mesh_param: Any, source: ConfigSource, world: int) -> int:
+    """The sequence-parallel degree of DeepSpeed's `mesh_param=(dp, sp)`.
+
+    Raises:
+        ConfigError: not two positive integers, dp * sp differing from the
+            world size, or a config `sequence_parallel_size` other than sp.
+    """
+    if (not isinstance(mesh_param, (tuple, list)) or len(mesh_param) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in mesh_param)):
+        raise ConfigError(f"initialize(mesh_param={mesh_param!r}): give (data_parallel_size, "
+                          "sequence_parallel_size), two integers >= 1, as DeepSpeed does")
+    data, sequence = mesh_param
+    if data * sequence != world:
+        raise ConfigError(f"initialize(mesh_param=({data}, {sequence})): {data} x {sequence} = {data * sequence} "
+                          f"ranks, but the job has {world}; the data and sequence degrees must multiply to "
+                          "the world size")
+    configured = sequence_parallel_size_of(source)
+    if configured not in (1, sequence):
+        raise ConfigError(f"initialize(mesh_param=({data}, {sequence})) asks for {sequence} sequence-parallel "
+                          f"ranks but the config's sequence_parallel_size is {configured}; remove one of "
+                          "them or make them equal")
+    return sequence
+
+
+def _sequence_size(model: torch.nn.Module, source: ConfigSource, world: int, mesh_param: Any = None) -> int:
+    """The config's sequence_parallel_size (or mesh_param's, see
+    _mesh_param_size), checked against the job.
 
     Raises:
         ConfigError: it does not divide the world size, or it is combined
             with a PipelineModule or a tensor-parallel model (not supported
-            yet).
+            yet); a bad or conflicting mesh_param.
     """
-    size = sequence_parallel_size_of(source)
+    size = (sequence_parallel_size_of(source) if mesh_param is None
+            else _mesh_param_size(mesh_param, source, world))
     if size == 1:
         return 1
     if isinstance(model, PipelineModule) or _is_sharded(model) or tensor_parallel_of(source).autotp_size > 1:
@@ -295,7 +321,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
                lr_scheduler=None, distributed_port: int = 29500, mpu=None,
                dist_init_required: bool | None = None,
                collate_fn: Callable | None = None, config: ConfigSource | None = None,
-               config_params: ConfigSource | None = None):
+               mesh_param: tuple[int, int] | None = None, config_params: ConfigSource | None = None):
     """Build the training engine (DeepSpeed's `deepspeed.initialize`, same signature).
 
     Args:
@@ -320,6 +346,10 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
         dist_init_required: False asserts the process group already exists.
         collate_fn: batch collation for the data loader.
         config, config_params: dict, path (.json/.yaml/.yml) or DsConfig.
+        mesh_param: DeepSpeed's (data_parallel_size, sequence_parallel_size):
+            the same data x sequence mesh as the config's
+            `sequence_parallel_size` (dp x sp must be the world size; a
+            config value other than sp is a ConfigError).
 
     Returns:
         (engine, optimizer, dataloader or None, lr_scheduler or None).
@@ -356,8 +386,10 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
     cfg, error = None, None
     try:
         # The batch triple counts the data-parallel ranks, not every rank.
-        cfg = load_config(source, world_size=topology.world_size // _replica_size(model, source)
-                          // _sequence_size(model, source, topology.world_size))
+        sequence = _sequence_size(model, source, topology.world_size, mesh_param)
+        cfg = load_config(source, world_size=topology.world_size // _replica_size(model, source) // sequence)
+        if cfg.sequence_parallel_size != sequence:  # from mesh_param
+            cfg = cfg.model_copy(update={"sequence_parallel_size": sequence})
         if pipeline:
             check_pipeline_config(cfg, model)
     except ConfigError as exc:

@@ -1,9 +1,20 @@
 """Ulysses sequence parallelism (Jacobs et al. 2023, arXiv 2309.14509):
 DistributedAttention (attention.py) with its all-to-alls (all_to_all.py),
-each rank's slice of a sample (data.py) and the token-averaged loss
-(loss.py).
+each rank's slice of a sample (data.py) or of a dict batch (batches.py),
+the token-averaged loss (loss.py; the engine's for a model's own loss:
+model_loss.py) and a Hugging Face model's attention wrapped (hf.py).
 
-Use (DeepSpeed's `deepspeed.sequence` path works too):
+Hugging Face model (transformers, `sdpa` attention):
+
+    engine, *_ = dsrun.initialize(model=model, config=config, mesh_param=(D, P))
+    wrap_hf_attention(model)                    # before the first forward
+    loader = UlyssesSPDataLoaderAdapter(batches, mesh.rank("sequence"), mesh.group("sequence"),
+                                        P, device, shared_samples=True)
+    for batch in loader:                        # input_ids, shift_labels, position_ids: this rank's slice
+        loss = engine(**batch).loss             # the token mean over data x sequence ranks
+        engine.backward(loss); engine.step()
+
+Own model (DeepSpeed's `deepspeed.sequence` path works too):
 
     config["sequence_parallel_size"] = P        # data parallelism takes world / P
     mesh = ParallelMesh.build(world, sequence=P); set_current(mesh)   # optional: lets
@@ -24,7 +35,10 @@ sequence). ZeRO partitions and averages gradients over the mesh's
 counts the data ranks only.
 """
 from dsrun.runtime.parallel.sequence.attention import DistributedAttention
+from dsrun.runtime.parallel.sequence.batches import UlyssesSPDataLoaderAdapter, shard_batch
 from dsrun.runtime.parallel.sequence.data import shard_sequence
-from dsrun.runtime.parallel.sequence.loss import sequence_parallel_loss
+from dsrun.runtime.parallel.sequence.hf import wrap_hf_attention
+from dsrun.runtime.parallel.sequence.loss import sequence_parallel_loss, token_weighted_mean
 
-__all__ = ["DistributedAttention", "sequence_parallel_loss", "shard_sequence"]
+__all__ = ["DistributedAttention", "UlyssesSPDataLoaderAdapter", "sequence_parallel_loss", "shard_batch",
+           "shard_sequence", "token_weighted_mean", "wrap_hf_attention"]

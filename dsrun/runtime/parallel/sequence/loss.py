@@ -73,3 +73,53 @@ def sequence_parallel_loss(per_token_loss: torch.Tensor, mask: torch.Tensor | No
     count = totals[1].to(per_token_loss.dtype)
     scaled = local_sum * world / count
     return scaled + (totals[0].to(per_token_loss.dtype) / count - scaled).detach()
+
+
+def token_weighted_mean(mean_loss: torch.Tensor, count: torch.Tensor | int,
+                        group: ProcessGroup | MeshGroup | None, fallback: torch.Tensor | None = None) -> torch.Tensor:
+    """A rank's mean loss over its `count` tokens turned into the token mean
+    over every rank of `group` ([Note: the loss under sequence parallelism],
+    with local_sum = mean_loss * count).
+
+    Args:
+        mean_loss: 0-d, this rank's mean over its counted tokens (e.g. a
+            Hugging Face model's `loss`); NaN when count is 0 (0/0), in
+            which case its value and gradient are not used.
+        count: this rank's counted tokens (int or 0-d integer tensor).
+        group: the ranks whose tokens are averaged together (the engine
+            passes the mesh's "sequence_data" group, over which it also
+            divides the gradients); None: this rank alone.
+        fallback: a tensor of the model's graph used when count is 0, so
+            that backward still reaches every parameter (ZeRO's gradient
+            hooks must fire on every rank) with zero gradient; e.g. the
+            logits. Required when count can be 0.
+
+    Returns:
+        0-d: value the token mean over the group (equal on its ranks),
+        gradient W * count / total times mean_loss's (W the group's size).
+
+    Raises:
+        ValueError: the group counts no token, or this rank counts none and
+            no fallback was given.
+    """
+    if isinstance(group, MeshGroup):
+        group = group.group
+    count = torch.as_tensor(count, device=mean_loss.device).to(torch.float32)
+    has_tokens = bool(count > 0)
+    local_sum = mean_loss * count.to(mean_loss.dtype) if has_tokens else None
+    if local_sum is None:
+        if fallback is None:
+            raise ValueError("token_weighted_mean: this rank counts no token and no fallback tensor was given "
+                             "to carry the (zero) gradient; pass e.g. the logits")
+        local_sum = fallback.sum() * 0.0
+    totals = torch.stack([local_sum.detach().float(), count])
+    world = 1
+    if group is not None:
+        comm.all_reduce(totals, group=group)
+        world = comm.get_world_size(group)
+    if totals[1] <= 0:
+        raise ValueError("token_weighted_mean: no rank of the group counts a token (every label is -100); "
+                         "there is no mean to take: drop the batch or count at least one token")
+    total = totals[1].to(local_sum.dtype)
+    scaled = local_sum * world / total
+    return scaled + (totals[0].to(local_sum.dtype) / total - scaled).detach()
