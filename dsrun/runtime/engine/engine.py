@@ -25,7 +25,6 @@ from dsrun.runtime.parallel.mesh import current as current_mesh
 from dsrun.runtime.strategy.data_parallel import AllReduceStrategy, GradientStrategy
 from dsrun.runtime.distributed.dist import Topology
 from dsrun.runtime.parallel.expert.groups import is_expert_param
-from dsrun.runtime.parallel.mesh import current as current_mesh
 from dsrun.runtime.parallel.sequence.model_loss import token_mean_of_model_loss
 from dsrun.runtime.engine.compat import DeepSpeedEngineCompat
 from dsrun.runtime.observability import heartbeat
@@ -242,7 +241,8 @@ class Engine(DeepSpeedEngineCompat, torch.nn.Module):
         section on, a training forward also gets `curriculum_seqlen=`
         (DeepSpeed's keyword; the model truncates its sequences to it).
         Under sequence parallelism a model's `loss` computed from
-        `shift_labels` becomes the token mean over the data x sequence ranks (dsrun/runtime/parallel/sequence/model_loss.py)."""
+        `shift_labels` becomes the token mean over the data x sequence ranks
+        (dsrun/runtime/parallel/sequence/model_loss.py)."""
         if self.fp16_auto_cast():
             inputs = cast_floating(inputs, torch.float16)
         if self.curriculum_scheduler_legacy is not None and self.module.training:
