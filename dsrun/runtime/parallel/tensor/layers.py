@@ -42,6 +42,7 @@ from dsrun.runtime.parallel.mesh import MeshGroup, ParallelMesh, current
 from dsrun.runtime.parallel.tensor.mappings import (copy_to_region, gather_from_region,
                                                     gather_from_sequence_region, reduce_from_region,
                                                     reduce_scatter_to_sequence_region, scatter_to_region)
+from dsrun.runtime.parallel.tensor.split import TensorSplit
 
 InitMethod = Callable[[torch.Tensor], object]
 
@@ -71,10 +72,13 @@ def _shard(full: torch.Tensor, dim: int, group: MeshGroup, dtype, device) -> nn.
     return nn.Parameter(part.to(dtype=dtype or torch.get_default_dtype(), device=device).contiguous())
 
 
-def _mark_sharded(param: nn.Parameter, dim: int) -> None:
+def _mark_sharded(param: nn.Parameter, dim: int, full_shape, group: MeshGroup) -> None:
+    """Megatron's marks, and where the slice sits in the full tensor
+    (`tp_split`, see split.py [Note: the split a parameter carries])."""
     param.tensor_model_parallel = True
     param.partition_dim = dim
     param.partition_stride = 1
+    param.tp_split = TensorSplit.chunk(tuple(full_shape), dim, group.rank, group.size)
 
 
 def _linear_bias(out_features: int, in_features: int) -> torch.Tensor:
@@ -141,10 +145,10 @@ class ColumnParallelLinear(nn.Module):
         full = torch.empty(out_features, in_features)
         init_method(full)
         self.weight = _shard(full, 0, self.group, dtype, device)
-        _mark_sharded(self.weight, 0)
+        _mark_sharded(self.weight, 0, full.shape, self.group)
         if bias:
             self.bias = _shard(_linear_bias(out_features, in_features), 0, self.group, dtype, device)
-            _mark_sharded(self.bias, 0)
+            _mark_sharded(self.bias, 0, (out_features,), self.group)
         else:
             self.register_parameter("bias", None)
 
@@ -166,7 +170,7 @@ class ColumnParallelLinear(nn.Module):
                     init_method=lambda full: full.copy_(weight), dtype=dtype, device=device)
         if bias is not None:
             layer.bias = _shard(bias.detach(), 0, layer.group, dtype, device)
-            _mark_sharded(layer.bias, 0)
+            _mark_sharded(layer.bias, 0, bias.shape, layer.group)
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -241,7 +245,7 @@ class RowParallelLinear(nn.Module):
         full = torch.empty(out_features, in_features)
         init_method(full)
         self.weight = _shard(full, 1, self.group, dtype, device)
-        _mark_sharded(self.weight, 1)
+        _mark_sharded(self.weight, 1, full.shape, self.group)
         if bias:
             full_bias = _linear_bias(out_features, in_features)
             self.bias = nn.Parameter(full_bias.to(dtype=dtype or torch.get_default_dtype(), device=device))
@@ -335,7 +339,7 @@ class VocabParallelEmbedding(nn.Module):
         full = torch.empty(num_embeddings, embedding_dim)
         init_method(full)
         self.weight = _shard(full, 0, self.group, dtype, device)
-        _mark_sharded(self.weight, 0)
+        _mark_sharded(self.weight, 0, full.shape, self.group)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.group.size == 1:
