@@ -112,14 +112,15 @@ def _full(per_rank: list[dict]) -> dict[str, list[torch.Tensor]]:
     from every rank's slices; each element must be held alike by all the
     ranks holding it."""
     out = {}
-    for name in per_rank[0]:
-        numel = max(int(r[name][0].max()) for r in per_rank) + 1
+    for name in set().union(*per_rank):
+        holders = [r for r in per_rank if name in r]  # a pipeline stage's ranks hold its parameters
+        numel = max(int(r[name][0].max()) for r in holders) + 1
         full = [torch.full((numel,), float("nan")) for _ in range(3)]
-        for r in per_rank:
+        for r in holders:
             positions, *values = r[name]
             for f, v in zip(full, values):
                 f[positions] = v
-        for r in per_rank:  # replicas (data ranks, replicated key/value heads) agree
+        for r in holders:  # replicas (data ranks, replicated key/value heads, tied copies) agree
             positions, *values = r[name]
             for f, v in zip(full, values):
                 assert torch.equal(f[positions], v), name
@@ -155,3 +156,93 @@ def test_tp2_checkpoint_loads_at_tp1_and_tp4(kind, save_world, stage, tmp_path):
     tp4 = run_ranks(_load, 4, kind, 4, stage, path, None, timeout=240)
     _check_slices(full, [held for held, *_ in tp4])
     torch.testing.assert_close(tp4[0][1], next_loss, **TOL)
+
+
+# -- pipeline x tensor x data ------------------------------------------------------------------
+def _pipe_engine(pipe: int, model: int):
+    """test_autotp's 4-block PipelineModule (Megatron MLP blocks, a tied
+    replicated layer, a replicated head) on the pipe x model x data mesh of
+    the job, ZeRO-1; its train_batch's batches for one step."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    import dsrun
+    from dsrun.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+    from dsrun.runtime.parallel.mesh import ParallelMesh, set_current
+    from tests.parallel.test_autotp import GAS, HIDDEN, MICRO_SAMPLES, _TPBlock
+    dsrun.init_distributed()
+    mesh = ParallelMesh.build(dist.get_world_size(), pipe=pipe, model=model)
+    set_current(mesh)
+    tied = TiedLayerSpec("io", torch.nn.Linear, HIDDEN, HIDDEN, bias=False)
+    layers = [tied] + [LayerSpec(_TPBlock, HIDDEN) for _ in range(4)] + [tied, LayerSpec(torch.nn.Linear, HIDDEN, 2)]
+    module = PipelineModule(layers, loss_fn=F.mse_loss, topology=mesh.topology, seed_layers=True,
+                            partition_method="uniform")
+    micro = MICRO_SAMPLES // mesh.size("data")
+    cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": GAS,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+           "zero_optimization": {"stage": 1}, "steps_per_print": 1000}
+    engine, *_ = dsrun.initialize(model=module, config=cfg)
+    gen = torch.Generator().manual_seed(7)
+    xs = torch.randn(GAS * MICRO_SAMPLES, HIDDEN, generator=gen)
+    ys = torch.randn(GAS * MICRO_SAMPLES, 2, generator=gen)
+    d = mesh.rank("data")
+    batches = [(xs[k * MICRO_SAMPLES + d * micro:k * MICRO_SAMPLES + (d + 1) * micro],
+                ys[k * MICRO_SAMPLES + d * micro:k * MICRO_SAMPLES + (d + 1) * micro]) for k in range(GAS)]
+    return engine, batches
+
+
+def _pipe_run(pipe: int, model: int, path: str, save: bool):
+    """save: STEPS steps, save, one more; else: load, one step. Returns
+    (slices after the save or load, the last step's loss)."""
+    engine, batches = _pipe_engine(pipe, model)
+    if save:
+        for _ in range(STEPS):
+            engine.train_batch(iter(batches))
+        engine.save_checkpoint(path, tag="t")
+    else:
+        engine.load_checkpoint(path, tag="t")
+    held = _slices(engine)
+    return held, float(engine.train_batch(iter(batches)))
+
+
+def test_pipe_tp2_checkpoint_loads_at_tp1_and_unsplit(tmp_path):
+    """pp=2 x tp=2 x dp=2 (8 ranks, ZeRO-1) saved; loaded at pp=2 x tp=1 x
+    dp=2 and into the unsplit model (one stage, tp=1, dp=2): slices and Adam
+    moments bitwise, the next loss to TOL."""
+    path = str(tmp_path / "ckpt")
+    saved = run_ranks(_pipe_run, 8, 2, 2, path, True, timeout=400)
+    full = _full([held for held, _ in saved])
+    next_loss = saved[-1][1]  # the last stage's loss
+    for pipe in (2, 1):
+        loaded = run_ranks(_pipe_run, 4 if pipe == 2 else 2, pipe, 1, path, False, timeout=300)
+        per_rank = [held for held, _ in loaded]
+        assert set().union(*per_rank) == set(full)
+        for held in per_rank:
+            _check_slices({n: full[n] for n in held}, [held])
+        torch.testing.assert_close(loaded[-1][1], next_loss, **TOL)
+
+
+def _check_splits(kind: str, tp: int) -> None:
+    """Each sharded parameter is exactly `tp_split.take` of the unsharded
+    model's tensor of the same name (GPT-2's fused, transposed c_attn;
+    Llama's key/value heads replicated at tp=4)."""
+    import dsrun
+    dsrun.init_distributed()
+    plain = dict(_build(kind).named_parameters())
+    model = dsrun.tp_model_init(_build(kind), tp, torch.float32)
+    split_names = []
+    for name, p in model.named_parameters():
+        split = getattr(p, "tp_split", None)
+        if split is None:
+            assert torch.equal(p, plain[name]), name
+            continue
+        assert (split.rank, split.size, split.full_shape) == (torch.distributed.get_rank(), tp,
+                                                               tuple(plain[name].shape)), name
+        assert torch.equal(split.take(plain[name].detach()), p.detach()), name
+        split_names.append(name)
+    assert split_names
+
+
+@pytest.mark.parametrize("kind,tp", [("gpt2", 2), ("llama", 4), ("gpt", 2)])
+def test_split_takes_the_sharded_slice(kind, tp):
+    run_ranks(_check_splits, tp, kind, tp, timeout=120)
