@@ -44,9 +44,11 @@ parameter; see dsrun/runtime/parallel/model_parallel.py).
 tp_model_init first broadcasts the whole model from global rank 0, then
 every rank cuts its slices from the same full weights, so the sharded model
 computes what the original did whatever each rank's seed was (the cost: one
-broadcast of the full model). Dropout is not re-seeded per tensor-parallel
-rank: train with dropout 0 or accept dropout masks equal across the ranks
-of a model group.
+broadcast of the full model). Dropout between a column and a row layer
+(attention dropout on the split heads) draws a different mask on each
+tensor-parallel rank once `dsrun.checkpointing.model_parallel_cuda_manual_seed`
+was called, the same mask on all of them otherwise (see random.py [Note:
+dropout in tensor-parallel regions]).
 """
 from __future__ import annotations
 

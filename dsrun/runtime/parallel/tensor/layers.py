@@ -26,7 +26,14 @@ group after backward and before the optimizer step (Megatron does this in
 its gradient finalisation). Sharded parameters are marked
 `tensor_model_parallel = True` with `partition_dim` (the dimension split),
 as Megatron and DeepSpeed expect (gradient-norm code counts a sharded
-parameter on every rank, a replicated one once).
+parameter on every rank, a replicated one once), and carry `tp_split`, where
+their slice sits in the full tensor (split.py [Note: the split a parameter
+carries]; checkpoints store the full tensors).
+
+Random draws between a training column layer and the next row layer (the
+attention dropout on split heads) come from the model-parallel RNG state
+once `model_parallel_cuda_manual_seed` created it (random.py [Note: dropout
+in tensor-parallel regions]).
 """
 from __future__ import annotations
 
@@ -42,6 +49,7 @@ from dsrun.runtime.parallel.mesh import MeshGroup, ParallelMesh, current
 from dsrun.runtime.parallel.tensor.mappings import (copy_to_region, gather_from_region,
                                                     gather_from_sequence_region, reduce_from_region,
                                                     reduce_scatter_to_sequence_region, scatter_to_region)
+from dsrun.runtime.parallel.tensor.random import enter_split_region, leave_split_region
 from dsrun.runtime.parallel.tensor.split import TensorSplit
 
 InitMethod = Callable[[torch.Tensor], object]
@@ -180,7 +188,11 @@ class ColumnParallelLinear(nn.Module):
         else:
             x = copy_to_region(x, self.group)
         y = F.linear(x, self.weight, self.bias)
-        return gather_from_region(y, self.group) if self.gather_output else y
+        if self.gather_output:
+            return gather_from_region(y, self.group)
+        if self.training:  # the output is split: see random.py [Note: dropout in tensor-parallel regions]
+            enter_split_region()
+        return y
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features} "
@@ -274,6 +286,7 @@ class RowParallelLinear(nn.Module):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        leave_split_region()  # the output is replicated: see random.py [Note: dropout in tensor-parallel regions]
         if self.input_is_parallel:
             _check_last_dim(x, self.in_per_rank, "RowParallelLinear", "in_features / tensor-parallel size")
         else:
@@ -342,6 +355,7 @@ class VocabParallelEmbedding(nn.Module):
         _mark_sharded(self.weight, 0, full.shape, self.group)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        leave_split_region()  # a forward begins in the replicated region (random.py)
         if self.group.size == 1:
             out = F.embedding(ids, self.weight)
         else:
