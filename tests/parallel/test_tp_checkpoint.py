@@ -3,14 +3,16 @@
 
 A tiny Hugging Face GPT-2 (fused q/k/v in a transposed Conv1D) and a tiny
 Llama (2 key/value heads: replicated at tp=4) are sharded by AutoTP,
-trained 2 AdamW steps at tp=2 (x dp=1, ZeRO off; x dp=2, ZeRO-1), saved,
+trained 2 AdamW steps at tp=2 (x dp=1, ZeRO off; x dp=2, ZeRO-1 and 3), saved,
 and loaded at tp=1 (the plain model, one rank) and tp=4 (4 ranks). Every
 rank's parameter slice and Adam moments after the load equal, bit for bit,
 the elements of the full tensors put together from the tp=2 ranks' slices
 at save time; the next step's loss equals the uninterrupted tp=2 run's
 (rtol = atol = 1e-5: the layouts sum their matmuls in other orders);
-`dsrun-ckpt export` of the tp=2 checkpoint gives the plain model's state
-dict after the load, bit for bit.
+`dsrun-ckpt export` of the tp=2 checkpoint and `save_16bit_model` at tp=2
+give the plain model's state dict after the load, bit for bit; every stored
+tensor is covered once (replicated parameters written once). pp=2 x tp=2
+x dp=2 (ZeRO-1) loads at pp=2 x tp=1 and unsplit likewise.
 """
 from __future__ import annotations
 
@@ -84,7 +86,8 @@ def _save(kind: str, tp: int, stage: int, path: str):
         _step(kind, engine, data_rank, micro, step)
     engine.save_checkpoint(path, tag="t")
     held = _slices(engine)
-    return held, _step(kind, engine, data_rank, micro, STEPS)
+    engine.save_16bit_model(path + "-16bit")  # fp32 training: the fp32 values
+    return held, _step(kind, engine, data_rank, micro, STEPS), path + "-16bit/model.safetensors"
 
 
 def _load(kind: str, tp: int, stage: int, path: str, export_dir: str | None):
@@ -129,6 +132,21 @@ def _full(per_rank: list[dict]) -> dict[str, list[torch.Tensor]]:
     return out
 
 
+def _check_stored_once(path: str) -> None:
+    """Every stored tensor's slices cover it exactly once (replicated
+    parameters, replicated key/value heads and data replicas written once)."""
+    import os
+
+    from dsrun.runtime.checkpoint.store import load_index
+    index = load_index(os.path.join(path, "t"))
+    assert index.tensor_parallel == 2
+    for name, entry in index.tensors.items():
+        if name.startswith(("module/", "optim/")):
+            ends = [(s.lo, s.hi) for s in entry.slices]
+            assert ends[0][0] == 0 and all(a[1] == b[0] for a, b in zip(ends, ends[1:])), name
+            assert ends[-1][1] == torch.Size(entry.shape).numel(), name
+
+
 def _check_slices(full: dict, per_rank: list[dict]) -> None:
     for r in per_rank:
         assert set(r) == set(full)
@@ -138,12 +156,13 @@ def _check_slices(full: dict, per_rank: list[dict]) -> None:
 
 
 @pytest.mark.parametrize("kind,save_world,stage", [("gpt2", 2, 0), ("llama", 2, 0), ("gpt2", 4, 1),
-                                                     ("llama", 4, 1)])
+                                                     ("llama", 4, 1), ("llama", 4, 3)])
 def test_tp2_checkpoint_loads_at_tp1_and_tp4(kind, save_world, stage, tmp_path):
     path = str(tmp_path / "ckpt")
     saved = run_ranks(_save, save_world, kind, 2, stage, path, timeout=240)
-    full = _full([held for held, _ in saved])
+    full = _full([held for held, *_ in saved])
     next_loss = saved[0][1]
+    _check_stored_once(path)
 
     plain = run_ranks(_load, 1, kind, 1, stage, path, str(tmp_path / "export"), timeout=240)
     _check_slices(full, [plain[0][0]])
@@ -152,6 +171,11 @@ def test_tp2_checkpoint_loads_at_tp1_and_tp4(kind, save_world, stage, tmp_path):
     assert set(exported) <= set(state) and set(state) - set(exported) <= {"lm_head.weight"}  # GPT-2 ties it
     for name, value in exported.items():
         assert torch.equal(value, state[name]), name
+    from safetensors.torch import load_file
+    sixteen = load_file(saved[0][2])  # engine.save_16bit_model at tp=2
+    assert set(sixteen) == set(exported)
+    for name, value in exported.items():
+        assert torch.equal(value, sixteen[name]), name
 
     tp4 = run_ranks(_load, 4, kind, 4, stage, path, None, timeout=240)
     _check_slices(full, [held for held, *_ in tp4])

@@ -24,7 +24,9 @@ overlap [max(lo, s.lo), min(hi, s.hi)) of each through safetensors'
 `get_slice` (no whole-file load) and copies it, casting, into the master
 (or the tensor itself). Any world size and any stage 0-3 or precision
 therefore loads any other: a piece may come from one stored slice or from
-several files. Masters are then cast into the compute copy and every rank's
+several files. Tensor-parallel slices are stored as the full tensors they
+are slices of, so any tensor-parallel size loads any other too (see
+[Note: tensor-parallel checkpoints] in tensor_split.py). Masters are then cast into the compute copy and every rank's
 full parameters re-gathered (`GradientStrategy.after_checkpoint_load`).
 
 [Note: replicated loads]
