@@ -167,7 +167,11 @@ class ColumnParallelLinear(nn.Module):
         """The layer holding this rank's rows of a trained full layer: `weight`
         (out, in) and `bias` (out,) or None; dtype and device default to the
         weight's. Draws nothing from the random generator (automatic tensor
-        parallelism replaces a model's nn.Linear by this).
+        parallelism replaces a model's nn.Linear by this). The parameters'
+        `tp_split` says they are chunks of `weight` and `bias`; a caller
+        passing rows reordered or repeated (fused q/k/v, replicated heads)
+        sets the true split (autotp.py does), or checkpoints would store
+        the reordered tensor.
 
         Raises:
             ValueError: out is not divisible by tp.
@@ -272,7 +276,8 @@ class RowParallelLinear(nn.Module):
         """The layer (input_is_parallel) holding this rank's columns of a
         trained full layer: `weight` (out, in) and `bias` (out,), kept whole,
         or None; dtype and device default to the weight's. Draws nothing
-        from the random generator.
+        from the random generator. The weight's `tp_split` says it is a
+        chunk of `weight` (see ColumnParallelLinear.from_full).
 
         Raises:
             ValueError: in is not divisible by tp.

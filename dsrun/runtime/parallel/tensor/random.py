@@ -28,7 +28,12 @@ tracker's `add`) created the model-parallel state: then all ranks draw
 alike, as before. A region is entered once (q, k and v layers in a row) and
 left by the first row layer; activation checkpointing
 (dsrun.checkpointing.checkpoint) replays the tracker's states in its
-recomputation, so the recomputed masks are the forward's.
+recomputation, so the recomputed masks are the forward's. A region still
+open when a forward ends (a column layer with no row layer after it, an
+exception in between) is closed by the next VocabParallelEmbedding, row
+layer or vocab_parallel_cross_entropy. Not covered: dropout inside a
+sequence-parallel region (Megatron forks there too); it draws from the
+default generator, the same stream on every rank over different tokens.
 """
 from __future__ import annotations
 
