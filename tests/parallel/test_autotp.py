@@ -394,25 +394,3 @@ def test_config_conflicts_are_errors():
     pipe, mismatch = run_ranks(_check_config_errors, 2, timeout=120)[0]
     assert "tensor_parallel.autotp_size=2 with a PipelineModule" in pipe
     assert "tensor_parallel.autotp_size=4 but the model is already sharded over 2 ranks" in mismatch
-
-
-def _save_at_tp2(path: str) -> str:
-    import dsrun
-    from dsrun.runtime.checkpoint import CheckpointError
-    from dsrun.runtime.distributed.dist import init_distributed
-    init_distributed()
-    engine, *_ = dsrun.initialize(model=_build("gpt"), config={
-        "train_batch_size": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-        "tensor_parallel": {"autotp_size": 2}})
-    try:
-        engine.save_checkpoint(path)
-    except CheckpointError as e:
-        return str(e)
-    return "saved"
-
-
-def test_checkpoint_of_a_tensor_parallel_job_is_refused(tmp_path):
-    """Not silently wrong: every rank refuses before anything is written."""
-    out = run_ranks(_save_at_tp2, 2, str(tmp_path))
-    assert all("tensor-parallel job" in o for o in out), out
-    assert not any(tmp_path.iterdir())

@@ -38,6 +38,7 @@ import torch
 import torch.utils.checkpoint
 
 from dsrun.accelerator import get_accelerator
+from dsrun.runtime.parallel.mesh import current as current_mesh
 from dsrun.runtime import comm
 from dsrun.runtime.observability.logging import logger
 
@@ -251,11 +252,20 @@ def checkpoint(function: Callable, *args):
     """
     stashed, restore = _stash(args)
     calls = []
+    tracked = _TRACKER.get_states()  # the recomputation replays the model-parallel RNG states too
 
     def region(*held):
         calls.append(None)  # the first call is forward, the second the recomputation in backward
-        with _boundary("forward" if len(calls) == 1 else "recompute"):
-            return function(*restore(*held))
+        if len(calls) == 1:
+            with _boundary("forward"):
+                return function(*restore(*held))
+        now = _TRACKER.get_states()
+        _TRACKER.set_states(tracked)
+        try:
+            with _boundary("recompute"):
+                return function(*restore(*held))
+        finally:
+            _TRACKER.set_states(now)
     return torch.utils.checkpoint.checkpoint(region, *stashed, use_reentrant=False, preserve_rng_state=True)
 
 
@@ -264,7 +274,7 @@ non_reentrant_checkpoint = checkpoint  # DeepSpeed's name for the non-reentrant 
 
 # -- model-parallel RNG (Megatron's names) --------------------------------------------------
 
-_MODEL_PARALLEL_RNG = "model-parallel-rng"
+MODEL_PARALLEL_RNG = "model-parallel-rng"
 
 
 class CudaRNGStatesTracker:
@@ -300,7 +310,7 @@ class CudaRNGStatesTracker:
         acc.set_rng_state(saved)
 
     @contextlib.contextmanager
-    def fork(self, name: str = _MODEL_PARALLEL_RNG):
+    def fork(self, name: str = MODEL_PARALLEL_RNG):
         """Run the block with RNG state `name`. Raises KeyError for an unknown name."""
         if name not in self.states:
             raise KeyError(f"RNG state {name!r} was never added (call model_parallel_cuda_manual_seed)")
@@ -324,8 +334,11 @@ def get_cuda_rng_tracker() -> CudaRNGStatesTracker:
 def model_parallel_cuda_manual_seed(seed: int) -> None:
     """Seed the default generator with `seed` (same on every model-parallel
     rank) and the tracker's model-parallel state with seed + 2718 + the
-    model-parallel rank (Megatron-LM's offsets)."""
-    mp_rank = _Options.mpu.get_model_parallel_rank() if _Options.mpu is not None else 0
+    model-parallel rank (Megatron-LM's offsets): the configured mpu's, else
+    the current mesh's model axis rank. The tensor-parallel layers draw from
+    that state inside their split regions (see [Note: dropout in
+    tensor-parallel regions] in dsrun/runtime/parallel/tensor/random.py)."""
+    mp_rank = _Options.mpu.get_model_parallel_rank() if _Options.mpu is not None else current_mesh().rank("model")
     _TRACKER.reset()
     get_accelerator().manual_seed(seed)
-    _TRACKER.add(_MODEL_PARALLEL_RNG, seed + 2718 + mp_rank)
+    _TRACKER.add(MODEL_PARALLEL_RNG, seed + 2718 + mp_rank)

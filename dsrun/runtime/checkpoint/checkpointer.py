@@ -24,7 +24,9 @@ overlap [max(lo, s.lo), min(hi, s.hi)) of each through safetensors'
 `get_slice` (no whole-file load) and copies it, casting, into the master
 (or the tensor itself). Any world size and any stage 0-3 or precision
 therefore loads any other: a piece may come from one stored slice or from
-several files. Masters are then cast into the compute copy and every rank's
+several files. Tensor-parallel slices are stored as the full tensors they
+are slices of, so any tensor-parallel size loads any other too (see
+[Note: tensor-parallel checkpoints] in tensor_split.py). Masters are then cast into the compute copy and every rank's
 full parameters re-gathered (`GradientStrategy.after_checkpoint_load`).
 
 [Note: replicated loads]
@@ -57,7 +59,6 @@ from dsrun.runtime.checkpoint.store import CheckpointError
 from dsrun.runtime.checkpoint.rendezvous import ARRIVAL_TIMEOUT_S, COMMIT_TIMEOUT_S, Rendezvous, agree_on_location
 from dsrun.runtime.checkpoint.writer import StagingBuffer
 from dsrun.runtime.engine.train_state import TrainingParts
-from dsrun.runtime.parallel.mesh import current as current_mesh
 
 # Tests set this to a function called with a point name ("before_shard",
 # "after_shard", "before_index", "before_latest") to inject failures; tests
@@ -108,7 +109,6 @@ class Checkpointer:
         earlier tag are then untouched. See [Note: commit protocol] in store.py.
         """
         self.wait_pending()
-        _refuse_tensor_parallel("save_checkpoint")
         tag = f"global_step{self.parts.state.global_steps}" if tag is None else str(tag)
         rdv = self._rendezvous("save_checkpoint", tag)
         save_dir, tag = agree_on_location(rdv, self.parts.config, "save_dir", save_dir, tag)
@@ -142,7 +142,6 @@ class Checkpointer:
         is read). A failure while reading may leave some tensors loaded.
         """
         self.wait_pending()
-        _refuse_tensor_parallel("load_checkpoint")
         rdv = self._rendezvous("load_checkpoint", tag)
         load_dir, tag = agree_on_location(rdv, self.parts.config, "load_dir", load_dir,
                                           None if tag is None else str(tag))
@@ -154,7 +153,6 @@ class Checkpointer:
         """The full model in the compute dtype as one safetensors file from
         rank 0 (collective; see `export.save_16bit`). Returns its path."""
         self.wait_pending()
-        _refuse_tensor_parallel("save_16bit_model")
         return export.save_16bit(self.parts, lambda name: self._rendezvous("save_16bit_model", name),
                                  save_dir, save_filename, exclude_frozen_parameters)
 
@@ -184,16 +182,3 @@ class Checkpointer:
     def pending(self) -> saving.SaveJob | None:
         """The running asynchronous save, if any (benchmarks read its timing)."""
         return self._pending
-
-
-def _refuse_tensor_parallel(what: str) -> None:
-    """Raise CheckpointError (on every rank: they share the mesh, so before
-    any rendezvous) when the job's mesh has a tensor-parallel axis: the
-    checkpoint format does not record tensor-parallel shards yet, and
-    writing them under the full parameters' names would be silently wrong."""
-    size = current_mesh().size("model")
-    if size > 1:
-        raise CheckpointError(f"{what}: checkpoints of a tensor-parallel job (model axis of {size} ranks) "
-                              "are not supported yet; gather the model first (e.g. train without "
-                              "tensor_parallel for the run you need to save) or save the module's "
-                              "state_dict per rank yourself")

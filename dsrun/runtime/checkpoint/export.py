@@ -10,6 +10,9 @@ import torch
 from dsrun.runtime import comm
 from dsrun.runtime.checkpoint.rendezvous import Rendezvous, raise_unless_all
 from dsrun.runtime.checkpoint.store import atomic_write, fsync_dir, stream_safetensors
+from dsrun.runtime.checkpoint.tensor_split import assemble, contributes
+from dsrun.runtime.parallel.mesh import current as current_mesh
+from dsrun.runtime.parallel.tensor.split import split_of
 from dsrun.runtime.zero.params import record_of
 from dsrun.runtime.engine.train_state import TrainingParts
 
@@ -27,10 +30,12 @@ def full_16bit_entries(parts: TrainingParts, exclude_frozen_parameters: bool = F
     for name, p in parts.module.named_parameters():
         if exclude_frozen_parameters and not p.requires_grad:
             continue
+        split = split_of(p)
         if strategy.manages(p):
-            entries.append((name, p, tuple(record_of(p).shape), strategy.compute_dtype, True))
+            shape = split.full_shape if split is not None else tuple(record_of(p).shape)
+            entries.append((name, p, shape, strategy.compute_dtype, True))
         else:
-            entries.append((name, p, tuple(p.shape), p.dtype, False))
+            entries.append((name, p, split.full_shape if split is not None else tuple(p.shape), p.dtype, False))
     for mod_name, mod in parts.module.named_modules():
         for bname, buf in mod._buffers.items():
             if buf is not None and bname not in mod._non_persistent_buffers_set:
@@ -41,9 +46,17 @@ def full_16bit_entries(parts: TrainingParts, exclude_frozen_parameters: bool = F
 
 def full_16bit_values(parts: TrainingParts, entries: list[tuple]):
     """Yield each entry's full value in its export dtype and shape; a
-    collective per strategy-managed entry, so every rank must exhaust it."""
+    collective per strategy-managed or tensor-parallel entry (a
+    tensor-parallel slice is assembled over its pipeline stage, see
+    tensor_split.py), so every rank must exhaust it."""
+    mesh = current_mesh()
     for _, t, shape, dtype, managed in entries:
         full = parts.strategy.full_fp32_param(t) if managed else t.detach()  # collective when managed
+        split = split_of(t)
+        if split is not None:
+            writes = contributes(t) and mesh.rank("data") == 0  # every data rank holds the same slice
+            held = [(0, full.numel(), full.reshape(-1))] if writes else []
+            full = assemble(split, held, dtype, mesh, full.device)
         yield full.to(dtype).reshape(shape)
 
 

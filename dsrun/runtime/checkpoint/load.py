@@ -18,10 +18,12 @@ from dsrun.runtime.checkpoint.parts import held_pieces, model_names
 from dsrun.runtime.checkpoint.pieces import HeldPiece, even_part
 from dsrun.runtime.checkpoint.reader import SliceReader
 from dsrun.runtime.checkpoint.rendezvous import Rendezvous, raise_unless_all
+from dsrun.runtime.checkpoint.tensor_split import SplitRead, split_read
 from dsrun.runtime.checkpoint.store import INDEX, CheckpointError, Index, dtype_of, load_index, resolve_tag
 from dsrun.runtime.distributed.dist import Topology
 from dsrun.runtime.fp16.onebit.base import CompressedCommOptimizer
 from dsrun.runtime.engine.train_state import TrainingParts
+from dsrun.runtime.parallel.mesh import current as current_mesh
 
 log = logging.getLogger("dsrun.checkpoint")
 
@@ -63,12 +65,15 @@ def _check_names(current: dict, index: Index, strict: bool, tag_dir: str) -> set
 
 
 def _tensor_reads(parts: TrainingParts, index: Index, names: set[str], optimizer_states: bool
-                  ) -> tuple[list[tuple[str, int, int, torch.Tensor]], list[tuple[HeldPiece, torch.Tensor]]]:
+                  ) -> tuple[list[tuple[str, int, int, torch.Tensor]], list[tuple[HeldPiece, torch.Tensor]],
+                             list[SplitRead]]:
     """See [Note: resharding on load]. Returns the reads this rank makes
-    (global name, lo, hi, destination: `SliceReader.read_many`'s requests)
-    and the replicated pieces' tensors (the value or an optimizer state,
+    (global name, lo, hi, destination: `SliceReader.read_many`'s requests),
+    the replicated pieces' tensors (the value or an optimizer state,
     1-D, hi - lo elements) of which it reads only its part:
-    `_fill_replicated` completes them."""
+    `_fill_replicated` completes them, and the reads of tensor-parallel
+    slices, to `finish` after the reads (see [Note: tensor-parallel
+    checkpoints] in tensor_split.py)."""
     optim_keys: dict[str, list[str]] = {}
     for gname in index.tensors:
         if gname.startswith("optim/"):
@@ -76,6 +81,7 @@ def _tensor_reads(parts: TrainingParts, index: Index, names: set[str], optimizer
             optim_keys.setdefault(name, []).append(key)
     requests = []  # read together: each file once, in file order (see [Note: verified reads] in reader.py)
     shared: list[tuple[HeldPiece, torch.Tensor]] = []
+    picks: list[SplitRead] = []
     with torch.no_grad():
         for p in held_pieces(parts):
             if p.name not in names:
@@ -91,6 +97,13 @@ def _tensor_reads(parts: TrainingParts, index: Index, names: set[str], optimizer
                 for key, rec in index.optimizer_scalars.get(p.name, {}).items():
                     value = rec["value"]
                     state[key] = value if rec["dtype"] is None else torch.tensor(value, dtype=dtype_of(rec["dtype"]))
+            if p.split is not None:  # its elements are spread over the stored full tensor
+                for gname, t in tensors:
+                    pick = split_read(p, p.split, t)
+                    if pick is not None:
+                        requests.append((gname, pick.first, pick.last, pick.scratch))
+                        picks.append(pick)
+                continue
             # See [Note: replicated loads]: this rank's part only, the rest comes from the others.
             share = p.replicas is not None
             a, b = (p.write_lo, p.write_hi) if share else (p.lo, p.hi)
@@ -99,7 +112,7 @@ def _tensor_reads(parts: TrainingParts, index: Index, names: set[str], optimizer
                     requests.append((gname, a, b, t[a - p.lo:b - p.lo]))
                 if share:
                     shared.append((p, t))
-    return requests, shared
+    return requests, shared, picks
 
 
 def _fill_replicated(shared: list[tuple[HeldPiece, torch.Tensor]]) -> None:
@@ -169,10 +182,11 @@ def _realign_micro_steps(parts: TrainingParts, index: Index) -> None:
 
 def _same_layout(parts: TrainingParts, index: Index) -> bool:
     """Whether the checkpoint was written by as many ranks, split into as
-    many pipeline stages (per-rank states, RNG and data position, then
-    belong to the same rank)."""
+    many pipeline stages and tensor-parallel ranks (per-rank states, RNG
+    and data position, then belong to the same rank)."""
     stages = parts.split.parts if parts.split is not None else 1
-    return index.world_size == parts.topology.world_size and index.pipeline_stages == stages
+    return (index.world_size == parts.topology.world_size and index.pipeline_stages == stages
+            and index.tensor_parallel == current_mesh().size("model"))
 
 
 def _full_reads(parts: TrainingParts, index: Index, optim: bool, module_only: bool) -> list[str]:
@@ -272,7 +286,7 @@ def load(parts: TrainingParts, rdv: Rendezvous, load_dir: str, tag: str | None, 
     try:
         index = load_index(tag_dir)
         names = _check_names(current, index, load_module_strict, tag_dir)
-        requests, shared = _tensor_reads(parts, index, names, optim)
+        requests, shared, picks = _tensor_reads(parts, index, names, optim)
         # Each file's checksum is checked by one rank (file i by rank i mod
         # world size) as it reads; the "read" agreement fails every rank.
         verify = set(sorted(index.files)[topo.rank::topo.world_size])
@@ -288,6 +302,8 @@ def load(parts: TrainingParts, rdv: Rendezvous, load_dir: str, tag: str | None, 
             raise error
         reader = SliceReader(tag_dir, index, verify_files=verify, aio=parts.config.aio)
         reader.read_many(requests)
+        for pick in picks:
+            pick.finish()
         if optim:
             _restore_param_groups(parts.optimizer, index.param_groups, tag_dir)
         if not load_module_only:  # read now, so that a bad file fails every rank together

@@ -29,19 +29,39 @@ from dsrun.runtime.checkpoint.pieces import HeldPiece, plain_pieces
 from dsrun.runtime.fp16.onebit.base import CompressedCommOptimizer
 from dsrun.runtime.parallel.expert.names import all_expert_names
 from dsrun.runtime.engine.train_state import TrainingParts
+from dsrun.runtime.parallel.mesh import current as current_mesh
+from dsrun.runtime.parallel.tensor.split import split_of
 from dsrun.runtime.zero.groups import RankGroup
 from dsrun.runtime.zero.params import record_of
 
 
 def held_pieces(parts: TrainingParts) -> list[HeldPiece]:
     """Every piece of the module this rank holds: the strategy's own
-    (ZeRO partitions) and every other parameter and buffer whole."""
+    (ZeRO partitions) and every other parameter and buffer whole; those of
+    tensor-parallel parameters carry their split and the full shape (see
+    [Note: tensor-parallel checkpoints] in tensor_split.py)."""
     managed = {id(p) for p in parts.strategy.managed_params()}
+    mesh = current_mesh()
     if parts.split is not None:  # see [Note: a model split across ranks]
         world = parts.split.replicas
+    elif mesh.size("model") > 1:  # each model rank's data axis holds its copy of the replicated tensors
+        data = mesh.axis_group("data")
+        world = RankGroup(data.group, data.rank, data.size)
     else:
         world = RankGroup(None, parts.topology.rank, parts.topology.world_size)
-    return parts.strategy.checkpoint_pieces() + plain_pieces(parts.module, parts.optimizer, managed, world)
+    pieces = parts.strategy.checkpoint_pieces() + plain_pieces(parts.module, parts.optimizer, managed, world)
+    splits = {name: s for name, p in parts.module.named_parameters() if (s := split_of(p)) is not None}
+    for piece in pieces:
+        if piece.kind == "param" and piece.name in splits:
+            piece.split = splits[piece.name]
+            piece.shape = splits[piece.name].full_shape
+    return pieces
+
+
+def written_by_model_rank_zero(parts: TrainingParts) -> bool:
+    """Whether this rank writes the tensors every model rank holds alike
+    (replicated ones: all but tensor-parallel slices): model rank 0 only."""
+    return current_mesh().rank("model") == 0
 
 
 def global_names(parts: TrainingParts) -> dict[str, tuple[tuple[int, ...], bool]]:
@@ -51,9 +71,10 @@ def global_names(parts: TrainingParts) -> dict[str, tuple[tuple[int, ...], bool]
     dsrun/runtime/parallel/expert/names.py)."""
     out = {}
     for name, p in parts.module.named_parameters():
-        rec = record_of(p)
+        rec, split = record_of(p), split_of(p)
+        shape = split.full_shape if split is not None else tuple(rec.shape) if rec is not None else tuple(p.shape)
         for global_name in all_expert_names(name, p):  # an expert stands for every expert-parallel rank's
-            out[global_name] = (tuple(rec.shape) if rec is not None else tuple(p.shape), not p.requires_grad)
+            out[global_name] = (tuple(shape), not p.requires_grad)
     for mod_name, mod in parts.module.named_modules():
         for bname, buf in mod._buffers.items():
             if buf is not None and bname not in mod._non_persistent_buffers_set:

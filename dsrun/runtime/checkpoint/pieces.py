@@ -50,6 +50,10 @@ class HeldPiece:
         rank does. [write_lo, write_hi) is then this rank's even part: a load
         reads only that part and takes the rest from the replicas (see
         [Note: replicated loads] in checkpointer.py).
+    split: for a tensor-parallel parameter, where its slice sits in the full
+        tensor (dsrun.runtime.parallel.tensor.split.TensorSplit); [lo, hi)
+        are then elements of the flattened *slice*, `shape` the full
+        tensor's (see [Note: tensor-parallel checkpoints] in tensor_split.py).
     """
 
     name: str
@@ -64,6 +68,7 @@ class HeldPiece:
     state_key: torch.Tensor | None = None
     state_offset: int = 0
     replicas: Any = None
+    split: Any = None
 
 
 def even_part(lo: int, hi: int, index: int, parts: int) -> tuple[int, int]:

@@ -13,7 +13,8 @@ import torch
 
 import dsrun
 from dsrun.runtime.checkpoint import discard, node_local
-from dsrun.runtime.checkpoint.parts import held_pieces, model_names, optimizer_extras, written_elsewhere
+from dsrun.runtime.checkpoint.parts import (held_pieces, model_names, optimizer_extras, written_by_model_rank_zero,
+                                            written_elsewhere)
 from dsrun.runtime.checkpoint.pieces import HeldPiece
 from dsrun.runtime.checkpoint.rendezvous import Rendezvous, raise_unless_all
 from dsrun.runtime.checkpoint.store import (INDEX, LATEST, CheckpointError, FileEntry, Index, NodeRecord,
@@ -21,7 +22,10 @@ from dsrun.runtime.checkpoint.store import (INDEX, LATEST, CheckpointError, File
                                             index_time, is_shard_file, read_shard_metadata, shard_name,
                                             tag_is_complete, tag_names)
 from dsrun.runtime.distributed.nodes import NodeMap
+from dsrun.runtime.checkpoint.tensor_split import Assembled, assemble_split_tensors, contributes
 from dsrun.runtime.checkpoint.writer import ShardWriter, StagingBuffer
+from dsrun.runtime.parallel.mesh import current as current_mesh
+from dsrun.runtime.parallel.tensor.split import split_of
 from dsrun.runtime.engine.train_state import TrainingParts
 
 log = logging.getLogger("dsrun.checkpoint")
@@ -92,6 +96,7 @@ def prepare_save(parts: TrainingParts, rdv: Rendezvous, save_dir: str, tag: str,
     error, tensors, meta, stepped, fields = None, {}, {}, set(), None
     nodes, keeper = None, rank == 0  # keeper: prepares the tag directory, writes the index and `latest`
     names = model_names(parts)  # collective over a split model's parts: before anything may raise
+    assembled = _assembled_splits(parts, exclude_frozen_parameters)  # collective too (tensor parallelism)
     try:
         if parts.config.checkpoint.use_node_local_storage:
             nodes = node_local.node_map(parts.topology)
@@ -111,7 +116,7 @@ def prepare_save(parts: TrainingParts, rdv: Rendezvous, save_dir: str, tag: str,
                                       for g in parts.optimizer.param_groups], "optimizer param_groups")
         elsewhere = written_elsewhere(parts)  # tied copies: see [Note: a model split across ranks] in parts.py
         pieces = [p for p in held_pieces(parts) if p.name not in elsewhere]
-        tensors, meta, stepped = rank_payload(parts, pieces, client_state, exclude_frozen_parameters)
+        tensors, meta, stepped = rank_payload(parts, pieces, client_state, exclude_frozen_parameters, assembled)
         if rank == 0:
             fields = _index_fields(parts, names, scheduler, param_groups, dataloader, exclude_frozen_parameters)
     except Exception as e:  # reported to every rank, then raised here
@@ -124,11 +129,32 @@ def prepare_save(parts: TrainingParts, rdv: Rendezvous, save_dir: str, tag: str,
                    keeper, nodes, json.dumps(meta) if nodes is not None else None)
 
 
-def rank_payload(parts: TrainingParts, pieces: list[HeldPiece], client_state, exclude_frozen: bool):
+def _assembled_splits(parts: TrainingParts, exclude_frozen: bool) -> Assembled | None:
+    """The tensor-parallel parameters' full tensors, this rank's even part
+    of each (collective over the job; see [Note: tensor-parallel
+    checkpoints] in tensor_split.py); None when the mesh has no model axis."""
+    mesh = current_mesh()
+    if mesh.size("model") == 1:
+        return None
+    elsewhere = written_elsewhere(parts)
+    order = [(name, split, contributes(p)) for name, p in parts.module.named_parameters()
+             if (split := split_of(p)) is not None and name not in elsewhere
+             and not (exclude_frozen and not p.requires_grad)]
+    pieces = [p for p in held_pieces(parts) if p.split is not None]
+    return assemble_split_tensors(parts.optimizer, pieces, order, mesh, parts.topology.device)
+
+
+def rank_payload(parts: TrainingParts, pieces: list[HeldPiece], client_state, exclude_frozen: bool,
+                 assembled: Assembled | None = None):
     """This rank's tensors (key -> 1-D tensor), its description (JSON) and
     the keys of the tensors only an optimizer step changes (trainable values
-    and their optimizer states: see [Note: copy-on-write snapshot] in writer.py)."""
+    and their optimizer states: see [Note: copy-on-write snapshot] in writer.py).
+
+    Under tensor parallelism, `assembled` holds what this rank writes of the
+    tensor-parallel parameters (pieces with a `split` are skipped here), and
+    only model rank 0 writes the tensors every model rank holds alike."""
     rank, device = parts.topology.rank, parts.topology.device
+    replicated = written_by_model_rank_zero(parts)
     tensors: dict[str, torch.Tensor] = {}
     entries: dict[str, dict] = {}
     scalars: dict[str, dict] = {}
@@ -143,6 +169,8 @@ def rank_payload(parts: TrainingParts, pieces: list[HeldPiece], client_state, ex
 
     for p in pieces:
         if exclude_frozen and p.kind == "param" and not p.trainable:
+            continue
+        if p.split is not None or not replicated:
             continue
         a, b = p.write_lo - p.lo, p.write_hi - p.lo
         put(f"module/{p.name}", p.shape, p.value[a:b], p.write_lo, p.write_hi, p.trainable)
@@ -162,6 +190,11 @@ def rank_payload(parts: TrainingParts, pieces: list[HeldPiece], client_state, ex
                                       f"({type(v).__name__}"
                                       f"{list(v.shape) if isinstance(v, torch.Tensor) else ''}) "
                                       "is neither element-wise nor a scalar; dsrun cannot checkpoint it yet")
+    if assembled is not None:
+        for gname, shape, t, lo, hi in assembled.tensors:
+            put(gname, shape, t, lo, hi)
+        for name, states in assembled.scalars.items():
+            scalars.setdefault(name, {}).update(states)
     for gname, t in optimizer_extras(parts).items():
         put(gname, [t.numel()], t.reshape(-1), 0, t.numel(), True)
     rng_key = f"rng/rank{rank}/torch_cpu"
@@ -324,7 +357,8 @@ def _index_fields(parts: TrainingParts, names: dict, scheduler, param_groups, da
     frozen = [n for n, (_, is_frozen) in names.items() if is_frozen]
     return dict(dsrun_version=dsrun.__version__, torch_version=torch.__version__,
                 world_size=parts.topology.world_size,
-                pipeline_stages=parts.split.parts if parts.split is not None else 1, stage=parts.config.zero_optimization.stage,
+                pipeline_stages=parts.split.parts if parts.split is not None else 1,
+                tensor_parallel=current_mesh().size("model"), stage=parts.config.zero_optimization.stage,
                 precision=strategy.precision_name(), config=parts.config.model_dump(mode="json"),
                 param_groups=param_groups, scaler=strategy.scaler_state(), counters=parts.state.state_dict(),
                 lr_scheduler=scheduler, dataloader=loader, frozen=frozen,

@@ -129,6 +129,8 @@ class Index(BaseModel):
     world_size: int = Field(description="Ranks that wrote the checkpoint.")
     pipeline_stages: int = Field(1, description="Parts (pipeline stages) the model was split into; 1: "
                                  "every rank held the whole model.")
+    tensor_parallel: int = Field(1, description="Tensor-parallel ranks (the mesh's model axis) that wrote "
+                                 "it; tensors are stored whole whatever it was.")
     stage: int = Field(description="ZeRO stage it was written at.")
     precision: str = Field(description="fp32, bf16 or fp16 (compute dtype).")
     config: dict[str, Any] = Field(description="The resolved ds_config.")

@@ -44,9 +44,11 @@ parameter; see dsrun/runtime/parallel/model_parallel.py).
 tp_model_init first broadcasts the whole model from global rank 0, then
 every rank cuts its slices from the same full weights, so the sharded model
 computes what the original did whatever each rank's seed was (the cost: one
-broadcast of the full model). Dropout is not re-seeded per tensor-parallel
-rank: train with dropout 0 or accept dropout masks equal across the ranks
-of a model group.
+broadcast of the full model). Dropout between a column and a row layer
+(attention dropout on the split heads) draws a different mask on each
+tensor-parallel rank once `dsrun.checkpointing.model_parallel_cuda_manual_seed`
+was called, the same mask on all of them otherwise (see random.py [Note:
+dropout in tensor-parallel regions]).
 """
 from __future__ import annotations
 
@@ -57,6 +59,7 @@ from dsrun.runtime import comm
 from dsrun.runtime.distributed.dist import init_distributed
 from dsrun.runtime.parallel.mesh import MeshGroup, ParallelMesh, current, set_current
 from dsrun.runtime.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
+from dsrun.runtime.parallel.tensor.split import TensorSplit
 
 COLUMN = frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "c_fc", "fc"})
 FUSED_QKV = frozenset({"c_attn", "qkv"})
@@ -143,6 +146,28 @@ def _replicated_kv(weight: torch.Tensor, heads: _Heads) -> torch.Tensor:
     return per_head.repeat_interleave(heads.tp // heads.kv, dim=0).reshape(-1, *weight.shape[1:])
 
 
+def _record_splits(new: nn.Module, old: nn.Module, leaf: str, heads: _Heads | None, mesh: ParallelMesh) -> None:
+    """Give the new layer's parameters the split of the *original* layer's
+    tensors (see split.py [Note: the split a parameter carries]): GPT-2's
+    Conv1D weight is stored (in, out), a fused q/k/v layer holds three row
+    ranges, a replicated key/value head the rows of head r // (tp/KV)."""
+    tp, rank = mesh.size("model"), mesh.rank("model")
+    for name, param in new.named_parameters():
+        split = param.tp_split if hasattr(param, "tp_split") else None
+        if split is None:  # a row-parallel layer's bias: whole on every rank
+            continue
+        full = tuple(getattr(old, name).shape)
+        dim, ranges = split.dim, split.ranges
+        if leaf in FUSED_QKV:
+            width = full[-1 if name == "weight" and _is_conv1d(old) else 0] // 3
+            per = width // tp
+            ranges = tuple((block * width + rank * per, block * width + (rank + 1) * per) for block in range(3))
+        elif leaf in _KEY_VALUE and heads is not None and heads.kv < tp:
+            head = rank // (tp // heads.kv)
+            ranges = ((head * heads.head_dim, (head + 1) * heads.head_dim),)
+        param.tp_split = TensorSplit(full, dim, ranges, name == "weight" and _is_conv1d(old), rank, tp)
+
+
 def placement_plan(model: nn.Module) -> list[tuple[str, str, nn.Module]]:
     """(module path, rule name, layer) of every linear layer of `model` that
     tensor parallelism replaces (see [Note: which layer goes where]); the
@@ -220,6 +245,7 @@ def shard_model(model: nn.Module, mesh: ParallelMesh, dtype: torch.dtype | None 
                 new = ColumnParallelLinear.from_full(weight, bias, mesh=mesh, dtype=dtype)
         except ValueError as exc:
             raise ValueError(f"tensor parallelism cannot split layer {path!r}: {exc}") from None
+        _record_splits(new, module, leaf, attention_heads.get(parent_path, (None, None))[1], mesh)
         if replicate:
             size = tp // attention_heads[parent_path][1].kv
             if size not in replicas:

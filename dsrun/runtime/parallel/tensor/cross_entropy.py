@@ -26,6 +26,7 @@ import torch
 from dsrun.runtime import comm
 from dsrun.runtime.parallel.mesh import MeshGroup, ParallelMesh
 from dsrun.runtime.parallel.tensor.layers import model_group
+from dsrun.runtime.parallel.tensor.random import leave_split_region
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -89,6 +90,7 @@ def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tenso
         ValueError: target's shape is not logits_shard's without its last
             dimension.
     """
+    leave_split_region()  # the split logits end the forward: see random.py
     if tuple(target.shape) != tuple(logits_shard.shape[:-1]):
         raise ValueError(f"vocab_parallel_cross_entropy: target has shape {tuple(target.shape)} but the "
                          f"logits {tuple(logits_shard.shape)} need {tuple(logits_shard.shape[:-1])}")

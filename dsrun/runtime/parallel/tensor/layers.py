@@ -26,7 +26,14 @@ group after backward and before the optimizer step (Megatron does this in
 its gradient finalisation). Sharded parameters are marked
 `tensor_model_parallel = True` with `partition_dim` (the dimension split),
 as Megatron and DeepSpeed expect (gradient-norm code counts a sharded
-parameter on every rank, a replicated one once).
+parameter on every rank, a replicated one once), and carry `tp_split`, where
+their slice sits in the full tensor (split.py [Note: the split a parameter
+carries]; checkpoints store the full tensors).
+
+Random draws between a training column layer and the next row layer (the
+attention dropout on split heads) come from the model-parallel RNG state
+once `model_parallel_cuda_manual_seed` created it (random.py [Note: dropout
+in tensor-parallel regions]).
 """
 from __future__ import annotations
 
@@ -42,6 +49,8 @@ from dsrun.runtime.parallel.mesh import MeshGroup, ParallelMesh, current
 from dsrun.runtime.parallel.tensor.mappings import (copy_to_region, gather_from_region,
                                                     gather_from_sequence_region, reduce_from_region,
                                                     reduce_scatter_to_sequence_region, scatter_to_region)
+from dsrun.runtime.parallel.tensor.random import enter_split_region, leave_split_region
+from dsrun.runtime.parallel.tensor.split import TensorSplit
 
 InitMethod = Callable[[torch.Tensor], object]
 
@@ -71,10 +80,13 @@ def _shard(full: torch.Tensor, dim: int, group: MeshGroup, dtype, device) -> nn.
     return nn.Parameter(part.to(dtype=dtype or torch.get_default_dtype(), device=device).contiguous())
 
 
-def _mark_sharded(param: nn.Parameter, dim: int) -> None:
+def _mark_sharded(param: nn.Parameter, dim: int, full_shape, group: MeshGroup) -> None:
+    """Megatron's marks, and where the slice sits in the full tensor
+    (`tp_split`, see split.py [Note: the split a parameter carries])."""
     param.tensor_model_parallel = True
     param.partition_dim = dim
     param.partition_stride = 1
+    param.tp_split = TensorSplit.chunk(tuple(full_shape), dim, group.rank, group.size)
 
 
 def _linear_bias(out_features: int, in_features: int) -> torch.Tensor:
@@ -141,10 +153,10 @@ class ColumnParallelLinear(nn.Module):
         full = torch.empty(out_features, in_features)
         init_method(full)
         self.weight = _shard(full, 0, self.group, dtype, device)
-        _mark_sharded(self.weight, 0)
+        _mark_sharded(self.weight, 0, full.shape, self.group)
         if bias:
             self.bias = _shard(_linear_bias(out_features, in_features), 0, self.group, dtype, device)
-            _mark_sharded(self.bias, 0)
+            _mark_sharded(self.bias, 0, (out_features,), self.group)
         else:
             self.register_parameter("bias", None)
 
@@ -155,7 +167,11 @@ class ColumnParallelLinear(nn.Module):
         """The layer holding this rank's rows of a trained full layer: `weight`
         (out, in) and `bias` (out,) or None; dtype and device default to the
         weight's. Draws nothing from the random generator (automatic tensor
-        parallelism replaces a model's nn.Linear by this).
+        parallelism replaces a model's nn.Linear by this). The parameters'
+        `tp_split` says they are chunks of `weight` and `bias`; a caller
+        passing rows reordered or repeated (fused q/k/v, replicated heads)
+        sets the true split (autotp.py does), or checkpoints would store
+        the reordered tensor.
 
         Raises:
             ValueError: out is not divisible by tp.
@@ -166,7 +182,7 @@ class ColumnParallelLinear(nn.Module):
                     init_method=lambda full: full.copy_(weight), dtype=dtype, device=device)
         if bias is not None:
             layer.bias = _shard(bias.detach(), 0, layer.group, dtype, device)
-            _mark_sharded(layer.bias, 0)
+            _mark_sharded(layer.bias, 0, bias.shape, layer.group)
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -176,7 +192,11 @@ class ColumnParallelLinear(nn.Module):
         else:
             x = copy_to_region(x, self.group)
         y = F.linear(x, self.weight, self.bias)
-        return gather_from_region(y, self.group) if self.gather_output else y
+        if self.gather_output:
+            return gather_from_region(y, self.group)
+        if self.training:  # the output is split: see random.py [Note: dropout in tensor-parallel regions]
+            enter_split_region()
+        return y
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features} "
@@ -241,7 +261,7 @@ class RowParallelLinear(nn.Module):
         full = torch.empty(out_features, in_features)
         init_method(full)
         self.weight = _shard(full, 1, self.group, dtype, device)
-        _mark_sharded(self.weight, 1)
+        _mark_sharded(self.weight, 1, full.shape, self.group)
         if bias:
             full_bias = _linear_bias(out_features, in_features)
             self.bias = nn.Parameter(full_bias.to(dtype=dtype or torch.get_default_dtype(), device=device))
@@ -256,7 +276,8 @@ class RowParallelLinear(nn.Module):
         """The layer (input_is_parallel) holding this rank's columns of a
         trained full layer: `weight` (out, in) and `bias` (out,), kept whole,
         or None; dtype and device default to the weight's. Draws nothing
-        from the random generator.
+        from the random generator. The weight's `tp_split` says it is a
+        chunk of `weight` (see ColumnParallelLinear.from_full).
 
         Raises:
             ValueError: in is not divisible by tp.
@@ -270,6 +291,7 @@ class RowParallelLinear(nn.Module):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        leave_split_region()  # the output is replicated: see random.py [Note: dropout in tensor-parallel regions]
         if self.input_is_parallel:
             _check_last_dim(x, self.in_per_rank, "RowParallelLinear", "in_features / tensor-parallel size")
         else:
@@ -335,9 +357,10 @@ class VocabParallelEmbedding(nn.Module):
         full = torch.empty(num_embeddings, embedding_dim)
         init_method(full)
         self.weight = _shard(full, 0, self.group, dtype, device)
-        _mark_sharded(self.weight, 0)
+        _mark_sharded(self.weight, 0, full.shape, self.group)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        leave_split_region()  # a forward begins in the replicated region (random.py)
         if self.group.size == 1:
             out = F.embedding(ids, self.weight)
         else:
