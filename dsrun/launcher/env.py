@@ -23,8 +23,8 @@ mean when every node runs the same number of ranks.
 """
 from __future__ import annotations
 
+from dsrun.env import PROGRESS
 from dsrun.launcher.job import NodeJob
-from dsrun.launcher.progress import PROGRESS_ENV
 from dsrun.numpy_warning import rank_warning_filter
 
 
@@ -49,7 +49,7 @@ def rank_environment(job: NodeJob, index: int) -> dict[str, str]:
         "DSRUN_JOB_ID": job.job_id,
         "DSRUN_RENDEZVOUS_TIMEOUT": f"{job.rendezvous_timeout:g}",
         "PYTHONUNBUFFERED": "1",
-        PROGRESS_ENV: "1",
+        PROGRESS.name: "1",  # not via launcher/progress.py: the agent does not import rich
     }
 
 

@@ -54,6 +54,7 @@ class MultinodeOptions:
     launcher: str | None
     ssh_config: Path | None
     ssh_host_key_policy: str | None
+    ssh_parallelism: int
     remote_python: str | None
     remote_cwd: str | None
     env: tuple[str, ...]
@@ -75,6 +76,9 @@ _OPTIONS = [
                  help="Hosts missing from every known_hosts file: refuse (strict) or add them (accept-new) "
                       "[default: StrictHostKeyChecking from the ssh config, else strict]. A changed key is "
                       "always refused."),
+    # 32 is ssh.DEFAULT_SSH_PARALLELISM, not imported here: a local launch does not pay for paramiko.
+    click.option("--ssh_parallelism", type=click.IntRange(min=1), default=32, show_default=True,
+                 help="Hosts connected to, and agents started, at once over SSH; each host that fails is named."),
     click.option("--remote_python", default=None, help="Python on the other nodes [default: this Python's path]."),
     click.option("--remote_cwd", default=None, help="Working directory on the other nodes [default: this one]."),
     click.option("--env", multiple=True, metavar="NAME|K=V",
@@ -195,7 +199,8 @@ def _run(opts: MultinodeOptions, rc: RankCommand, launcher: str, console: Consol
     policy = HostKeyPolicy(opts.ssh_host_key_policy) if opts.ssh_host_key_policy else None
     try:
         launch = prepare_ssh_launch(placement.hosts, ssh_config=opts.ssh_config, policy=policy, python=python, cwd=cwd,
-                                    job_id=job_id, master_addr=rc.master_addr, master_port=rc.master_port)
+                                    job_id=job_id, master_addr=rc.master_addr, master_port=rc.master_port,
+                                    parallelism=opts.ssh_parallelism)
     except SshConnectError as exc:
         console.print(exc.table())
         raise click.ClickException(f"{exc.stage} failed on {', '.join(exc.failures)}; nothing was started") from exc
