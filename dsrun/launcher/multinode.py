@@ -136,14 +136,19 @@ def _hosts(opts: MultinodeOptions, launcher: str, num_procs: int | None,
            console: Console) -> tuple[list[Host], int | None]:
     """The candidate hosts, and the --num_procs still to apply per host."""
     if launcher == "slurm":
-        from dsrun.launcher.slurm import SlurmError, allocation_from_env
+        from dsrun.launcher.slurm import SlurmError, allocation_from_env, unusable_nodes
         if opts.hostfile:
             raise ValueError("--launcher slurm takes the nodes from the allocation; drop --hostfile")
         try:
             alloc = allocation_from_env(os.environ)
         except SlurmError as exc:
             raise ValueError(str(exc)) from exc
-        return [Host(n, c) for n, c in zip(alloc.nodes, alloc.ranks_per_node(num_procs))], None
+        failed = unusable_nodes(list(alloc.nodes))  # see [Note: a failed node inside an allocation]
+        if failed and len(failed) == len(alloc.nodes):
+            raise ValueError(f"every node of the allocation is out of service: {failed}")
+        for node, state in failed.items():
+            console.print(f"dsrun: leaving out node {node}: Slurm reports it {state}")
+        return [Host(n, c) for n, c in zip(alloc.nodes, alloc.ranks_per_node(num_procs)) if n not in failed], None
     if opts.hostfile:
         if launcher == "local":
             raise ValueError("--launcher local runs on this machine only; drop --hostfile or use --launcher ssh")

@@ -82,8 +82,8 @@ DEFAULT_CONNECT_TIMEOUT = 10.0
 # Connections opened, and agents started, at once (--ssh_parallelism): what one sshd's MaxStartups (default 10:30:100)
 # and a 2-core head keep up with; more only queues handshakes.
 DEFAULT_SSH_PARALLELISM = 32
-# Seconds an agent gets to become ready (Python start, imports, probes) at the least.
-AGENT_READY_TIMEOUT = 30.0
+# Seconds an agent gets to become ready (login shell, Python start, imports, probes) at the least.
+AGENT_READY_TIMEOUT = 60.0
 READY_MARKER = b"DSRUN-AGENT-READY"
 # Exit status of an agent whose SSH connection dropped (what the ssh client reports for a lost link).
 CONNECTION_LOST = 255
@@ -528,7 +528,7 @@ def _start_one(conn: Connection, command: str, timeout: float) -> WaitingAgent |
         status: int | None = chan.recv_exit_status()
         out = b"".join(before) + stderr.read()
     except socket.timeout:
-        status, out = None, b"".join(before) + f"(not ready within {timeout:g} s)".encode()
+        status, out = None, b"".join(before)
     chan.close()
     return status, out.decode(errors="replace").strip()
 
@@ -572,8 +572,11 @@ def start_agents(conns: dict[str, Connection], *, python: str, cwd: str, master_
                     "pass --master_addr with an address all nodes can reach")
         if status == _NO_PORT:
             return f"none of the ports {candidates} is free"
+        if status is None:
+            return (f"the agent was not ready within {timeout:g} s (the node overloaded, or its login shell "
+                    f"slow to start?): {out[-300:] or 'no output'}")
         return (f"cannot run {python} -m {AGENT_MODULE} in {cwd} (working directory, Python or dsrun missing on "
-                f"that node?) (exit {status if status is not None else '?'}: {out[-300:] or 'no output'})")
+                f"that node?) (exit {status}: {out[-300:] or 'no output'})")
 
     with ThreadPoolExecutor(max_workers=min(parallelism, len(hosts))) as pool:
         results = dict(zip(hosts, pool.map(one, hosts)))
