@@ -23,15 +23,20 @@ case, then the next), so machine noise hits all alike:
 - `dry_run 1024`: `dsrun --dry_run` of a 1024-host hostfile, 8 slots each.
 
 Prints min, median and spread (max - min) of each case, seconds, and the
-CPU seconds the head used (dsrun's own process, children excluded): on a
-real cluster each node's share (sshd, login shell, agent, ranks) runs on
-that node, while the head's is what grows with the number of hosts.
+median CPU seconds of the whole launch (start to end, teardown included):
+`head CPU` is the launcher process (for torchrun: torchrun and its ranks,
+all on its one node), `node CPU` is what the sshd ran for dsrun (SSH
+connections, login shells, agents, ranks). On a real cluster each node's
+share of `node CPU` runs on that node, in parallel; here all "nodes" share
+this machine's CPUs, so with many hosts the wall time is bound by
+`node CPU / CPUs` and by what else runs (the load average is printed).
 """
 from __future__ import annotations
 
 import argparse
 import os
 import re
+import resource
 import statistics
 import subprocess
 import sys
@@ -71,12 +76,6 @@ def _watch_up(proc: subprocess.Popen, world: int, started: threading.Event, seen
                 started.set()
 
 
-def _own_cpu(proc: psutil.Process) -> float:
-    """CPU seconds `proc` itself used so far (its children excluded)."""
-    t = proc.cpu_times()
-    return t.user + t.system
-
-
 def _alive(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
@@ -84,40 +83,65 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def run_case(argv: list[str], world: int, trigger: Path | None, sshd_pid: int | None, cwd: Path) -> tuple[float, float]:
-    """One launch; returns (seconds measured, head CPU seconds). See the module doc for what is measured."""
+def _reaped_cpu() -> float:
+    """CPU seconds of this process's reaped children (and theirs, once reaped)."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def _sshd_children_cpu(sshd_pid: int) -> float:
+    """CPU seconds of everything sshd ran and reaped: connections, login shells, agents, ranks."""
+    t = psutil.Process(sshd_pid).cpu_times()
+    return t.children_user + t.children_system
+
+
+def _wait_sessions_gone(sshd_pid: int) -> None:
+    deadline = time.perf_counter() + 30
+    while psutil.Process(sshd_pid).children() and time.perf_counter() < deadline:
+        time.sleep(0.02)
+
+
+def run_case(argv: list[str], world: int, trigger: Path | None, sshd_pid: int | None,
+             cwd: Path) -> tuple[float, float, float]:
+    """One launch; returns (seconds measured, head CPU s, node CPU s). See the module doc for what is measured.
+
+    Head CPU: the launcher process (dsrun's head; for torchrun, torchrun and
+    its ranks, which all run on the one node). Node CPU: for dsrun, what the
+    sshd ran (sessions, login shells, agents, ranks), 0 for torchrun.
+    """
     if trigger is not None and trigger.exists():
         trigger.unlink()
+    cpu0, node0 = _reaped_cpu(), _sshd_children_cpu(sshd_pid) if sshd_pid else 0.0
     t0 = time.perf_counter()
     proc = subprocess.Popen(argv, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    head = psutil.Process(proc.pid)
     started, seen = threading.Event(), []
     reader = threading.Thread(target=_watch_up, args=(proc, world, started, seen), daemon=True)
     err: list[bytes] = []
     err_reader = threading.Thread(target=lambda: err.append(proc.stderr.read()), daemon=True)
     reader.start()
     err_reader.start()
-    cpu = 0.0
     if not started.wait(120):
         proc.kill()
         raise RuntimeError(f"{argv[:4]}...: not all {world} ranks started in 120 s:\n{b''.join(err).decode()[-2000:]}")
     if trigger is None:
-        cpu = _own_cpu(head)
+        measured = seen[0] - t0
         proc.wait(60)
-        return seen[0] - t0, cpu
-    job = [p.pid for p in psutil.Process(sshd_pid).children(recursive=True)] if sshd_pid else \
-        [p.pid for p in head.children(recursive=True)]
-    cpu = _own_cpu(head)
-    trigger.touch()
-    t1 = time.perf_counter()
-    proc.wait(60)
-    while any(_alive(p) for p in job):
-        if time.perf_counter() - t1 > 60:
-            raise RuntimeError("processes of the job are left 60 s after the failure")
-        time.sleep(0.01)
-    if proc.returncode == 0:
-        raise RuntimeError(f"the job with a failed rank exited 0: {b''.join(err).decode()[-2000:]}")
-    return time.perf_counter() - t1, cpu
+    else:
+        job = [p.pid for p in psutil.Process(sshd_pid or proc.pid).children(recursive=True)]
+        trigger.touch()
+        t1 = time.perf_counter()
+        proc.wait(60)
+        while any(_alive(p) for p in job):
+            if time.perf_counter() - t1 > 60:
+                raise RuntimeError("processes of the job are left 60 s after the failure")
+            time.sleep(0.01)
+        measured = time.perf_counter() - t1
+        if proc.returncode == 0:
+            raise RuntimeError(f"the job with a failed rank exited 0: {b''.join(err).decode()[-2000:]}")
+    if sshd_pid:
+        _wait_sessions_gone(sshd_pid)
+    node = _sshd_children_cpu(sshd_pid) - node0 if sshd_pid else 0.0
+    return measured, _reaped_cpu() - cpu0, node
 
 
 def main() -> None:
@@ -140,7 +164,7 @@ def main() -> None:
             for n in counts:
                 cfg, hostfile = cluster.write_many_hosts(n, 2)
                 base = [*dsrun, "--hostfile", str(hostfile), "--ssh_config", str(cfg), str(d / "rank.py")]
-                cases[f"dsrun start {n} hosts"] = (base, 2 * n, None, None)
+                cases[f"dsrun start {n} hosts"] = (base, 2 * n, None, cluster.proc.pid)
                 cases[f"dsrun fail {n} hosts"] = ([*base, str(trigger)], 2 * n, trigger, cluster.proc.pid)
             if not args.no_torchrun:
                 torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
@@ -149,27 +173,30 @@ def main() -> None:
                 cases["torchrun fail 1 node"] = ([*torchrun, str(trigger)], 2, trigger, None)
             times: dict[str, list[float]] = {name: [] for name in cases}
             cpus: dict[str, list[float]] = {name: [] for name in cases}
+            nodes: dict[str, list[float]] = {name: [] for name in cases}
             times["dsrun dry_run 1024 hosts"], cpus["dsrun dry_run 1024 hosts"] = [], []
+            nodes["dsrun dry_run 1024 hosts"] = []
             env = dict(os.environ, PYTHONPATH=str(ROOT))
             os.environ.update(env)
             for rep in range(args.repeat):
                 for name, (argv, world, trig, sshd_pid) in cases.items():
-                    seconds, cpu = run_case(argv, world, trig, sshd_pid, ROOT)
+                    seconds, cpu, node = run_case(argv, world, trig, sshd_pid, ROOT)
                     times[name].append(seconds)
                     cpus[name].append(cpu)
+                    nodes[name].append(node)
                     print(f"rep {rep} {name}: {seconds:.2f} s", file=sys.stderr, flush=True)
-                t0 = time.perf_counter()
+                t0, cpu0 = time.perf_counter(), _reaped_cpu()
                 dry = subprocess.run([*dsrun, "--hostfile", str(hf), "--dry_run", str(d / "rank.py")], cwd=ROOT,
                                      capture_output=True)
                 times["dsrun dry_run 1024 hosts"].append(time.perf_counter() - t0)
-                cpus["dsrun dry_run 1024 hosts"].append(float("nan"))
+                cpus["dsrun dry_run 1024 hosts"].append(_reaped_cpu() - cpu0)
+                nodes["dsrun dry_run 1024 hosts"].append(0.0)
                 if dry.returncode != 0:
                     raise RuntimeError(dry.stderr.decode()[-2000:])
-    print(f"{'case':28} {'min s':>7} {'median s':>9} {'spread s':>9} {'head CPU s':>11}")
+    print(f"{'case':26} {'min s':>7} {'median s':>9} {'spread s':>9} {'head CPU s':>11} {'node CPU s':>11}")
     for name, samples in times.items():
-        cpu = statistics.median(cpus[name])
-        print(f"{name:28} {min(samples):7.2f} {statistics.median(samples):9.2f} {max(samples) - min(samples):9.2f} "
-              f"{'' if cpu != cpu else f'{cpu:11.2f}'}")
+        print(f"{name:26} {min(samples):7.2f} {statistics.median(samples):9.2f} {max(samples) - min(samples):9.2f} "
+              f"{statistics.median(cpus[name]):11.2f} {statistics.median(nodes[name]):11.2f}")
     print(f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs at the end)")
 
 
