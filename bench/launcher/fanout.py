@@ -50,7 +50,7 @@ import psutil
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from tests.multinode.sshd import SshCluster, free_port, loopback_sshd  # noqa: E402
+from tests.multinode.sshd import loopback_sshd  # noqa: E402
 
 RANK_SCRIPT = """\
 import os, sys, time
@@ -168,19 +168,25 @@ def main() -> None:
                 cases[f"dsrun fail {n} hosts"] = ([*base, str(trigger)], 2 * n, trigger, cluster.proc.pid)
             if not args.no_torchrun:
                 torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
-                            "--master_port", str(free_port()), str(d / "rank.py")]
+                            "--master_port", "0", str(d / "rank.py")]  # 0: a free port each run
                 cases["torchrun start 1 node"] = (torchrun, 2, None, None)
                 cases["torchrun fail 1 node"] = ([*torchrun, str(trigger)], 2, trigger, None)
             times: dict[str, list[float]] = {name: [] for name in cases}
             cpus: dict[str, list[float]] = {name: [] for name in cases}
             nodes: dict[str, list[float]] = {name: [] for name in cases}
+            failed: dict[str, int] = {}
             times["dsrun dry_run 1024 hosts"], cpus["dsrun dry_run 1024 hosts"] = [], []
             nodes["dsrun dry_run 1024 hosts"] = []
             env = dict(os.environ, PYTHONPATH=str(ROOT))
             os.environ.update(env)
             for rep in range(args.repeat):
                 for name, (argv, world, trig, sshd_pid) in cases.items():
-                    seconds, cpu, node = run_case(argv, world, trig, sshd_pid, ROOT)
+                    try:
+                        seconds, cpu, node = run_case(argv, world, trig, sshd_pid, ROOT)
+                    except RuntimeError as exc:  # counted and shown, the other cases go on
+                        failed[name] = failed.get(name, 0) + 1
+                        print(f"rep {rep} {name}: FAILED: {exc}", file=sys.stderr, flush=True)
+                        continue
                     times[name].append(seconds)
                     cpus[name].append(cpu)
                     nodes[name].append(node)
@@ -195,8 +201,13 @@ def main() -> None:
                     raise RuntimeError(dry.stderr.decode()[-2000:])
     print(f"{'case':26} {'min s':>7} {'median s':>9} {'spread s':>9} {'head CPU s':>11} {'node CPU s':>11}")
     for name, samples in times.items():
+        if not samples:
+            print(f"{name:26} every run failed")
+            continue
         print(f"{name:26} {min(samples):7.2f} {statistics.median(samples):9.2f} {max(samples) - min(samples):9.2f} "
               f"{statistics.median(cpus[name]):11.2f} {statistics.median(nodes[name]):11.2f}")
+    for name, count in failed.items():
+        print(f"{name}: {count} run(s) failed (see stderr)")
     print(f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs at the end)")
 
 

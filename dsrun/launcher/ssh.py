@@ -20,15 +20,16 @@ and dsrun), on the master node finds a free rendezvous port, prints
 `DSRUN-AGENT-READY <port>`, and only then becomes the agent, which waits
 for its job on stdin. If any node fails, the head closes every channel: the
 waiting agents see EOF before a job and exit, and no rank starts anywhere.
-At 64 nodes this is what brings start-up from ~35 s (three sessions per
-node: a check, a reachability probe, the agent) to under 10 s on a 2-core
-machine (bench/launcher/README.md).
+Before, a node had three (a check, a reachability probe, the agent): at 16
+nodes on one loaded 2-core machine the nodes' CPU went from 22 s to 9 s and
+start-up from 26 s to 10 s (bench/launcher/README.md).
 
 [Note: what crosses the SSH channel]
-The remote command line is only `cd CWD && exec PYTHON -m dsrun.launcher.agent`.
-The job description, including every propagated environment variable, is
-written as one JSON line to the channel's stdin, so no value ever appears
-in a command line (visible in `ps` on the node and in sshd logs) or in
+The remote command line is only `cd CWD && exec PYTHON -c BOOTSTRAP
+MASTER_ADDR PORT [PORT...]` (see [Note: one session per node]). The job
+description, including every propagated environment variable, is written
+as one JSON line to the channel's stdin, so no value ever appears in a
+command line (visible in `ps` on the node and in sshd logs) or in
 dsrun's output. The channel's stdin stays open for the whole job: when the
 head dies or the connection drops, sshd closes the agent's stdin, and the
 agent kills its ranks on EOF. So no rank outlives its connection.

@@ -3,9 +3,11 @@
 The hosts are aliases host-000 ... host-063 of 127.0.0.1 and 127.0.0.2
 (tests/multinode/sshd.py `write_many_hosts`): dsrun opens one SSH
 connection, one session and one agent per alias, as it would per machine.
-Time bounds are 3x the goals of issue 28 (start < 15 s, fail-fast < 10 s,
-dry run < 2 s): the test machine is shared and noisy; bench/launcher/fanout.py
-reports the real figures.
+Time bounds are 3x the goals of issue 28 (fail-fast < 10 s, dry run < 2 s)
+and 4x for start-up (< 15 s): here all 64 "nodes" share the test machine's
+CPUs (about 0.6 CPU-s per node: login shell, agent, ranks), and on a shared
+2-core machine at load average 30 start-up took 33-44 s;
+bench/launcher/fanout.py reports the real figures.
 """
 from __future__ import annotations
 
@@ -71,7 +73,7 @@ def test_64_hosts_start_and_fail_fast(sshd_cluster, tmp_path):
     threading.Thread(target=read, daemon=True).start()
     threading.Thread(target=lambda: err.append(proc.stderr.read()), daemon=True).start()
     try:
-        assert all_up.wait(45), f"{len(up)} of 128 ranks up after 45 s; rc {proc.poll()}; {''.join(err)[-3000:]}"
+        assert all_up.wait(60), f"{len(up)} of 128 ranks up after 60 s; rc {proc.poll()}; {''.join(err)[-3000:]}"
         start_s = time.monotonic() - started
         assert up == {r: (r, 128, r // 2, r % 2) for r in range(128)}
         job = [p.pid for p in psutil.Process(sshd_cluster.proc.pid).children(recursive=True)]
