@@ -124,12 +124,12 @@ def _supervised_run(run: str, cwd: str, max_requeues: int) -> list[str]:
             'restarts="${SLURM_RESTART_COUNT:-0}"',
             'if [ "$signalled" != TERM ] && { [ "$status" -ne 0 ] || [ "$signalled" = USR1 ]; }; then',
             '    if [ "$restarts" -lt "$max_requeues" ]; then',
-            '        echo "dsrun-sbatch: dsrun exited $status${signalled:+ after SIG$signalled}; requeueing job'
-            ' $SLURM_JOB_ID (requeue $((restarts + 1)) of $max_requeues)" >&2',
+            ('        echo "dsrun-sbatch: dsrun exited $status${signalled:+ after SIG$signalled}; requeueing job'
+             ' $SLURM_JOB_ID (requeue $((restarts + 1)) of $max_requeues)" >&2'),
             '        scontrol requeue "$SLURM_JOB_ID" && exit 0',
             "    else",
-            '        echo "dsrun-sbatch: dsrun exited $status; not requeueing: $restarts of $max_requeues'
-            ' requeues used (--max-requeues)" >&2',
+            ('        echo "dsrun-sbatch: dsrun exited $status; not requeueing: $restarts of $max_requeues'
+             ' requeues used (--max-requeues)" >&2'),
             "    fi",
             "fi",
         ]

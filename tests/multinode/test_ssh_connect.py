@@ -7,7 +7,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from dsrun.launcher.ssh import HostKeyPolicy, SshConnectError, connect_all, load_ssh_config, resolve_target, start_agents
+from dsrun.launcher.ssh import (HostKeyPolicy, SshConnectError, connect_all, load_ssh_config, resolve_target,
+                                start_agents)
 from tests.multinode.conftest import free_port, keygen
 
 ROOT = Path(__file__).resolve().parents[2]
