@@ -25,8 +25,8 @@ mean when every node runs the same number of ranks.
 """
 from __future__ import annotations
 
+from dsrun.env import PROGRESS
 from dsrun.launcher.job import NodeJob
-from dsrun.launcher.progress import PROGRESS_ENV
 from dsrun.numpy_warning import rank_warning_filter
 
 
@@ -53,7 +53,7 @@ def rank_environment(job: NodeJob, index: int) -> dict[str, str]:
         "DSRUN_RESTART_COUNT": str(job.restart_count),
         "TORCHELASTIC_RESTART_COUNT": str(job.restart_count),
         "PYTHONUNBUFFERED": "1",
-        PROGRESS_ENV: "1",
+        PROGRESS.name: "1",  # not via launcher/progress.py: the agent does not import rich
     }
 
 

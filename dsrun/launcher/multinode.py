@@ -61,6 +61,7 @@ class MultinodeOptions:
     launcher: str | None
     ssh_config: Path | None
     ssh_host_key_policy: str | None
+    ssh_parallelism: int
     remote_python: str | None
     remote_cwd: str | None
     env: tuple[str, ...]
@@ -85,6 +86,9 @@ _OPTIONS = [
                  help="Hosts missing from every known_hosts file: refuse (strict) or add them (accept-new) "
                       "[default: StrictHostKeyChecking from the ssh config, else strict]. A changed key is "
                       "always refused."),
+    # 32 is ssh.DEFAULT_SSH_PARALLELISM, not imported here: a local launch does not pay for paramiko.
+    click.option("--ssh_parallelism", type=click.IntRange(min=1), default=32, show_default=True,
+                 help="Hosts connected to, and agents started, at once over SSH; each host that fails is named."),
     click.option("--remote_python", default=None, help="Python on the other nodes [default: this Python's path]."),
     click.option("--remote_cwd", default=None, help="Working directory on the other nodes [default: this one]."),
     click.option("--env", multiple=True, metavar="NAME|K=V",
@@ -155,14 +159,19 @@ def _hosts(opts: MultinodeOptions, launcher: str, num_procs: int | None,
            console: Console) -> tuple[list[Host], int | None]:
     """The candidate hosts, and the --num_procs still to apply per host."""
     if launcher == "slurm":
-        from dsrun.launcher.slurm import SlurmError, allocation_from_env
+        from dsrun.launcher.slurm import SlurmError, allocation_from_env, unusable_nodes
         if opts.hostfile:
             raise ValueError("--launcher slurm takes the nodes from the allocation; drop --hostfile")
         try:
             alloc = allocation_from_env(os.environ)
         except SlurmError as exc:
             raise ValueError(str(exc)) from exc
-        return [Host(n, c) for n, c in zip(alloc.nodes, alloc.ranks_per_node(num_procs))], None
+        failed = unusable_nodes(list(alloc.nodes))  # see [Note: a failed node inside an allocation]
+        if failed and len(failed) == len(alloc.nodes):
+            raise ValueError(f"every node of the allocation is out of service: {failed}")
+        for node, state in failed.items():
+            console.print(f"dsrun: leaving out node {node}: Slurm reports it {state}")
+        return [Host(n, c) for n, c in zip(alloc.nodes, alloc.ranks_per_node(num_procs)) if n not in failed], None
     if opts.hostfile:
         if launcher == "local":
             raise ValueError("--launcher local runs on this machine only; drop --hostfile or use --launcher ssh")
@@ -234,7 +243,8 @@ def _run(opts: MultinodeOptions, rc: RankCommand, launcher: str, console: Consol
         try:
             launch = prepare_ssh_launch(hosts, ssh_config=opts.ssh_config, policy=key_policy, python=python,
                                         cwd=cwd, job_id=attempt_job_id(job_id, restart),
-                                        master_addr=rc.master_addr, master_port=rc.master_port)
+                                        master_addr=rc.master_addr, master_port=rc.master_port,
+                                        parallelism=opts.ssh_parallelism)
         except SshConnectError as exc:  # the pre-check: nothing was started
             raise HostsDown(exc.failures, original=exc) from exc
         for note in launch.notes:

@@ -95,6 +95,44 @@ def node_address(name: str) -> str:
     return name
 
 
+# sinfo's long state names of a node no new step should start on; a trailing '*' (not responding) counts too.
+_UNUSABLE_STATES = frozenset({"down", "drain", "drained", "draining", "fail", "failing", "maint", "powered_down",
+                              "powering_down", "reboot_issued", "reboot_requested"})
+
+
+def unusable_nodes(nodes: list[str]) -> dict[str, str]:
+    """The nodes of `nodes` Slurm reports failed or taken out of service, with their state.
+
+    [Note: a failed node inside an allocation]
+    A node that stops responding (state ending in '*'), goes down, or is
+    drained (by an admin or a HealthCheckProgram) while the job holds it is
+    left out of the next launch: dsrun starts one step per node by name
+    (`--nodelist=NODE`, see [Note: one step per node]), so leaving the node
+    out of the node list is srun's `--exclude` for it. That keeps a restart
+    inside the same allocation (`--max_restarts`, or a rerun of dsrun in
+    the batch script) off the node; the job survives the node's failure
+    only if it was submitted with `--no-kill` (Slurm otherwise ends the
+    whole job). `dsrun --exclude NODE` leaves a node out by hand.
+
+    Returns {} when `sinfo` is not installed or does not answer (nothing
+    known to be wrong).
+    """
+    sinfo = shutil.which("sinfo")
+    if sinfo is None or not nodes:
+        return {}
+    try:
+        proc = subprocess.run([sinfo, "-h", "-N", "-o", "%N %T", "--nodes", ",".join(nodes)], capture_output=True,
+                              text=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        return {}
+    states: dict[str, str] = {}
+    for line in proc.stdout.splitlines() if proc.returncode == 0 else []:
+        name, _, state = line.strip().partition(" ")
+        if name in nodes and (state.endswith("*") or state.rstrip("*~#!%$@^-").lower() in _UNUSABLE_STATES):
+            states[name] = state
+    return states
+
+
 def per_node_counts(value: str, nnodes: int) -> list[int]:
     """Expand Slurm's compressed per-node counts: '4(x2),2' -> [4, 4, 2].
 

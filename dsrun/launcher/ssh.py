@@ -1,17 +1,35 @@
 """Reaching nodes over SSH with paramiko (no pdsh, no ssh binary).
 
-`connect_all` opens one SSH connection per host, in parallel, before any
-rank starts; if any host cannot be resolved, reached, verified or
-authenticated, it raises `SshConnectError` carrying a per-host table of what
-failed, and the job never starts anywhere. `start_agent` then runs the node
-agent (`python -m dsrun.launcher.agent`) over each connection, in the same
-working directory with the same Python as the head unless overridden.
+`connect_all` opens one SSH connection per host, at most `parallelism`
+(`--ssh_parallelism`, default 32) at a time, before any rank starts; if any
+host cannot be resolved, reached, verified or authenticated, it raises
+`SshConnectError` carrying a per-host table of what failed, and the job
+never starts anywhere. `start_agents` then starts the node agent over each
+connection, in the same working directory with the same Python as the head
+unless overridden, and waits until every agent is ready for its job (see
+[Note: one session per node]); only then does the head send the jobs.
+
+[Note: one session per node]
+Each SSH session costs the node a login shell (which may read a slow
+~/.bashrc: bash does so for commands run by sshd) and each Python a start
+and the agent's imports. So a node gets exactly one session and one Python
+before its ranks: the agent's bootstrap (`agent_command`) checks that the
+node reaches the master address (a TCP connection to the master's sshd
+port), imports the agent (which proves the working directory, the Python
+and dsrun), on the master node finds a free rendezvous port, prints
+`DSRUN-AGENT-READY <port>`, and only then becomes the agent, which waits
+for its job on stdin. If any node fails, the head closes every channel: the
+waiting agents see EOF before a job and exit, and no rank starts anywhere.
+Before, a node had three (a check, a reachability probe, the agent): at 16
+nodes on one loaded 2-core machine the nodes' CPU went from 22 s to 9 s and
+start-up from 26 s to 10 s (bench/launcher/README.md).
 
 [Note: what crosses the SSH channel]
-The remote command line is only `cd CWD && exec PYTHON -m dsrun.launcher.agent`.
-The job description, including every propagated environment variable, is
-written as one JSON line to the channel's stdin, so no value ever appears
-in a command line (visible in `ps` on the node and in sshd logs) or in
+The remote command line is only `cd CWD && exec PYTHON -c BOOTSTRAP
+MASTER_ADDR PORT [PORT...]` (see [Note: one session per node]). The job
+description, including every propagated environment variable, is written
+as one JSON line to the channel's stdin, so no value ever appears in a
+command line (visible in `ps` on the node and in sshd logs) or in
 dsrun's output. The channel's stdin stays open for the whole job: when the
 head dies or the connection drops, sshd closes the agent's stdin, and the
 agent kills its ranks on EOF. So no rank outlives its connection.
@@ -62,6 +80,12 @@ from dsrun.launcher.placement import derived_port
 
 AGENT_MODULE = "dsrun.launcher.agent"
 DEFAULT_CONNECT_TIMEOUT = 10.0
+# Connections opened, and agents started, at once (--ssh_parallelism): what one sshd's MaxStartups (default 10:30:100)
+# and a 2-core head keep up with; more only queues handshakes.
+DEFAULT_SSH_PARALLELISM = 32
+# Seconds an agent gets to become ready (login shell, Python start, imports, probes) at the least.
+AGENT_READY_TIMEOUT = 60.0
+READY_MARKER = b"DSRUN-AGENT-READY"
 # Exit status of an agent whose SSH connection dropped (what the ssh client reports for a lost link).
 CONNECTION_LOST = 255
 DEFAULT_USER_KNOWN_HOSTS = "~/.ssh/known_hosts ~/.ssh/known_hosts2"
@@ -388,27 +412,33 @@ def _lists(path: Path, hostname: str) -> bool:
         return False
 
 
+def _check_parallelism(parallelism: int) -> None:
+    if parallelism < 1:
+        raise ValueError(f"--ssh_parallelism {parallelism}: give the number of hosts to connect to at once, 1 or more "
+                         f"(default {DEFAULT_SSH_PARALLELISM})")
+
+
 def connect_all(hosts: list[str], config: paramiko.SSHConfig, policy: HostKeyPolicy | None,
-                preflight: str | None = None, preflight_hint: str = "") -> dict[str, Connection]:
-    """Connect to every host in parallel and optionally run a check command on each.
+                parallelism: int = DEFAULT_SSH_PARALLELISM) -> dict[str, Connection]:
+    """Connect to every host, at most `parallelism` handshakes at a time.
 
     Args:
         hosts: host aliases (hostfile names), in node order.
         config: the ssh config to resolve them with.
         policy: host key policy for unknown hosts, or None to follow each
             host's StrictHostKeyChecking (see [Note: host keys]).
-        preflight: a shell command run on each node after connecting; a
-            non-zero exit counts as a failure of that host (its output and
-            `preflight_hint` become the reason).
+        parallelism: connections in flight at once (--ssh_parallelism).
 
     Returns:
         alias -> open Connection, in `hosts` order. New host keys are written
         to known_hosts only when every host succeeded.
 
     Raises:
+        ValueError: `parallelism` < 1.
         SshConnectError: with the reason for every host that failed; all
             connections that did open are closed again.
     """
+    _check_parallelism(parallelism)
     targets = {h: resolve_target(h, config) for h in hosts}
     connector = _Connector(config, policy)
 
@@ -418,15 +448,9 @@ def connect_all(hosts: list[str], config: paramiko.SSHConfig, policy: HostKeyPol
             client, jumps = connector.connect(target)
         except Exception as exc:  # every failure becomes a row of the table
             return explain_connect_error(exc, target)
-        conn = Connection(target, client, jumps)
-        if preflight is not None:
-            status, out = conn.run(preflight, timeout=max(target.timeout, 30.0))
-            if status != 0:
-                conn.close()
-                return f"{preflight_hint} (exit {status}: {out[-300:] or 'no output'})"
-        return conn
+        return Connection(target, client, jumps)
 
-    with ThreadPoolExecutor(max_workers=min(32, len(hosts))) as pool:
+    with ThreadPoolExecutor(max_workers=min(parallelism, len(hosts))) as pool:
         results = dict(zip(hosts, pool.map(one, hosts)))
     failures = {h: r for h, r in results.items() if isinstance(r, str)}
     if failures:
@@ -438,63 +462,142 @@ def connect_all(hosts: list[str], config: paramiko.SSHConfig, policy: HostKeyPol
     return results  # type: ignore[return-value]
 
 
-def agent_command(python: str, cwd: str) -> str:
-    """The remote command line: no job data, no environment values (see [Note: what crosses the SSH channel])."""
-    return f"cd {shlex.quote(cwd)} && exec {shlex.quote(python)} -m {AGENT_MODULE}"
+# The agent's bootstrap (see [Note: one session per node]). argv: master address, a port listening there, then the
+# rendezvous ports to try (master node only). Exit 3: master unreachable; 4: no port free; 1: the import failed.
+_AGENT_BOOTSTRAP = """\
+import socket, sys
+try:
+    socket.create_connection((sys.argv[1], int(sys.argv[2])), 5).close()
+except OSError as exc:
+    print(exc.strerror or exc, file=sys.stderr)
+    sys.exit(3)
+from dsrun.launcher.agent import main
+port = "-"
+for candidate in sys.argv[3:]:
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        s.bind(("", int(candidate)))
+    except OSError:
+        continue
+    finally:
+        s.close()
+    port = candidate
+    break
+if sys.argv[3:] and port == "-":
+    sys.exit(4)
+print("DSRUN-AGENT-READY", port, flush=True)
+sys.exit(main())
+"""
+_UNREACHABLE, _NO_PORT = 3, 4
 
 
-def preflight_command(python: str, cwd: str) -> str:
-    """A check that the node has the working directory, the Python and dsrun's agent."""
-    return f"cd {shlex.quote(cwd)} && {shlex.quote(python)} -c 'import {AGENT_MODULE}'"
+def agent_command(python: str, cwd: str, master_addr: str, probe_port: int, port_candidates: list[int]) -> str:
+    """The remote command line: the agent's bootstrap; no job data, no environment values.
+
+    See [Note: what crosses the SSH channel] and [Note: one session per node].
+    `port_candidates` is empty on every node but the master.
+    """
+    args = " ".join(shlex.quote(str(a)) for a in (master_addr, probe_port, *port_candidates))
+    return f"cd {shlex.quote(cwd)} && exec {shlex.quote(python)} -c {shlex.quote(_AGENT_BOOTSTRAP)} {args}"
 
 
-_PORT_PROBE = (
-    "import socket,sys\n"
-    "for p in sys.argv[1:]:\n"
-    "    s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
-    "    try: s.bind(('', int(p)))\n"
-    "    except OSError: continue\n"
-    "    finally: s.close()\n"
-    "    print(p); break\n"
-)
+@dataclass
+class WaitingAgent:
+    """An agent that passed its bootstrap and waits for its job on the channel's stdin."""
 
-_REACH_PROBE = "import socket,sys; socket.create_connection((sys.argv[1], int(sys.argv[2])), 5).close()"
+    chan: paramiko.Channel
+    stdout: BinaryIO
+    stderr: BinaryIO
+    port: int | None  # the free rendezvous port it found (master node), else None
 
 
-def free_port_on(conn: Connection, python: str, candidates: list[int]) -> int | None:
-    """The first of `candidates` that can be bound on the node, or None if none can."""
-    status, out = conn.run(f"{shlex.quote(python)} -c {shlex.quote(_PORT_PROBE)} " + " ".join(map(str, candidates)),
-                           timeout=30)
-    return int(out.split()[-1]) if status == 0 and out.strip() else None
+def _start_one(conn: Connection, command: str, timeout: float) -> WaitingAgent | tuple[int | None, str]:
+    """Start the bootstrap on `conn` and wait for its ready line; (exit status or None, output) if it never came."""
+    chan = conn.client.get_transport().open_session(timeout=timeout)
+    chan.settimeout(timeout)
+    chan.exec_command(command)
+    stdout, stderr = chan.makefile("rb"), chan.makefile_stderr("rb")
+    before: list[bytes] = []  # what the login shell printed (a chatty ~/.bashrc), kept for the reason only
+    try:
+        while line := stdout.readline():
+            if line.startswith(READY_MARKER):
+                chan.settimeout(None)  # from now on the head's pumps block on it
+                word = line.split()[-1].decode()
+                return WaitingAgent(chan, stdout, stderr, int(word) if word.isdigit() else None)
+            before.append(line)
+        status: int | None = chan.recv_exit_status()
+        out = b"".join(before) + stderr.read()
+    except socket.timeout:
+        status, out = None, b"".join(before)
+    chan.close()
+    return status, out.decode(errors="replace").strip()
 
 
-def check_master_reachable(conns: dict[str, Connection], python: str, addr: str, port: int) -> None:
-    """Check that every node can open a TCP connection to `addr:port`, in parallel.
+def start_agents(conns: dict[str, Connection], *, python: str, cwd: str, master_addr: str, probe_port: int,
+                 port_candidates: list[int], parallelism: int = DEFAULT_SSH_PARALLELISM) -> dict[str, WaitingAgent]:
+    """Start every node's agent through its bootstrap, at most `parallelism` at a time; wait until all are ready.
 
-    `port` is a port known to listen on the master node (its sshd), so a
-    failure means the address is wrong as seen from that node.
+    The first host of `conns` is the master node: only its bootstrap looks
+    for a free port among `port_candidates`. Every bootstrap opens a TCP
+    connection to `master_addr:probe_port` (a port known to listen there,
+    the master's sshd), so a failure means the address is wrong as seen
+    from that node.
+
+    Returns:
+        alias -> WaitingAgent, in `conns` order; the master's `port` is set.
 
     Raises:
-        SshConnectError: per node that cannot reach the address.
+        ValueError: `parallelism` < 1.
+        SshConnectError: the reason for every node whose agent did not get
+            ready; every channel is closed, so the agents that were ready
+            exit without a job and no rank starts anywhere.
     """
-    cmd = f"{shlex.quote(python)} -c {shlex.quote(_REACH_PROBE)} {shlex.quote(addr)} {port}"
-    with ThreadPoolExecutor(max_workers=min(32, len(conns))) as pool:
-        results = dict(zip(conns, pool.map(lambda c: c.run(cmd, timeout=30), conns.values())))
-    failures = {h: f"cannot reach master address {addr} (tried TCP port {port}): {out.splitlines()[-1] if out else ''}; "
-                   "pass --master_addr with an address all nodes can reach"
-                for h, (status, out) in results.items() if status != 0}
+    _check_parallelism(parallelism)
+    hosts = list(conns)
+
+    def one(host: str) -> WaitingAgent | str:
+        conn = conns[host]
+        candidates = port_candidates if host == hosts[0] else []
+        timeout = max(conn.target.timeout, AGENT_READY_TIMEOUT)
+        try:
+            result = _start_one(conn, agent_command(python, cwd, master_addr, probe_port, candidates), timeout)
+        except (OSError, EOFError, paramiko.SSHException) as exc:
+            return f"could not open a session for the agent: {explain_connect_error(exc, conn.target)}"
+        if isinstance(result, WaitingAgent):
+            return result
+        status, out = result
+        last = out.splitlines()[-1] if out else "no output"
+        if status == _UNREACHABLE:
+            return (f"cannot reach master address {master_addr} (tried TCP port {probe_port}): {last}; "
+                    "pass --master_addr with an address all nodes can reach")
+        if status == _NO_PORT:
+            return f"none of the ports {candidates} is free"
+        if status is None:
+            return (f"the agent was not ready within {timeout:g} s (the node overloaded, or its login shell "
+                    f"slow to start?): {out[-300:] or 'no output'}")
+        return (f"cannot run {python} -m {AGENT_MODULE} in {cwd} (working directory, Python or dsrun missing on "
+                f"that node?) (exit {status}: {out[-300:] or 'no output'})")
+
+    with ThreadPoolExecutor(max_workers=min(parallelism, len(hosts))) as pool:
+        results = dict(zip(hosts, pool.map(one, hosts)))
+    failures = {h: r for h, r in results.items() if isinstance(r, str)}
     if failures:
-        raise SshConnectError(failures, {h: c.target for h, c in conns.items()}, "checking the master address")
+        for r in results.values():
+            if isinstance(r, WaitingAgent):
+                r.chan.close()
+        raise SshConnectError(failures, {h: c.target for h, c in conns.items()}, "starting the node agents")
+    return results  # type: ignore[return-value]
 
 
 class SshAgentHandle(AgentHandle):
     """An agent running on a node through one SSH session channel."""
 
-    def __init__(self, job: NodeJob, chan: paramiko.Channel) -> None:
+    def __init__(self, job: NodeJob, agent: WaitingAgent) -> None:
         super().__init__(job)
-        self._chan = chan
-        self._stdout = chan.makefile("rb")
-        self._stderr = chan.makefile_stderr("rb")
+        self._chan = agent.chan
+        self._stdout = agent.stdout  # the same buffered files that read the ready line: nothing read is lost
+        self._stderr = agent.stderr
         self._killed = False
 
     @property
@@ -528,19 +631,17 @@ class SshAgentHandle(AgentHandle):
 
 
 class SshRunner(Runner):
-    """Starts each node's agent over an already open `Connection` (see `connect_all`)."""
+    """Hands each node's waiting agent its job (see `start_agents`); closing it ends every connection."""
 
-    def __init__(self, conns: dict[str, Connection], python: str) -> None:
+    def __init__(self, conns: dict[str, Connection], agents: dict[str, WaitingAgent]) -> None:
         self.conns = conns
-        self.python = python
+        self.agents = agents
 
     def start(self, job: NodeJob) -> SshAgentHandle:
-        conn = self.conns[job.host]
-        chan = conn.client.get_transport().open_session(timeout=conn.target.timeout)
-        chan.exec_command(agent_command(self.python, job.cwd))
+        agent = self.agents[job.host]
         # The job, environment included, goes on stdin, never on the command line.
-        chan.sendall(job.to_json_line().encode())
-        return SshAgentHandle(job, chan)
+        agent.chan.sendall(job.to_json_line().encode())
+        return SshAgentHandle(job, agent)
 
     def close(self) -> None:
         for conn in self.conns.values():
@@ -570,8 +671,9 @@ class SshLaunch:
 
 
 def prepare_ssh_launch(hosts: list[str], *, ssh_config: str | Path | None, policy: HostKeyPolicy | None, python: str,
-                       cwd: str, job_id: str, master_addr: str | None, master_port: int | None) -> SshLaunch:
-    """Connect to every host, check it can run the agent, and settle the rendezvous.
+                       cwd: str, job_id: str, master_addr: str | None, master_port: int | None,
+                       parallelism: int = DEFAULT_SSH_PARALLELISM) -> SshLaunch:
+    """Connect to every host, start every node's agent, and settle the rendezvous.
 
     master_addr: as given, or the first host's address as the head reaches it
     (HostName from the ssh config); either way every node must be able to
@@ -579,27 +681,26 @@ def prepare_ssh_launch(hosts: list[str], *, ssh_config: str | Path | None, polic
     master_port: checked free on the master node; if taken, the first free
     port derived from the job id is used and a note says so. Without it, the
     first free port derived from the job id (see `job_port_candidates`).
+    parallelism: connections and agent starts in flight at once (--ssh_parallelism).
 
     Raises:
-        SshConnectError: per-host reasons; no connection is left open.
+        ValueError: `parallelism` < 1.
+        SshConnectError: per-host reasons; no connection is left open, no rank started.
         FileNotFoundError: `ssh_config` given but missing.
     """
+    _check_parallelism(parallelism)
     config = load_ssh_config(ssh_config)
-    conns = connect_all(hosts, config, policy, preflight=preflight_command(python, cwd),
-                        preflight_hint=f"cannot run {python} -m {AGENT_MODULE} in {cwd} "
-                                       "(working directory, Python or dsrun missing on that node?)")
+    conns = connect_all(hosts, config, policy, parallelism)
     try:
         master = conns[hosts[0]]
         addr = master_addr or master.target.hostname
-        check_master_reachable(conns, python, addr, master.target.port)
         candidates = job_port_candidates(job_id, master_port)
-        port = free_port_on(master, python, candidates)
-        if port is None:
-            raise SshConnectError({hosts[0]: f"none of the ports {candidates} is free"}, {hosts[0]: master.target},
-                                  "choosing the master port")
+        agents = start_agents(conns, python=python, cwd=cwd, master_addr=addr, probe_port=master.target.port,
+                              port_candidates=candidates, parallelism=parallelism)
     except BaseException:
         for conn in conns.values():
             conn.close()
         raise
+    port = agents[hosts[0]].port
     notes = [f"port {master_port} is busy on {hosts[0]}; using {port}"] if master_port and port != master_port else []
-    return SshLaunch(SshRunner(conns, python), addr, port, notes)
+    return SshLaunch(SshRunner(conns, agents), addr, port, notes)

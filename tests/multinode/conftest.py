@@ -76,7 +76,7 @@ SlurmctldHost=localhost
 SlurmctldPort={ctld}
 SlurmdPort={slurmd}
 AuthType=auth/munge
-AuthInfo=socket={munge_sock}
+AuthInfo=socket={munge_sock},cred_expire=30
 CredType=cred/munge
 MpiDefault=none
 ProctrackType=proctrack/linuxproc
@@ -113,6 +113,9 @@ def slurm_cluster(tmp_path_factory) -> SlurmCluster:
     ports act as nodes n1 and n2 of one cluster; srun then places one task
     per "node" exactly as on a real cluster. proctrack/linuxproc and
     task/none avoid cgroups, which the test machine may not delegate.
+    cred_expire=30 (default 120) is also how long a requeued job waits
+    before it may start again (slurm.conf AuthInfo), which the requeue
+    tests wait for.
     """
     require_debian_packages("slurm-wlm", "munge")
     d = tmp_path_factory.mktemp("slurm")

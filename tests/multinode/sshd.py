@@ -106,6 +106,21 @@ class SshCluster:
         path.write_text("".join(blocks))
         return path
 
+    def write_many_hosts(self, count: int, slots: int) -> tuple[Path, Path]:
+        """An ssh config and a hostfile for `count` hosts `host-000`, `host-001`, ... of `slots` slots each.
+
+        The aliases take turns over the listen addresses (127.0.0.1,
+        127.0.0.2, ...): sshd listens on at most 16 addresses, so many
+        hosts share each. Returns (ssh config path, hostfile path).
+        """
+        addresses = list(LOOPBACK_NODES.values())
+        names = [f"host-{i:03d}" for i in range(count)]
+        config = self.write_config(f"ssh_config_{count}",
+                                   {n: addresses[i % len(addresses)] for i, n in enumerate(names)})
+        hostfile = self.dir / f"hostfile_{count}"
+        hostfile.write_text("".join(f"{n} slots={slots}\n" for n in names))
+        return config, hostfile
+
 
 @contextlib.contextmanager
 def loopback_sshd(d: Path, extra_addresses: tuple[str, ...] = ()) -> Iterator[SshCluster]:
@@ -147,7 +162,7 @@ UsePAM no
 StrictModes no
 PermitRootLogin prohibit-password
 AllowTcpForwarding yes
-MaxStartups 100
+MaxStartups 200
 MaxSessions 50
 LogLevel VERBOSE
 """)

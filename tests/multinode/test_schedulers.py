@@ -116,3 +116,65 @@ def test_batch_script_text_and_cli_errors(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "dsrun.launcher.sbatch", "--nodes", "1", "--time", "4h",
                           "tests/multinode/scripts/allreduce_train.py"], cwd=ROOT, capture_output=True, text=True)
     assert bad.returncode == 2 and "not a Slurm time" in bad.stderr
+
+
+def _requeue_script(tmp_path: Path, max_requeues: int, signal_lead: int | None = 120) -> Path:
+    """A generated batch script whose 'python' is a stand-in dsrun (exits with $FAKE_EXIT, or sleeps with 'sleep')."""
+    fake = tmp_path / "fake_python"
+    fake.write_text("#!/bin/bash\ntrap 'echo TERM >> \"$LOG\"; kill $!; exit 143' TERM\necho \"started $*\" >> \"$LOG\"\n"
+                    "if [ \"$FAKE_EXIT\" = sleep ]; then sleep 60 >/dev/null 2>&1 & wait; fi\nexit \"$FAKE_EXIT\"\n")
+    (tmp_path / "bin").mkdir(exist_ok=True)
+    scontrol = tmp_path / "bin" / "scontrol"
+    scontrol.write_text("#!/bin/bash\necho \"scontrol $*\" >> \"$LOG\"\n")
+    for f in (fake, scontrol):
+        f.chmod(0o755)
+    text = batch_script(nodes=2, ranks_per_node=1, gpus_per_node=0, time="10", partition=None, job_name="j",
+                        output=None, cwd=str(tmp_path), python=str(fake), dsrun_args=[], command=["train.py"],
+                        max_requeues=max_requeues, signal_lead=signal_lead)
+    path = tmp_path / "job.sbatch"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("fake_exit, restarts, send, requeued, status", [
+    ("0", "0", None, False, 0),        # success: done
+    ("1", "0", None, True, 0),         # failure: requeue
+    ("1", "2", None, False, 1),        # failure, --max-requeues used up: fail
+    ("sleep", "0", "USR1", True, 0),   # the --signal lead time: stop dsrun, requeue
+    ("sleep", "0", "TERM", False, 143),  # scancel or preemption: stop dsrun, Slurm decides
+])
+def test_requeue_script_behaviour(tmp_path, fake_exit, restarts, send, requeued, status):
+    import signal
+    import time
+    script = _requeue_script(tmp_path, max_requeues=2)
+    log = tmp_path / "log"
+    env = {"PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin", "LOG": str(log), "FAKE_EXIT": fake_exit,
+           "SLURM_JOB_ID": "42", "SLURM_RESTART_COUNT": restarts}
+    proc = subprocess.Popen(["bash", str(script)], env=env, stderr=subprocess.PIPE, text=True)
+    if send:
+        deadline = time.monotonic() + 10
+        while not (log.exists() and "started" in log.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        proc.send_signal(getattr(signal, f"SIG{send}"))
+    _, err = proc.communicate(timeout=20)
+    lines = log.read_text().splitlines()
+    assert lines[0].startswith("started -m dsrun.launcher.cli --launcher slurm train.py")
+    assert ("scontrol requeue 42" in lines) == requeued, (lines, err)
+    assert ("TERM" in lines) == (send is not None), lines
+    assert proc.returncode == status, err
+    if fake_exit == "1" and not requeued:
+        assert "2 of 2 requeues used" in err
+
+
+def test_requeue_directives_and_cli_checks(tmp_path):
+    text = _requeue_script(tmp_path, max_requeues=3, signal_lead=120).read_text()
+    assert "#SBATCH --requeue\n#SBATCH --open-mode=append\n#SBATCH --signal=B:USR1@120\n" in text
+    assert "max_requeues=3" in text and 'scontrol requeue "$SLURM_JOB_ID"' in text
+    assert subprocess.run(["bash", "-n"], input=text, text=True).returncode == 0
+    plain = batch_script(nodes=1, ranks_per_node=1, gpus_per_node=0, time=None, partition=None, job_name="j",
+                         output=None, cwd="/w", python="/py", dsrun_args=[], command=["t.py"])
+    assert "--requeue" not in plain and "--signal" not in plain and "\nexec /py -m dsrun.launcher.cli" in plain
+    bad = subprocess.run([sys.executable, "-m", "dsrun.launcher.sbatch", "--nodes", "1", "--signal", "120",
+                          "--script", str(tmp_path / "x.sbatch"), "tests/multinode/scripts/allreduce_train.py"],
+                         cwd=ROOT, capture_output=True, text=True)
+    assert bad.returncode == 2 and "give --time too" in bad.stderr, bad.stderr

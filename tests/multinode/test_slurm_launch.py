@@ -76,3 +76,59 @@ def test_srun_one_task_per_rank_finds_its_rank(slurm_cluster):
     assert losses(proc.stdout) == pytest.approx(expected_losses(2), rel=1e-5), proc.log
     where = re.findall(r"WHERE rank=(\d) local_rank=(\d) .* slurm_node=(\S+)", proc.stdout)
     assert sorted(where) == [("0", "0", "n1"), ("1", "1", "n1"), ("2", "0", "n2"), ("3", "1", "n2")], proc.log
+
+
+REQUEUE_RANK = """\
+import os, sys, time
+restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+print(f"RUN rank={os.environ['RANK']} restart={restarts}", flush=True)
+if restarts == 0 and sys.argv[1] == "fail":
+    sys.exit(3)
+if restarts == 0 and sys.argv[1] == "sleep":
+    time.sleep(300)
+"""
+
+
+@pytest.mark.parametrize("first_run", ["fail", "sleep"])
+def test_requeue_reruns_the_job(slurm_cluster, tmp_path, first_run):
+    """--requeue: a failed run (or one stopped by the --signal lead-time signal) requeues the job, which runs again.
+
+    The signal is sent by hand (`scancel --batch --signal USR1`): waiting for
+    a real time limit would take minutes.
+    """
+    script, out = tmp_path / "rank.py", tmp_path / "job.out"
+    script.write_text(REQUEUE_RANK)
+    proc = run([sys.executable, "-m", "dsrun.launcher.sbatch", "--nodes", "2", "--ranks-per-node", "1", "--time", "5",
+                "--requeue", "--max-requeues", "1", "--signal", "60", "--job-name", f"rq-{first_run}", "--output",
+                str(out), "--script", str(tmp_path / "rq.sbatch"), "--dsrun-arg=--grace_period=2", "--submit",
+                str(script), first_run], slurm_cluster)
+    assert proc.returncode == 0, proc.log
+    job_id = re.search(r"Submitted batch job (\d+)", proc.stdout).group(1)
+    if first_run == "sleep":
+        deadline = time.monotonic() + 60
+        while (not out.exists() or out.read_text().count("restart=0") < 2) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert run(["scancel", "--batch", "--signal", "USR1", job_id], slurm_cluster).returncode == 0
+    state = wait_for_job(job_id, slurm_cluster, timeout=240)
+    text = out.read_text()
+    assert state == "COMPLETED", text + slurm_cluster.log_tail()
+    runs = re.findall(r"RUN rank=(\d) restart=(\d)", text)
+    assert any(r[1] == "0" for r in runs) and sorted(r for r in runs if r[1] == "1") == [("0", "1"), ("1", "1")], text
+    assert "requeueing job" in text and "requeue 1 of 1" in text, text
+    restarts = re.search(r"Restarts=(\d+)", run(["scontrol", "show", "job", "-o", job_id], slurm_cluster).stdout)
+    assert restarts and restarts.group(1) == "1"
+
+
+def test_drained_node_is_left_out_of_the_launch(slurm_cluster):
+    """A node taken out of service inside the allocation gets no agent: the job runs on the other node."""
+    drain_n2 = "scontrol update NodeName=n2 State=DRAIN Reason=dsrun-test"
+    try:
+        proc = run(["salloc", "-N2", "--ntasks-per-node=2", "bash", "-c",
+                    f'{drain_n2} && exec "$@"', "-", sys.executable, "-m", "dsrun.launcher.cli", "--launcher", "slurm",
+                    SCRIPT, "--steps", "2"], slurm_cluster)
+    finally:
+        run(["scontrol", "update", "NodeName=n2", "State=RESUME"], slurm_cluster)
+    assert proc.returncode == 0, proc.log
+    assert re.search(r"leaving out node n2: Slurm reports it drain", proc.stderr), proc.log
+    nodes = dict(re.findall(r"^\[rank (\d)\] WHERE .* slurm_node=(\S+)", proc.stdout, re.M))
+    assert nodes == {"0": "n1", "1": "n1"}, proc.log

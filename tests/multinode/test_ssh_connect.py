@@ -1,4 +1,5 @@
 """SSH connection phase against a real sshd on loopback: config, host keys, failures before any rank starts."""
+import socket
 import sys
 import time
 from pathlib import Path
@@ -6,8 +7,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from dsrun.launcher.ssh import (HostKeyPolicy, SshConnectError, check_master_reachable, connect_all,
-                                load_ssh_config, preflight_command, resolve_target)
+from dsrun.launcher.ssh import (HostKeyPolicy, SshConnectError, connect_all, load_ssh_config, resolve_target,
+                                start_agents)
 from tests.multinode.conftest import free_port, keygen
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -82,18 +83,31 @@ def test_proxy_jump(sshd_cluster):
         _close(conns)
 
 
-def test_preflight_and_master_reachability(sshd_cluster, tmp_path):
+def test_agent_bootstrap_checks_each_node(sshd_cluster, tmp_path):
+    """One session per node checks the working directory, the agent's import, the master address and the port."""
     cfg = load_ssh_config(sshd_cluster.ssh_config)
-    missing = str(tmp_path / "no_such_dir")
-    with pytest.raises(SshConnectError, match="working directory"):
-        connect_all(["node-a", "node-b"], cfg, HostKeyPolicy.ACCEPT_NEW,
-                    preflight=preflight_command(sys.executable, missing),
-                    preflight_hint="working directory or python or dsrun missing")
-    conns = connect_all(["node-a", "node-b"], cfg, HostKeyPolicy.ACCEPT_NEW,
-                        preflight=preflight_command(sys.executable, str(ROOT)))
+    conns = connect_all(["node-a", "node-b"], cfg, HostKeyPolicy.ACCEPT_NEW)
     try:
-        check_master_reachable(conns, sys.executable, "127.0.0.1", sshd_cluster.port)
-        with pytest.raises(SshConnectError, match="cannot reach master address 127.0.0.9"):
-            check_master_reachable(conns, sys.executable, "127.0.0.9", sshd_cluster.port)
+        kw = dict(python=sys.executable, probe_port=sshd_cluster.port, port_candidates=[free_port()])
+        with pytest.raises(SshConnectError, match="working directory") as e:
+            start_agents(conns, cwd=str(tmp_path / "no_such_dir"), master_addr="127.0.0.1", **kw)
+        assert set(e.value.failures) == {"node-a", "node-b"} and "no rank was started" in str(e.value)
+        with pytest.raises(SshConnectError, match="cannot reach master address 127.0.0.9") as e:
+            start_agents(conns, cwd=str(ROOT), master_addr="127.0.0.9", **kw)
+        assert set(e.value.failures) == {"node-a", "node-b"}
+        busy = socket.socket()
+        busy.bind(("", free_port()))
+        busy.listen()
+        try:
+            with pytest.raises(SshConnectError, match=r"none of the ports \[\d+\] is free") as e:
+                start_agents(conns, cwd=str(ROOT), master_addr="127.0.0.1", python=sys.executable,
+                             probe_port=sshd_cluster.port, port_candidates=[busy.getsockname()[1]])
+            assert set(e.value.failures) == {"node-a"}  # only the master node looks for a port
+        finally:
+            busy.close()
+        agents = start_agents(conns, cwd=str(ROOT), master_addr="127.0.0.1", **kw)
+        assert agents["node-a"].port == kw["port_candidates"][0] and agents["node-b"].port is None
+        for agent in agents.values():  # no job sent: closing the channel makes each agent exit
+            agent.chan.close()
     finally:
         _close(conns)

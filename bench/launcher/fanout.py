@@ -1,0 +1,215 @@
+"""SSH fan-out: start-up and fail-fast time of dsrun for 2, 16, 64 hosts x 2 ranks over a real loopback sshd.
+
+    .venv/bin/python bench/launcher/fanout.py [--hosts 2,16,64] [--repeat 3] [--no_torchrun]
+
+Every host is an alias (host-000, host-001, ...) of one of this machine's
+loopback addresses, served by one OpenSSH sshd (tests/multinode/sshd.py);
+dsrun reaches each over paramiko as it would a real node, with one
+connection, one session and one agent per host. The ranks import nothing
+but `os`/`time`, so what is measured is the launcher.
+
+Cases, repeated `--repeat` times and interleaved (one repetition of every
+case, then the next), so machine noise hits all alike:
+- `start N`: from starting `dsrun` to the last of the 2N ranks printing its
+  RANK and WORLD_SIZE (each checked); the ranks then exit.
+- `fail N`: every rank starts and sleeps; once all 2N are up, the last rank
+  is told to exit 1 (it polls a file every 10 ms); measured from that
+  moment to `dsrun` having exited and no process of the job being left
+  under the sshd (psutil).
+- `torchrun start/fail` (one node: `--nnodes 1 --nproc_per_node 2`, the
+  CPU torch of this Python): the same two measures for what torchrun does
+  per node. dsrun starts one agent per host; torchrun would be started once
+  per host by the user (pdsh/srun), so its figure is a per-node cost.
+- `dry_run 1024`: `dsrun --dry_run` of a 1024-host hostfile, 8 slots each.
+
+Prints min, median and spread (max - min) of each case, seconds, and the
+median CPU seconds of the whole launch (start to end, teardown included):
+`head CPU` is the launcher process (for torchrun: torchrun and its ranks,
+all on its one node), `node CPU` is what the sshd ran for dsrun (SSH
+connections, login shells, agents, ranks). On a real cluster each node's
+share of `node CPU` runs on that node, in parallel; here all "nodes" share
+this machine's CPUs, so with many hosts the wall time is bound by
+`node CPU / CPUs` and by what else runs (the load average is printed).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from tests.multinode.sshd import loopback_sshd  # noqa: E402
+
+RANK_SCRIPT = """\
+import os, sys, time
+print("UP", os.environ["RANK"], os.environ["WORLD_SIZE"], flush=True)
+if len(sys.argv) > 1:  # fail mode: sleep; the last rank exits 1 once the trigger file exists
+    trigger, last = sys.argv[1], int(os.environ["WORLD_SIZE"]) - 1
+    while int(os.environ["RANK"]) != last or not os.path.exists(trigger):
+        time.sleep(0.01 if int(os.environ["RANK"]) == last else 60)
+    sys.exit(1)
+"""
+UP = re.compile(rb"UP (\d+) (\d+)")
+
+
+def _watch_up(proc: subprocess.Popen, world: int, started: threading.Event, seen: list[float]) -> None:
+    """Read the launcher's stdout; set `started` when all `world` ranks said UP with the right WORLD_SIZE."""
+    ranks: set[int] = set()
+    for line in iter(proc.stdout.readline, b""):
+        m = UP.search(line)
+        if m and int(m.group(2)) == world:
+            ranks.add(int(m.group(1)))
+            if len(ranks) == world and not started.is_set():
+                seen.append(time.perf_counter())
+                started.set()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _reaped_cpu() -> float:
+    """CPU seconds of this process's reaped children (and theirs, once reaped)."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def _sshd_children_cpu(sshd_pid: int) -> float:
+    """CPU seconds of everything sshd ran and reaped: connections, login shells, agents, ranks."""
+    t = psutil.Process(sshd_pid).cpu_times()
+    return t.children_user + t.children_system
+
+
+def _wait_sessions_gone(sshd_pid: int) -> None:
+    deadline = time.perf_counter() + 30
+    while psutil.Process(sshd_pid).children() and time.perf_counter() < deadline:
+        time.sleep(0.02)
+
+
+def run_case(argv: list[str], world: int, trigger: Path | None, sshd_pid: int | None,
+             cwd: Path) -> tuple[float, float, float]:
+    """One launch; returns (seconds measured, head CPU s, node CPU s). See the module doc for what is measured.
+
+    Head CPU: the launcher process (dsrun's head; for torchrun, torchrun and
+    its ranks, which all run on the one node). Node CPU: for dsrun, what the
+    sshd ran (sessions, login shells, agents, ranks), 0 for torchrun.
+    """
+    if trigger is not None and trigger.exists():
+        trigger.unlink()
+    cpu0, node0 = _reaped_cpu(), _sshd_children_cpu(sshd_pid) if sshd_pid else 0.0
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(argv, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    started, seen = threading.Event(), []
+    reader = threading.Thread(target=_watch_up, args=(proc, world, started, seen), daemon=True)
+    err: list[bytes] = []
+    err_reader = threading.Thread(target=lambda: err.append(proc.stderr.read()), daemon=True)
+    reader.start()
+    err_reader.start()
+    if not started.wait(120):
+        proc.kill()
+        raise RuntimeError(f"{argv[:4]}...: not all {world} ranks started in 120 s:\n{b''.join(err).decode()[-2000:]}")
+    if trigger is None:
+        measured = seen[0] - t0
+        proc.wait(60)
+    else:
+        job = [p.pid for p in psutil.Process(sshd_pid or proc.pid).children(recursive=True)]
+        trigger.touch()
+        t1 = time.perf_counter()
+        proc.wait(60)
+        while any(_alive(p) for p in job):
+            if time.perf_counter() - t1 > 60:
+                raise RuntimeError("processes of the job are left 60 s after the failure")
+            time.sleep(0.01)
+        measured = time.perf_counter() - t1
+        if proc.returncode == 0:
+            raise RuntimeError(f"the job with a failed rank exited 0: {b''.join(err).decode()[-2000:]}")
+    if sshd_pid:
+        _wait_sessions_gone(sshd_pid)
+    node = _sshd_children_cpu(sshd_pid) - node0 if sshd_pid else 0.0
+    return measured, _reaped_cpu() - cpu0, node
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hosts", default="2,16,64", help="comma-separated host counts (2 ranks each)")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--no_torchrun", action="store_true")
+    args = parser.parse_args()
+    counts = [int(n) for n in args.hosts.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        d = Path(tmp)
+        (d / "sshd").mkdir()
+        (d / "rank.py").write_text(RANK_SCRIPT)
+        hf = d / "hosts_1024"
+        hf.write_text("".join(f"host-{i:04d} slots=8\n" for i in range(1024)))
+        trigger = d / "fail_now"
+        dsrun = [sys.executable, "-m", "dsrun.launcher.cli", "--no_local_rank", "--grace_period", "5"]
+        with loopback_sshd(d / "sshd") as cluster:
+            cases: dict[str, tuple[list[str], int, Path | None, int | None]] = {}
+            for n in counts:
+                cfg, hostfile = cluster.write_many_hosts(n, 2)
+                base = [*dsrun, "--hostfile", str(hostfile), "--ssh_config", str(cfg), str(d / "rank.py")]
+                cases[f"dsrun start {n} hosts"] = (base, 2 * n, None, cluster.proc.pid)
+                cases[f"dsrun fail {n} hosts"] = ([*base, str(trigger)], 2 * n, trigger, cluster.proc.pid)
+            if not args.no_torchrun:
+                torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
+                            "--master_port", "0", str(d / "rank.py")]  # 0: a free port each run
+                cases["torchrun start 1 node"] = (torchrun, 2, None, None)
+                cases["torchrun fail 1 node"] = ([*torchrun, str(trigger)], 2, trigger, None)
+            times: dict[str, list[float]] = {name: [] for name in cases}
+            cpus: dict[str, list[float]] = {name: [] for name in cases}
+            nodes: dict[str, list[float]] = {name: [] for name in cases}
+            failed: dict[str, int] = {}
+            times["dsrun dry_run 1024 hosts"], cpus["dsrun dry_run 1024 hosts"] = [], []
+            nodes["dsrun dry_run 1024 hosts"] = []
+            env = dict(os.environ, PYTHONPATH=str(ROOT))
+            os.environ.update(env)
+            for rep in range(args.repeat):
+                for name, (argv, world, trig, sshd_pid) in cases.items():
+                    try:
+                        seconds, cpu, node = run_case(argv, world, trig, sshd_pid, ROOT)
+                    except RuntimeError as exc:  # counted and shown, the other cases go on
+                        failed[name] = failed.get(name, 0) + 1
+                        print(f"rep {rep} {name}: FAILED: {exc}", file=sys.stderr, flush=True)
+                        continue
+                    times[name].append(seconds)
+                    cpus[name].append(cpu)
+                    nodes[name].append(node)
+                    print(f"rep {rep} {name}: {seconds:.2f} s", file=sys.stderr, flush=True)
+                t0, cpu0 = time.perf_counter(), _reaped_cpu()
+                dry = subprocess.run([*dsrun, "--hostfile", str(hf), "--dry_run", str(d / "rank.py")], cwd=ROOT,
+                                     capture_output=True)
+                times["dsrun dry_run 1024 hosts"].append(time.perf_counter() - t0)
+                cpus["dsrun dry_run 1024 hosts"].append(_reaped_cpu() - cpu0)
+                nodes["dsrun dry_run 1024 hosts"].append(0.0)
+                if dry.returncode != 0:
+                    raise RuntimeError(dry.stderr.decode()[-2000:])
+    print(f"{'case':26} {'min s':>7} {'median s':>9} {'spread s':>9} {'head CPU s':>11} {'node CPU s':>11}")
+    for name, samples in times.items():
+        if not samples:
+            print(f"{name:26} every run failed")
+            continue
+        print(f"{name:26} {min(samples):7.2f} {statistics.median(samples):9.2f} {max(samples) - min(samples):9.2f} "
+              f"{statistics.median(cpus[name]):11.2f} {statistics.median(nodes[name]):11.2f}")
+    for name, count in failed.items():
+        print(f"{name}: {count} run(s) failed (see stderr)")
+    print(f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs at the end)")
+
+
+if __name__ == "__main__":
+    main()
