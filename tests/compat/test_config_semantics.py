@@ -41,7 +41,7 @@ def test_steps_per_print_inf_means_never():
 
 
 @pytest.mark.parametrize("section", ["hybrid_engine", "amp", "elasticity", "compression_training",
-                                     "data_efficiency", "curriculum_learning"])
+                                     "curriculum_learning"])
 def test_disabled_deepspeed_sections_are_accepted(section):
     with warnings.catch_warnings():
         warnings.simplefilter("error")

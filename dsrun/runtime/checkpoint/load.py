@@ -284,6 +284,9 @@ def load(parts: TrainingParts, rdv: Rendezvous, load_dir: str, tag: str | None, 
         parts.state.load_state_dict(index.counters)
         if load_lr_scheduler_states and lr_scheduler is not None and index.lr_scheduler is not None:
             lr_scheduler.load_state_dict(index.lr_scheduler)
+        for name, obj in parts.named_states.items():
+            if name in index.named_states:
+                obj.load_state_dict(index.named_states[name])
         _restore_rng(topo, index, rng)
         if dataloader is not None and index.dataloader is not None:
             if _same_layout(parts, index):

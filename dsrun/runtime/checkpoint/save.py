@@ -320,6 +320,8 @@ def _index_fields(parts: TrainingParts, names: dict, scheduler, param_groups, da
     """Rank 0: everything of the index that comes from the training parts,
     taken at save time (JSON-ready); `names`: `model_names(parts)`."""
     loader = dataloader.state_dict() if dataloader is not None else None
+    named = {name: _json_checked(obj.state_dict(), f"the {name} state_dict")
+             for name, obj in parts.named_states.items()}
     strategy = parts.strategy
     frozen = [n for n, (_, is_frozen) in names.items() if is_frozen]
     return dict(dsrun_version=dsrun.__version__, torch_version=torch.__version__,
@@ -327,7 +329,7 @@ def _index_fields(parts: TrainingParts, names: dict, scheduler, param_groups, da
                 pipeline_stages=parts.split.parts if parts.split is not None else 1, stage=parts.config.zero_optimization.stage,
                 precision=strategy.precision_name(), config=parts.config.model_dump(mode="json"),
                 param_groups=param_groups, scaler=strategy.scaler_state(), counters=parts.state.state_dict(),
-                lr_scheduler=scheduler, dataloader=loader, frozen=frozen,
+                lr_scheduler=scheduler, dataloader=loader, named_states=named, frozen=frozen,
                 excluded_frozen=frozen if exclude_frozen else [])
 
 

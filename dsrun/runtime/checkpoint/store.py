@@ -144,6 +144,8 @@ class Index(BaseModel):
     lr_scheduler: dict[str, Any] | None = None
     dataloader: dict[str, int] | None = Field(None, description="The engine's loader position "
                                               "({'epoch', 'batches'}), if it has one.")
+    named_states: dict[str, Any] = Field(default_factory=dict, description="State of other training parts "
+                                         "by name (TrainingParts.named_states: 'random_ltd').")
     client_state: Any = None
     rng: list[dict[str, Any]] = Field(default_factory=list, description="Per rank: python/numpy states.")
     frozen: list[str] = Field(default_factory=list, description="Parameters with requires_grad=False.")

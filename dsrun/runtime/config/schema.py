@@ -17,7 +17,8 @@ from pydantic import (
 )
 
 from dsrun.runtime.config.errors import _Problem
-from dsrun.runtime.config.sections import ActivationCheckpointingConfig, AioConfig, AutotuningConfig, Bf16Config, CheckpointConfig, CommsLoggerConfig, Count, DataTypesConfig, FlopsProfilerConfig, Fp16Config, MonitorConfig, NonNegReal, _NUMBER, OptimizerConfig, PipelineConfig, PosInt, PosReal, SchedulerConfig, _Section, TensorParallelConfig, WandbConfig, ZeroConfig
+from dsrun.runtime.data_pipeline.data_routing.config import DataRoutingConfig
+from dsrun.runtime.config.sections import ActivationCheckpointingConfig, AioConfig, AutotuningConfig, Bf16Config, CheckpointConfig, CommsLoggerConfig, Count, DataTypesConfig, Int, FlopsProfilerConfig, Fp16Config, MonitorConfig, NonNegReal, _NUMBER, OptimizerConfig, PipelineConfig, PosInt, PosReal, SchedulerConfig, _Section, TensorParallelConfig, WandbConfig, ZeroConfig
 
 class _BatchTriple(_Section):
     """The three batch keys, validated on their own (see [Note: order of the checks])."""
@@ -48,7 +49,6 @@ _DEEPSPEED_ONLY_KEYS = {
     "elasticity": "elastic training",
     "compression_training": "compression training",
     "curriculum_learning": "curriculum learning",
-    "data_efficiency": "data efficiency",
     "nebula": "Nebula checkpointing",
     "hybrid_engine": "the hybrid engine",
     "sparse_attention": "sparse attention",
@@ -56,6 +56,23 @@ _DEEPSPEED_ONLY_KEYS = {
     "progressive_layer_drop": "progressive layer drop",
     "comet": "Comet monitoring",
 }
+
+
+class DataEfficiencyConfig(_Section):
+    """`data_efficiency`: DeepSpeed Data Efficiency (Li et al., AAAI 2024); so far
+    its `data_routing` part (random-LTD, dsrun/runtime/data_pipeline/data_routing/)."""
+
+    enabled: bool = Field(False, description="Turn data efficiency on (each part has its own switch too).")
+    seed: Int = Field(1234, description="Seed of the data-efficiency samplers (DeepSpeed's default 1234).")
+    data_routing: DataRoutingConfig = Field(default_factory=DataRoutingConfig,
+                                            description="Random layerwise token dropping (random-LTD).")
+
+    @model_validator(mode="after")
+    def _switched_on(self) -> DataEfficiencyConfig:
+        if self.data_routing.random_ltd.enabled and not (self.enabled and self.data_routing.enabled):
+            raise _Problem("random_ltd.enabled is true but data_efficiency.enabled or data_routing.enabled is "
+                           "false; random-LTD runs only with all three set to true", key="data_routing")
+        return self
 
 
 class DsConfig(_BatchTriple):
@@ -102,6 +119,8 @@ class DsConfig(_BatchTriple):
     sequence_parallel_size: PosInt = Field(1, description="Ulysses sequence parallelism: ranks that split "
                                            "each sample's tokens (the mesh's sequence axis; data parallelism "
                                            "takes the rest, and ZeRO partitions over data x sequence).")
+    data_efficiency: DataEfficiencyConfig = Field(default_factory=DataEfficiencyConfig,
+                                                  description="Data efficiency: random-LTD.")
     activation_checkpointing: ActivationCheckpointingConfig = Field(
         default_factory=ActivationCheckpointingConfig, description="Activation checkpointing options.")
     steps_per_print: Annotated[int, BeforeValidator(_never_for_inf), _NUMBER, at.Ge(1)] = Field(

@@ -93,6 +93,9 @@ class TrainingParts:
         state: the loop's counters.
         split: how the model is split across ranks (a pipeline), or None
             when every rank holds the whole model.
+        named_states: other state a checkpoint keeps, by name: objects with
+            JSON-ready `state_dict()` and `load_state_dict(state)` (the
+            random-LTD scheduler as "random_ltd").
     """
 
     module: torch.nn.Module
@@ -101,6 +104,7 @@ class TrainingParts:
     config: DsConfig
     state: TrainState
     split: ModelSplit | None = None
+    named_states: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
