@@ -142,7 +142,7 @@ def test_dropped_tokens_pass_unchanged_and_gradients_split(order):
     sched = _scheduler(hidden_state_order=order)
     sched.update_seq(1)  # 6 of 16 kept
     layer = RandomLayerTokenDrop(_Recorder())
-    layer.init_config(sched.config, sched, 0)
+    layer.init_config(sched, 0)
     x = torch.randn(BATCH, SEQ, WIDTH) if order == "batch_seq_dim" else torch.randn(SEQ, BATCH, WIDTH)
     x.requires_grad_(True)
     y = layer(x)
@@ -184,7 +184,7 @@ def test_masks_sliced_to_the_kept_tokens():
 def test_named_mask_is_sliced_and_must_be_passed():
     sched = _scheduler(model_mask_name="attention_mask")
     layer = RandomLayerTokenDrop(_Recorder())
-    layer.init_config(sched.config, sched, 0)
+    layer.init_config(sched, 0)
     mask = torch.ones(SEQ, SEQ, dtype=torch.bool).tril()[None, None]
     layer(torch.randn(BATCH, SEQ, WIDTH), attention_mask=mask)
     assert torch.equal(layer.random_ltd_layer.masks[0], mask[..., :4, :4])
@@ -228,7 +228,7 @@ def test_convert_needs_a_layer_and_the_right_layer_count():
                               "schedule_config": {"require_steps": 6, "seq_per_step": 2}}}, "min_value .32. is above"),
     ({"random_ltd_schedule": {"min_value": 4, "max_value": 16, "schedule_type": "fixed_root",
                               "schedule_config": {"require_steps": 6, "seq_per_step": 2}}}, "fixed_linear"),
-    ({"layer_token_lr_schedule": {"enabled": True}}, "layer-token learning-rate schedule is not implemented"),
+    ({"layer_token_lr_schedule": {"enabled": True}}, "does not support a learning rate schedule in layer-tokens"),
 ])
 def test_config_errors(over, match):
     with pytest.raises(ConfigError, match=match):

@@ -50,6 +50,9 @@ NOT_YET_SUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("fp16.fp16_master_weights_and_grads", _on,
                 "fp16 master weights (refused on purpose: updates below fp16 precision are lost)",
                 "set it to false; use bf16, or offload the optimizer to save host memory"),
+    Unsupported("data_efficiency.data_routing.random_ltd.layer_token_lr_schedule.enabled", _on,
+                "a learning rate schedule in layer-tokens for random-LTD (nor does DeepSpeed)",
+                "set it to false; use an LR schedule in optimizer steps"),
 )
 
 
@@ -97,6 +100,7 @@ NO_EFFECT_YET: dict[str, Any] = {
     "zero_optimization.offload_optimizer.fast_init": False,  # swap files are preallocated in one call
     "zero_optimization.offload_param.buffer_size": 100_000_000,  # NVMe reads whole unit partitions
     "zero_optimization.offload_param.max_in_cpu": 1_000_000_000,  # no host cache of NVMe partitions
+    "data_efficiency.seed": 1234,  # seeds DeepSpeed's data-sampling part; random-LTD draws from torch's generator
 }
 
 

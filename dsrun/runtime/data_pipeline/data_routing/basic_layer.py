@@ -30,7 +30,6 @@ from typing import Any
 
 import torch
 
-from dsrun.runtime.data_pipeline.data_routing.config import RandomLTDConfig
 from dsrun.runtime.data_pipeline.data_routing.scheduler import RandomLTDScheduler
 
 
@@ -66,8 +65,8 @@ def scatter_tokens(hidden: torch.Tensor, kept: torch.Tensor, positions: torch.Te
     return hidden.scatter(1 if batch_first else 0, _token_index(positions, hidden, batch_first), kept)
 
 
-def slice_mask(mask: torch.Tensor, positions: torch.Tensor, model_type: str) -> torch.Tensor:
-    """The attention mask of the kept tokens.
+def slice_mask(mask: torch.Tensor, positions: torch.Tensor, seq_len: int, model_type: str) -> torch.Tensor:
+    """The attention mask of the kept tokens `positions` (B, r) of a sequence of `seq_len`.
 
     decoder: `mask[..., :r, :r]` (DeepSpeed's rule). For a causal mask this
     is exact: the kept tokens stay in order, so token i of the kept sequence
@@ -82,10 +81,9 @@ def slice_mask(mask: torch.Tensor, positions: torch.Tensor, model_type: str) -> 
     Raises:
         ValueError: an encoder mask of another shape.
     """
-    kept = positions.size(1)
+    batch, kept = positions.shape
     if model_type == "decoder":
         return mask[..., :kept, :kept]
-    batch, seq_len = positions.shape
     if mask.dim() == 2 and mask.shape == (batch, seq_len):
         return mask.gather(1, positions)
     if mask.dim() != 4 or mask.size(0) not in (1, batch):
@@ -103,7 +101,7 @@ def slice_mask(mask: torch.Tensor, positions: torch.Tensor, model_type: str) -> 
 class RandomLayerTokenDrop(torch.nn.Module):
     """A layer wrapped for random-LTD (DeepSpeed's class name; see [Note: random-LTD]).
 
-    Built by `convert_to_random_ltd`; it does nothing until `init_config`
+    Built by `convert_to_random_ltd`; it drops nothing until `init_config`
     gives it a scheduler (the engine does, for the layers the config lists):
     until then, in eval mode, and once the schedule keeps the whole
     sequence, `forward` is the wrapped layer's.
@@ -132,13 +130,15 @@ class RandomLayerTokenDrop(torch.nn.Module):
         self.model_type = "decoder"
         self.batch_first = True
 
-    def init_config(self, config: RandomLTDConfig, scheduler: RandomLTDScheduler, random_ltd_layer_id: int) -> None:
-        """Make this layer drop tokens, as many as `scheduler` says (DeepSpeed's method)."""
+    def init_config(self, scheduler: RandomLTDScheduler, random_ltd_layer_id: int) -> None:
+        """Make this layer drop tokens, as many as `scheduler` says, with the
+        mask and layout of the scheduler's random_ltd section (DeepSpeed's
+        method, which takes the section as a first argument)."""
         self.random_ltd_scheduler = scheduler
         self.random_ltd_layer_id = random_ltd_layer_id
-        self.mask_name = config.model_mask_name
-        self.model_type = config.model_type
-        self.batch_first = config.hidden_state_order == "batch_seq_dim"
+        self.mask_name = scheduler.random_ltd.model_mask_name
+        self.model_type = scheduler.random_ltd.model_type
+        self.batch_first = scheduler.random_ltd.hidden_state_order == "batch_seq_dim"
 
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         """Run the wrapped layer on the kept tokens (training) or on all (eval).
@@ -166,7 +166,7 @@ class RandomLayerTokenDrop(torch.nn.Module):
                 raise ValueError(f"random_ltd.model_mask_name is '{self.mask_name}' but the layer was called "
                                  f"without {self.mask_name}=...; pass the mask by keyword, or set model_mask_name "
                                  "to null when the layer takes none")
-            kwargs[self.mask_name] = slice_mask(kwargs[self.mask_name], positions, self.model_type)
+            kwargs[self.mask_name] = slice_mask(kwargs[self.mask_name], positions, seq_len, self.model_type)
         outputs = self.random_ltd_layer(gather_tokens(hidden_states, positions, self.batch_first), *args, **kwargs)
         if isinstance(outputs, torch.Tensor):
             return scatter_tokens(hidden_states, outputs, positions, self.batch_first)

@@ -52,22 +52,15 @@ class RandomLTDSchedule(_Section):
 class LayerTokenLRSchedule(_Section):
     """`layer_token_lr_schedule`: a learning rate driven by layer-tokens consumed.
 
-    DeepSpeed raises NotImplementedError when it is enabled; so does this
-    section (at load time), and the keys are accepted so that DeepSpeed's
-    example configs, which list them with `"enabled": false`, load."""
+    DeepSpeed raises NotImplementedError when it is enabled; dsrun rejects
+    it at load time (dsrun.runtime.config.registries.NOT_YET_SUPPORTED), and
+    the keys are accepted so that DeepSpeed's example configs, which list
+    them with `"enabled": false`, load."""
 
     enabled: bool = Field(False, description="Must stay false: not implemented (nor in DeepSpeed).")
     total_layer_tokens: Optional[Count] = Field(None, description="Layer-tokens of the whole run (unused).")
     warmup_type: Optional[str] = Field(None, description="Warm-up shape (unused).")
     warmup_layer_tokens: Optional[Count] = Field(None, description="Layer-tokens of warm-up (unused).")
-
-    @model_validator(mode="after")
-    def _off(self) -> LayerTokenLRSchedule:
-        if self.enabled:
-            raise _Problem("a layer-token learning-rate schedule is not implemented (DeepSpeed raises "
-                           "NotImplementedError too); set enabled to false and use an LR scheduler in "
-                           "optimizer steps or tokens", key="enabled")
-        return self
 
 
 class RandomLTDConfig(_Section):

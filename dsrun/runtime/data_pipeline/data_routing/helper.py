@@ -86,13 +86,13 @@ def bind_random_ltd_layers(module: torch.nn.Module, scheduler: RandomLTDSchedule
             or the config another model).
     """
     layers = [m for m in module.modules() if isinstance(m, RandomLayerTokenDrop)]
-    config = scheduler.config
-    if len(layers) != config.total_layer_num:
-        raise ValueError(f"random_ltd.total_layer_num is {config.total_layer_num} but the model has {len(layers)} "
+    settings = scheduler.random_ltd
+    if len(layers) != settings.total_layer_num:
+        raise ValueError(f"random_ltd.total_layer_num is {settings.total_layer_num} but the model has {len(layers)} "
                          "layers converted by convert_to_random_ltd; set total_layer_num to the number of layers "
                          "of the class you converted")
-    for position, layer_id in enumerate(sorted(config.random_ltd_layer_id)):
-        layers[layer_id].init_config(config, scheduler, position)
+    for position, layer_id in enumerate(sorted(settings.random_ltd_layer_id)):
+        layers[layer_id].init_config(scheduler, position)
 
 
 def random_ltd_scheduler(config: DsConfig) -> RandomLTDScheduler | None:

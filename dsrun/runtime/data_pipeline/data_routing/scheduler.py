@@ -48,7 +48,7 @@ class RandomLTDScheduler:
     """The kept-token schedule and the layer-token count (DeepSpeed's `RandomLTDScheduler`).
 
     Args:
-        config: an enabled `random_ltd` section.
+        random_ltd: an enabled `random_ltd` section.
         global_batch_size: samples per optimizer step over all ranks (for
             the layer-token count).
 
@@ -59,24 +59,24 @@ class RandomLTDScheduler:
             samples x tokens each layer processed), "current_steps" (the
             step last counted; -1 before the first).
         random_ltd_layer_num, model_layer_num: dropping and total layers.
-        config: the section it was built from (the dropping layers read
-            model_type, hidden_state_order and model_mask_name from it).
+        random_ltd: the section it was built from (the dropping layers
+            read model_type, hidden_state_order and model_mask_name from it).
     """
 
-    def __init__(self, config: RandomLTDConfig, global_batch_size: int) -> None:
-        if config.random_ltd_schedule is None:
+    def __init__(self, random_ltd: RandomLTDConfig, global_batch_size: int) -> None:
+        if random_ltd.random_ltd_schedule is None:
             raise ValueError("random_ltd has no random_ltd_schedule; load the config through "
                              "dsrun.runtime.config.load_config with random_ltd.enabled true")
-        self.config = config
-        self.model_layer_num = config.total_layer_num
-        self.random_ltd_layer_num = config.random_ltd_layer_num
+        self.random_ltd = random_ltd
+        self.model_layer_num = random_ltd.total_layer_num
+        self.random_ltd_layer_num = random_ltd.random_ltd_layer_num
         self.global_batch_size = global_batch_size
         self.state: dict[str, Any] = {}
         self.reset_to_init()
 
     def reset_to_init(self) -> None:
         """Back to step 0: current_value = min_value, nothing consumed."""
-        schedule = self.config.random_ltd_schedule
+        schedule = self.random_ltd.random_ltd_schedule
         self.state.update(min_value=schedule.min_value, max_value=schedule.max_value,
                           current_value=schedule.min_value,
                           schedule_config=schedule.schedule_config.model_dump(),
@@ -119,7 +119,7 @@ class RandomLTDScheduler:
         """Layer-tokens a run of `train_iters` optimizer steps consumes from
         step 0 (for sizing a run). Unlike DeepSpeed's method of the same
         name this leaves the scheduler's own state untouched."""
-        fresh = RandomLTDScheduler(self.config, self.global_batch_size)
+        fresh = RandomLTDScheduler(self.random_ltd, self.global_batch_size)
         for step in range(train_iters):
             fresh.update_seq(step)
         return fresh.state["consumed_layer_tokens"]
