@@ -246,8 +246,9 @@ def test_config_switches():
 
 # -- the engine --------------------------------------------------------------------------------
 
-def _engine_rank(steps: int, save_dir: str) -> dict:
-    """One rank: a tiny byte GPT (examples/gpt_model.py), random-LTD on blocks 1 and 2."""
+def _engine_rank(steps: int, save_dir: str, convert_after: bool) -> dict:
+    """One rank: a tiny byte GPT (examples/gpt_model.py), random-LTD on blocks 1 and 2,
+    converted before initialize or (DeepSpeed's usage) on the engine after it."""
     sys.path.insert(0, str(EXAMPLES))
     import dsrun
     from gpt_model import GPT, Block, GPTConfig
@@ -255,12 +256,15 @@ def _engine_rank(steps: int, save_dir: str) -> dict:
     torch.manual_seed(0)
     seq = 32
     model = GPT(GPTConfig(seq_len=seq, n_layer=4, n_head=2, n_embd=32))
-    convert_to_random_ltd(model, Block)
+    if not convert_after:
+        convert_to_random_ltd(model, Block)
     ltd = _ltd(random_ltd_schedule={"min_value": 8, "max_value": seq, "schedule_type": "fixed_linear",
                                     "schedule_config": {"require_steps": 20, "seq_per_step": 8}})
     cfg = _config(ltd, train_micro_batch_size_per_gpu=4, steps_per_print=10**6,
                   optimizer={"type": "AdamW", "params": {"lr": 3e-3}})
     engine, *_ = dsrun.initialize(model=model, config=cfg)
+    if convert_after:
+        assert convert_to_random_ltd(engine, Block) is engine
     seen: list[list[int]] = []  # per step: tokens each block was given
     hooks = [b.random_ltd_layer.register_forward_pre_hook(lambda m, a: seen[-1].append(a[0].size(1)))
              for b in model.blocks]
@@ -288,9 +292,10 @@ def _engine_rank(steps: int, save_dir: str) -> dict:
     return out
 
 
-def test_engine_trains_with_random_ltd_and_resumes_the_schedule(tmp_path):
+@pytest.mark.parametrize("convert_after", [False, True], ids=["model-then-initialize", "engine-after-initialize"])
+def test_engine_trains_with_random_ltd_and_resumes_the_schedule(tmp_path, convert_after):
     steps = 24
-    out = run_ranks(_engine_rank, 1, steps, str(tmp_path))[0]
+    out = run_ranks(_engine_rank, 1, steps, str(tmp_path), convert_after)[0]
     expected = [fixed_linear_value(s, 8, 32, 20, 8) for s in range(steps)]
     assert [row[1:3] for row in out["seen"]] == [[k, k] for k in expected]  # blocks 1 and 2 drop
     assert all(row[0] == row[3] == 32 for row in out["seen"])  # blocks 0 and 3 see every token

@@ -60,9 +60,10 @@ def gather_tokens(hidden: torch.Tensor, positions: torch.Tensor, batch_first: bo
 
 def scatter_tokens(hidden: torch.Tensor, kept: torch.Tensor, positions: torch.Tensor,
                    batch_first: bool) -> torch.Tensor:
-    """A copy of `hidden` with `kept` (the layer's outputs for the kept tokens)
-    written at `positions`; every other token is `hidden`'s. Differentiable in both."""
-    return hidden.scatter(1 if batch_first else 0, _token_index(positions, hidden, batch_first), kept)
+    """A copy of `hidden` with `kept` (the layer's outputs for the kept tokens,
+    cast to `hidden`'s dtype: under autocast they may differ) written at
+    `positions`; every other token is `hidden`'s. Differentiable in both."""
+    return hidden.scatter(1 if batch_first else 0, _token_index(positions, hidden, batch_first), kept.to(hidden.dtype))
 
 
 def slice_mask(mask: torch.Tensor, positions: torch.Tensor, seq_len: int, model_type: str) -> torch.Tensor:
