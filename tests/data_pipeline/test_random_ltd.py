@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 import sys
 from pathlib import Path
 
@@ -303,3 +304,16 @@ def test_engine_trains_with_random_ltd_and_resumes_the_schedule(tmp_path, conver
     assert out["saved"]["current_value"] == 32 and out["saved"]["current_steps"] == steps
     assert out["resumed"] == out["saved"]
     assert out["plain_equal"]
+
+
+def test_deepspeed_documented_example_loads_without_warnings():
+    """The data_routing example of DeepSpeed's config-json page (GPT, 24 layers, Megatron layout)."""
+    example = {"enabled": True, "seed": 1234, "data_routing": {"enabled": True, "random_ltd": _ltd(
+        total_layer_num=24, random_ltd_layer_num=22, random_ltd_layer_id=list(range(1, 23)),
+        model_mask_name="attention_mask", hidden_state_order="seq_batch_dim",
+        random_ltd_schedule={"min_value": 128, "max_value": 2048, "schedule_type": "fixed_linear",
+                             "schedule_config": {"require_steps": 200000, "seq_per_step": 16}})}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cfg = load_config({"train_batch_size": 4, "data_efficiency": example})
+    assert random_ltd_scheduler(cfg).get_value(100000) == 1088  # floor(0.5 * 1920 + 128), a multiple of 16
