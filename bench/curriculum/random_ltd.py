@@ -119,7 +119,8 @@ def same_loss_cost(results: dict[str, dict]) -> str:
     for p in results["ltd"]["points"]:
         if p["step"] and p["val"] <= final["val"]:
             return (f"ltd reaches base's final validation loss {final['val']:.4f} at step {p['step']}: "
-                    f"{p['tokens'] / final['tokens']:.2f}x the data tokens, {p['layer_tokens'] / final['layer_tokens']:.2f}x "
+                    f"{p['tokens'] / final['tokens']:.2f}x the data tokens, "
+                    f"{p['layer_tokens'] / final['layer_tokens']:.2f}x "
                     f"the layer-tokens, {p['seconds'] / final['seconds']:.2f}x the wall time, "
                     f"{p['cpu_seconds'] / final['cpu_seconds']:.2f}x the CPU time")
     last = results["ltd"]["points"][-1]
@@ -154,7 +155,8 @@ def main() -> None:
             cmd = [sys.executable, __file__, *sys.argv[1:], "--one", run, "--out", str(out)]
             proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3600)
             if proc.returncode != 0:
-                raise SystemExit(f"{run} failed ({proc.returncode}); its output ends:\n{(proc.stdout + proc.stderr)[-4000:]}")
+                tail = (proc.stdout + proc.stderr)[-4000:]
+                raise SystemExit(f"{run} failed ({proc.returncode}); its output ends:\n{tail}")
             results[run] = json.loads(out.read_text())
     print(f"byte GPT, {args.n_layer} blocks x {EMBD} wide, windows of {SEQ}, micro-batch {MICRO}, {args.steps} steps, "
           f"{args.threads} thread(s); ltd: blocks 1-{args.n_layer - 2} keep {args.min_kept} -> {SEQ} tokens over "

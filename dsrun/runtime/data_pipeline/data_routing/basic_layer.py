@@ -153,8 +153,9 @@ class RandomLayerTokenDrop(torch.nn.Module):
         if self.random_ltd_scheduler is None or not self.training:
             return self.random_ltd_layer(hidden_states, *args, **kwargs)
         if hidden_states.dim() != 3:
-            raise ValueError(f"random-LTD needs hidden states of 3 dimensions ({'batch, seq' if self.batch_first else 'seq, batch'}"
-                             f", hidden per hidden_state_order), got shape {tuple(hidden_states.shape)}")
+            layout = "batch, seq, hidden" if self.batch_first else "seq, batch, hidden"
+            raise ValueError(f"random-LTD needs hidden states of 3 dimensions ({layout}, per hidden_state_order), "
+                             f"got shape {tuple(hidden_states.shape)}")
         seq_dim, batch_dim = (1, 0) if self.batch_first else (0, 1)
         seq_len = hidden_states.size(seq_dim)
         self.reserved_length = min(self.random_ltd_scheduler.get_current_seq(), seq_len)
