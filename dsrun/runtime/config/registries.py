@@ -50,6 +50,9 @@ NOT_YET_SUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("fp16.fp16_master_weights_and_grads", _on,
                 "fp16 master weights (refused on purpose: updates below fp16 precision are lost)",
                 "set it to false; use bf16, or offload the optimizer to save host memory"),
+    Unsupported("data_efficiency.data_routing.random_ltd.layer_token_lr_schedule.enabled", _on,
+                "a learning rate schedule in layer-tokens for random-LTD (nor does DeepSpeed)",
+                "set it to false; use an LR schedule in optimizer steps"),
 )
 
 
@@ -101,7 +104,6 @@ NO_EFFECT_YET: dict[str, Any] = {
     "data_efficiency.data_sampling.num_workers": 0,  # the curriculum loader reads samples in the rank's process
     "data_efficiency.data_sampling.pin_memory": False,
     "data_efficiency.data_sampling.curriculum_learning.data_cluster_path": None,  # clusters live in memory
-    "data_efficiency.data_routing": {},  # random-LTD: its own section model reads it when it lands
 }
 
 

@@ -17,7 +17,8 @@ from pydantic import (
 )
 
 from dsrun.runtime.config.errors import _Problem
-from dsrun.runtime.config.sections import ActivationCheckpointingConfig, AioConfig, AutotuningConfig, Bf16Config, CheckpointConfig, CommsLoggerConfig, Count, CurriculumLearningConfig, DataEfficiencyConfig, DataTypesConfig, ElasticityConfig, FlopsProfilerConfig, Fp16Config, MonitorConfig, NonNegReal, _NUMBER, OptimizerConfig, PipelineConfig, PosInt, PosReal, SchedulerConfig, _Section, TensorParallelConfig, WandbConfig, ZeroConfig
+from dsrun.runtime.data_pipeline.data_routing.config import DataRoutingConfig
+from dsrun.runtime.config.sections import ActivationCheckpointingConfig, AioConfig, AutotuningConfig, Bf16Config, CheckpointConfig, CommsLoggerConfig, Count, CurriculumLearningConfig, DataSamplingConfig, DataTypesConfig, ElasticityConfig, FlopsProfilerConfig, Fp16Config, Int, MonitorConfig, NonNegReal, _NUMBER, OptimizerConfig, PipelineConfig, PosInt, PosReal, SchedulerConfig, _Section, TensorParallelConfig, WandbConfig, ZeroConfig
 
 class _BatchTriple(_Section):
     """The three batch keys, validated on their own (see [Note: order of the checks])."""
@@ -53,6 +54,39 @@ _DEEPSPEED_ONLY_KEYS = {
     "progressive_layer_drop": "progressive layer drop",
     "comet": "Comet monitoring",
 }
+
+
+class DataEfficiencyConfig(_Section):
+    """`data_efficiency`: DeepSpeed Data Efficiency (Li et al., AAAI 2024): curriculum data
+    sampling (dsrun/runtime/data_pipeline/data_sampling.py) and data routing (random-LTD,
+    dsrun/runtime/data_pipeline/data_routing/)."""
+
+    enabled: bool = Field(False, description="Use the features below (each has its own switch too).")
+    seed: Int = Field(1234, description="Seed of the curriculum sampler (the same on every rank).")
+    data_sampling: DataSamplingConfig = Field(default_factory=DataSamplingConfig,
+                                              description="Curriculum data sampling.")
+    data_routing: DataRoutingConfig = Field(default_factory=DataRoutingConfig,
+                                            description="Random layerwise token dropping (random-LTD).")
+
+    @model_validator(mode="after")
+    def _switches_agree(self) -> "DataEfficiencyConfig":
+        """A part's switch on with a switch above it off is refused: DeepSpeed's loader reads only
+        the innermost switch, its documentation asks for all three; either reading would surprise."""
+        if self.data_sampling.curriculum_learning.enabled and not (self.enabled and self.data_sampling.enabled):
+            off = [k for k, v in (("enabled", self.enabled), ("data_sampling.enabled", self.data_sampling.enabled))
+                   if not v]
+            raise _Problem(f"data_sampling.curriculum_learning.enabled is true but {' and '.join(off)} "
+                           "false; set all three to true to sample by curriculum, or the innermost to false",
+                           key="data_sampling")
+        if self.data_routing.random_ltd.enabled and not (self.enabled and self.data_routing.enabled):
+            raise _Problem("random_ltd.enabled is true but data_efficiency.enabled or data_routing.enabled is "
+                           "false; random-LTD runs only with all three set to true", key="data_routing")
+        return self
+
+    @property
+    def curriculum_sampling(self) -> bool:
+        """Whether the curriculum sampler runs (every switch on its path is on)."""
+        return self.data_sampling.curriculum_learning.enabled
 
 
 class DsConfig(_BatchTriple):
@@ -99,6 +133,8 @@ class DsConfig(_BatchTriple):
     sequence_parallel_size: PosInt = Field(1, description="Ulysses sequence parallelism: ranks that split "
                                            "each sample's tokens (the mesh's sequence axis; data parallelism "
                                            "takes the rest, and ZeRO partitions over data x sequence).")
+    data_efficiency: DataEfficiencyConfig = Field(default_factory=DataEfficiencyConfig,
+                                                  description="Data efficiency: random-LTD.")
     activation_checkpointing: ActivationCheckpointingConfig = Field(
         default_factory=ActivationCheckpointingConfig, description="Activation checkpointing options.")
     steps_per_print: Annotated[int, BeforeValidator(_never_for_inf), _NUMBER, at.Ge(1)] = Field(

@@ -859,31 +859,3 @@ class DataSamplingConfig(_Section):
     pin_memory: bool = Field(False, description="Pin the loader's batches in page-locked host memory.")
     curriculum_learning: DataSamplingCurriculumConfig = Field(
         default_factory=DataSamplingCurriculumConfig, description="Curriculum sampling by difficulty metrics.")
-
-
-class DataEfficiencyConfig(_Section):
-    """`data_efficiency`: DeepSpeed's data-efficiency library: curriculum data sampling and data
-    routing (random-LTD)."""
-
-    enabled: bool = Field(False, description="Use the features below (each has its own switch too).")
-    seed: Int = Field(1234, description="Seed of the curriculum sampler (the same on every rank).")
-    data_sampling: DataSamplingConfig = Field(default_factory=DataSamplingConfig,
-                                              description="Curriculum data sampling.")
-    data_routing: dict[str, Any] = Field(default_factory=dict, description="Data routing (random_ltd).")
-
-    @model_validator(mode="after")
-    def _switches_agree(self) -> "DataEfficiencyConfig":
-        """The sampler's switch on with a switch above it off is refused: DeepSpeed's loader reads only
-        the innermost switch, its documentation asks for all three; either reading would surprise."""
-        if self.data_sampling.curriculum_learning.enabled and not (self.enabled and self.data_sampling.enabled):
-            off = [k for k, v in (("enabled", self.enabled), ("data_sampling.enabled", self.data_sampling.enabled))
-                   if not v]
-            raise _Problem(f"data_sampling.curriculum_learning.enabled is true but {' and '.join(off)} "
-                           "false; set all three to true to sample by curriculum, or the innermost to false",
-                           key="data_sampling")
-        return self
-
-    @property
-    def curriculum_sampling(self) -> bool:
-        """Whether the curriculum sampler runs (every switch on its path is on)."""
-        return self.data_sampling.curriculum_learning.enabled

@@ -22,6 +22,8 @@ from dsrun.runtime.data_pipeline.curriculum import TokenStepLR, check_takes_seql
 from dsrun.runtime.data_pipeline.data_sampling import CurriculumDataLoader, build_curriculum_loader
 from dsrun.runtime.engine.dataloader import DistributedDataLoader
 from dsrun.runtime.parallel.mesh import current as current_mesh
+from dsrun.runtime.data_pipeline.data_routing.basic_layer import RandomLayerTokenDrop
+from dsrun.runtime.data_pipeline.data_routing.helper import bind_random_ltd_layers, random_ltd_scheduler
 from dsrun.runtime.strategy.data_parallel import AllReduceStrategy, GradientStrategy
 from dsrun.runtime.distributed.dist import Topology
 from dsrun.runtime.parallel.expert.groups import is_expert_param
@@ -137,7 +139,10 @@ class Engine(DeepSpeedEngineCompat, torch.nn.Module):
         value, step)])` writes on rank 0),
         curriculum_scheduler_legacy (the `curriculum_learning` section's
         CurriculumScheduler, or None; see [Note: curriculum_seqlen] in
-        dsrun/runtime/data_pipeline/curriculum.py).
+        dsrun/runtime/data_pipeline/curriculum.py),
+        random_ltd_scheduler (the kept-token schedule of random-LTD, config
+        data_efficiency.data_routing.random_ltd; None when off; updated
+        after every optimizer step and saved in checkpoints).
 
     Memory profiling (config "memory_breakdown": true, or
     `enable_memory_profile()`) measures forward, backward and step as
@@ -165,6 +170,9 @@ class Engine(DeepSpeedEngineCompat, torch.nn.Module):
             self.register_checkpoint_state("curriculum_learning", self.curriculum_scheduler_legacy)
             if config.curriculum_learning.lr_schedule_in_tokens and lr_scheduler is not None:
                 self.lr_scheduler = TokenStepLR(lr_scheduler, self.curriculum_scheduler_legacy)
+        self.random_ltd_scheduler = random_ltd_scheduler(config)
+        if self.random_ltd_scheduler is not None:
+            self.register_checkpoint_state("random_ltd", self.random_ltd_scheduler)
         self._boundary_override: bool | None = None
         self._in_no_sync = False
         self._grad_norm: float | None = None
@@ -173,6 +181,9 @@ class Engine(DeepSpeedEngineCompat, torch.nn.Module):
         self._backward_since_step = False
         self._destroyed = False
         self._pre_step_hooks: list[Callable[[], None]] = []
+        self._step_end_hooks: list[Callable[[int], None]] = []  # called with global_steps after each step
+        if self.random_ltd_scheduler is not None:
+            self._start_random_ltd()
         self._progress = ProgressLog(topology, config.steps_per_print)
         # monitors, timers, progress records and the flops profile (dsrun/runtime/engine/telemetry.py)
         self.monitor = MonitorMaster(config, topology.rank)
@@ -185,6 +196,33 @@ class Engine(DeepSpeedEngineCompat, torch.nn.Module):
         self._memory_profile_kept: dict = {}
         if config.memory_breakdown:
             self.enable_memory_profile()
+
+    def _start_random_ltd(self) -> None:
+        """Set the kept-token count of step 0, keep it following the steps,
+        and bind the layers `convert_to_random_ltd` already wrapped."""
+        self.random_ltd_scheduler.update_seq(self.global_steps)
+        self._step_end_hooks.append(self.random_ltd_scheduler.update_seq)
+        if any(isinstance(m, RandomLayerTokenDrop) for m in self.module.modules()):
+            self.random_ltd_initialize()
+
+    def random_ltd_enabled(self) -> bool:
+        """Whether the config turns random-LTD on (data_efficiency.data_routing.random_ltd)."""
+        return self.random_ltd_scheduler is not None
+
+    def random_ltd_initialize(self) -> None:
+        """Make the model's random-LTD layers that the config lists drop
+        tokens on this engine's schedule (`convert_to_random_ltd(engine, ...)`
+        calls it; DeepSpeed's method).
+
+        Raises:
+            RuntimeError: random-LTD is not enabled in the config.
+            ValueError: the model's converted layers are not total_layer_num.
+        """
+        if self.random_ltd_scheduler is None:
+            raise RuntimeError("random-LTD is not enabled in the config: set data_efficiency.enabled, "
+                               "data_efficiency.data_routing.enabled and its random_ltd.enabled to true "
+                               "and fill in random_ltd's settings")
+        bind_random_ltd_layers(self.module, self.random_ltd_scheduler)
 
     # -- DeepSpeed compatibility: identity of this rank ------------------------------------
     @property
@@ -428,6 +466,8 @@ class Engine(DeepSpeedEngineCompat, torch.nn.Module):
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
         heartbeat.beat(self.global_steps)
+        for hook in self._step_end_hooks:
+            hook(self.global_steps)
         if outcome.nonfinite:
             self._on_nonfinite_step(outcome.first_nonfinite)
         self._progress.after_step(self.global_steps, self.skipped_steps,
