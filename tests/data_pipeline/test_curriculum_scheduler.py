@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from dsrun.runtime.config import ConfigError, ConfigWarning, load_config
+from dsrun.runtime.config import ConfigError, load_config
 from dsrun.runtime.data_pipeline.curriculum_scheduler import CurriculumScheduler
 
 BASE = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 4}

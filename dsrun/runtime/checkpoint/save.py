@@ -353,8 +353,6 @@ def _index_fields(parts: TrainingParts, names: dict, scheduler, param_groups, da
     """Rank 0: everything of the index that comes from the training parts,
     taken at save time (JSON-ready); `names`: `model_names(parts)`."""
     loader = dataloader.state_dict() if dataloader is not None else None
-    named = {name: _json_checked(obj.state_dict(), f"the {name} state_dict")
-             for name, obj in parts.named_states.items()}
     strategy = parts.strategy
     frozen = [n for n, (_, is_frozen) in names.items() if is_frozen]
     return dict(dsrun_version=dsrun.__version__, torch_version=torch.__version__,
