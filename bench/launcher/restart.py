@@ -6,7 +6,7 @@ beside a cold start of the same job.
 The job: the 48M GPT of bench/step_time/gpt_step.py (d=512, 10 layers, 8
 heads, vocab 32000, seq 256, tied embedding/head, 48.0M parameters, fp32;
 `--model small` is its 5.2M shape for quick loops), 2 local ranks under
-`dsrun --num_procs 2 --max_restarts 1`, ZeRO stage 1, dsrun's AdamW, micro-batch
+`dsrun --num_procs 2` (`--max_restarts 1` for the restart case), ZeRO stage 1, dsrun's AdamW, micro-batch
 2, one micro-batch per step, 1 torch thread per rank, config
 `"checkpoint": {"auto_resume": true, "save_dir": ...}`.
 
