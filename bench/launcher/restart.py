@@ -180,9 +180,9 @@ def main() -> None:
     results: dict[str, list[dict[str, float]]] = {"cold": [], "restart": []}
     with tempfile.TemporaryDirectory(prefix="dsrun-restart-bench-") as tmp:
         for rep in range(args.repeat):
-            for case in results:
+            for case, runs in results.items():
                 phases = _run_job(case, args.model, Path(tmp), free_port())
-                results[case].append(phases)
+                runs.append(phases)
                 print(f"repeat {rep + 1} {case}: " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()),
                       f"total {sum(phases.values()):.2f} s", flush=True)
     print(f"\nload average {os.getloadavg()[0]:.1f}; {args.repeat} repeat(s), model {args.model}\n")
