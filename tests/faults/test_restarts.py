@@ -80,11 +80,18 @@ def test_restart_count_port_and_exit_status(launcher, tmp_path):
     """Each attempt's ranks see their restart count and job id, and a restart reuses the port its predecessor freed;
     when every attempt fails, dsrun exits with the last failure's status."""
     script = tmp_path / "count.py"
-    script.write_text("import os, sys\n"
+    # rank 1 fails only once rank 0 has printed: else the teardown may stop rank 0 before its line
+    script.write_text("import os, sys, time\n"
                       "c = os.environ['DSRUN_RESTART_COUNT']\n"
                       "print('COUNT', c, os.environ['TORCHELASTIC_RESTART_COUNT'], os.environ['MASTER_PORT'],\n"
-                      "      os.environ['DSRUN_JOB_ID'])\n"
-                      "sys.exit(4 if c != '2' and os.environ['RANK'] == '1' else 0)\n")
+                      "      os.environ['DSRUN_JOB_ID'], flush=True)\n"
+                      f"printed = {str(tmp_path)!r} + f'/printed-{{c}}'\n"
+                      "if os.environ['RANK'] == '0':\n"
+                      "    open(printed, 'w').close()\n"
+                      "elif c != '2':\n"
+                      "    while not os.path.exists(printed):\n"
+                      "        time.sleep(0.05)\n"
+                      "    sys.exit(4)\n")
     port = free_port()
     result = launcher.run("--num_procs", "2", "--master_port", str(port), "--max_restarts", "2", "--no_local_rank",
                           str(script), timeout=60)
