@@ -14,7 +14,9 @@ each running rank's beat count. The rule:
 - a rank whose count is still 0 is never hung: it has not begun to beat
   (start-up, however long, or a script that does not use dsrun's
   collectives or engine);
-- a rank that marked itself exiting (atexit) is no longer watched.
+- a rank that marked itself exiting (atexit) is no longer watched;
+- a rank inside `deepspeed.initialize` (header flag "setting up") is not
+  watched, and its timeout starts afresh when initialize returns.
 
 When ranks are hung the agent asks every running rank of its node that
 registered a stack dump handler for its stacks (`DUMP_SIGNAL`, sent to
@@ -184,6 +186,9 @@ class HangWatch:
                 continue
             beats = state.beats if state is not None else 0
             seen = self._seen.get(rank)
+            if state is not None and state.setting_up:  # inside initialize: the timeout starts after it
+                self._seen[rank] = (beats, now)
+                continue
             if seen is None or seen[0] != beats:
                 self._seen[rank] = (beats, now)
             elif beats > 0 and now - seen[1] >= self.timeout:

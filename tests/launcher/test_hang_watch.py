@@ -195,3 +195,15 @@ def test_summary_shows_every_ranks_state_stacks_and_the_likely_cause():
     assert "Likely cause: rank(s) 1:" in text
     assert "stack of 0" in text and "stack of 1" in text and "did not answer in time" in text
 
+
+
+def test_a_rank_setting_up_is_not_watched_and_its_timeout_starts_after(watch):
+    writer = HeartbeatWriter(watch.path(0))
+    writer.beat()  # initialize's first collective armed the watch
+    writer.setting_up(True)  # ... and initialize goes on with local work
+    assert watch.stalled([0], now=0.0) == []
+    assert watch.stalled([0], now=100.0) == []
+    writer.setting_up(False)  # initialize returned: silent from now on
+    assert watch.stalled([0], now=105.0) == []
+    assert watch.stalled([0], now=109.9) == []
+    assert watch.stalled([0], now=111.0) == [0]

@@ -18,6 +18,7 @@ import torch
 
 from dsrun.runtime.memory import allocator, profile as memory_profile
 from dsrun.runtime import comm
+from dsrun.runtime.observability import heartbeat
 from dsrun.runtime.observability import exit_report
 from dsrun.runtime.distributed.agreement import check_ranks_agree
 from dsrun.runtime.activation_checkpointing import checkpointing
@@ -316,6 +317,7 @@ def _auto_resume(engine: Engine, cfg: DsConfig, topology: Topology) -> None:
                             f"on {topology.world_size} rank(s)")
 
 
+@heartbeat.setting_up()  # a rank in initialize is not watched for hangs: [Note: heartbeats]
 def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
                model_parameters: Iterable | None = None, training_data=None,
                lr_scheduler=None, distributed_port: int = 29500, mpu=None,

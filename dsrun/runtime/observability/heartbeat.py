@@ -16,7 +16,7 @@ records two, so every collective can beat. The file holds (little-endian;
 `HEADER`, `BEAT` and `COLLECTIVE` below):
 
     header      magic b"DSHB", format version, pid of the rank (0 until it
-                registered its stack dump handler), flags (1: exiting)
+                registered its stack dump handler), flags (1: exiting, 2: setting up)
     beat        number of beats, last engine step (-1: none), wall time of
                 the last beat
     collective  the last collective the rank entered: sequence number (1 for
@@ -45,6 +45,14 @@ after `deepspeed.initialize`, during which the other ranks wait in the
 first gradient all-reduce) should call `beat()` now and then, or run with
 a larger `--hang_timeout`.
 
+While `deepspeed.initialize` runs (`setting_up`, header flag 2) a rank is
+not watched either, even after its first beat: initialize's first
+collectives would arm the watch, and what follows them (building the
+optimizer, loading a checkpoint on auto-resume) is local work that may
+outlast a small timeout while a peer waits in the next collective; a run
+on this machine was reported hung so at --hang_timeout 4. The watch starts
+again, with a fresh timeout, when initialize returns.
+
 From its exit on (Python's atexit; `start()` registers the hook after
 init_distributed's own, so it runs before them) a rank is no longer
 watched: its training is over, the interpreter's teardown (torch's
@@ -65,6 +73,7 @@ This module must not import torch: the agent reads the files through it.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import faulthandler
 import mmap
 import os
@@ -91,6 +100,7 @@ DUMP_SIGNAL = signal.SIGRTMIN + 5
 STACKS_SUFFIX = ".stacks"
 _OP_BYTES = 32
 EXITING = 1  # header flag: the rank has begun to exit
+SETTING_UP = 2  # header flag: the rank is inside deepspeed.initialize (see [Note: heartbeats])
 
 
 def stacks_path(heartbeat_path: str | Path) -> Path:
@@ -138,6 +148,7 @@ class HeartbeatState:
     Attributes:
         pid: process that registered the stack dump handler; 0 while none did.
         exiting: the rank has begun to exit (atexit); it is no longer watched.
+        setting_up: the rank is inside initialize; not watched until it returns.
         beats: beats so far (0: the rank has not begun to beat).
         step: last engine step the rank reported, None if none.
         last_beat: wall time of the last beat (time.time(), seconds); 0.0 before the first.
@@ -146,6 +157,7 @@ class HeartbeatState:
 
     pid: int
     exiting: bool
+    setting_up: bool
     beats: int
     step: int | None
     last_beat: float
@@ -162,7 +174,8 @@ def _decode(data: bytes) -> HeartbeatState:
     if seq:
         collective = CollectiveState(seq, op.rstrip(b"\0").decode(errors="replace"), group, nbytes, entered,
                                      finished or None)
-    return HeartbeatState(pid, bool(flags & EXITING), beats, None if step < 0 else step, last_beat, collective)
+    return HeartbeatState(pid, bool(flags & EXITING), bool(flags & SETTING_UP), beats, None if step < 0 else step,
+                          last_beat, collective)
 
 
 def read_heartbeat(path: str | Path, tries: int = 5) -> HeartbeatState:
@@ -204,6 +217,7 @@ class HeartbeatWriter:
         self.path = Path(path)
         self._lock = threading.Lock()
         self._beats, self._step, self._seq = 0, -1, 0
+        self._flags = 0
 
     @property
     def owner(self) -> int:
@@ -212,12 +226,21 @@ class HeartbeatWriter:
 
     def claim(self, pid: int) -> None:
         """Write `pid` into the header: its stack dump handler is registered."""
-        HEADER.pack_into(self._map, 0, MAGIC, VERSION, pid, 0)
+        with self._lock:
+            HEADER.pack_into(self._map, 0, MAGIC, VERSION, pid, self._flags)
+
+    def _set_flag(self, flag: int, on: bool) -> None:
+        with self._lock:
+            self._flags = self._flags | flag if on else self._flags & ~flag
+            HEADER.pack_into(self._map, 0, MAGIC, VERSION, self.owner, self._flags)
 
     def exiting(self) -> None:
         """Mark the rank as exiting: the agent stops watching it."""
-        with self._lock:
-            HEADER.pack_into(self._map, 0, MAGIC, VERSION, self.owner, EXITING)
+        self._set_flag(EXITING, True)
+
+    def setting_up(self, on: bool) -> None:
+        """Mark the rank as inside initialize (`on`), or out of it: not watched meanwhile."""
+        self._set_flag(SETTING_UP, on)
 
     def beat(self, step: int | None = None) -> None:
         """One beat; `step` (engine step >= 0) replaces the reported step when given."""
@@ -308,6 +331,23 @@ def _forget_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_forget_in_child)
+
+
+@contextlib.contextmanager
+def setting_up():
+    """Context (and decorator) around `deepspeed.initialize`: the agent does not watch the rank
+    inside it (see [Note: heartbeats]); nested uses keep the outermost's extent."""
+    writer = _Channel.writer
+    if writer is None and not _Channel.started and start():
+        writer = _Channel.writer
+    if writer is None or writer._flags & SETTING_UP:
+        yield
+        return
+    writer.setting_up(True)
+    try:
+        yield
+    finally:
+        writer.setting_up(False)
 
 
 def beat(step: int | None = None) -> None:
