@@ -26,7 +26,8 @@ Which tokens keep their place when an expert is full:
   token order (GShard's policy);
 - top-2: first choices before second choices, each in token order (GShard,
   Lepikhin et al. 2020, Algorithm 1);
-- top-k (k > 2): the tokens with the largest gate probability for it.
+- top-k (k > 2): the tokens with the largest gate probability for it
+  (drop_policy "probs"), or the first in token order ("position").
 
 The load-balancing loss is E x sum_e(me_e x ce_e) with me_e the mean gate
 probability of expert e over the tokens and ce_e the fraction of tokens
@@ -159,12 +160,22 @@ def top2_gating(logits: torch.Tensor, capacity_factor: float, min_capacity: int,
     return GateOutput(l_aux, combine, combine.bool(), counts.cpu())
 
 
+DROP_POLICIES = ("probs", "position")
+
+
 def topk_gating(logits: torch.Tensor, k: int, capacity_factor: float, min_capacity: int, *,
-                drop_tokens: bool = True, ep_group=None) -> GateOutput:
+                drop_tokens: bool = True, ep_group=None, drop_policy: str = "probs") -> GateOutput:
     """Top-k gating over `logits` [S, E] (fp32), k <= E; see [Note: the
     gating outputs]. Each token goes to its k most probable experts, with
     its kept probabilities renormalised to sum to 1; a full expert keeps the
-    tokens most probable for it."""
+    tokens most probable for it (drop_policy "probs"), or the first in token
+    order ("position", GShard's policy).
+
+    Raises:
+        ValueError: a drop_policy other than "probs" or "position".
+    """
+    if drop_policy not in DROP_POLICIES:
+        raise ValueError(f"MoE gate: drop_policy={drop_policy!r}; choose one of {DROP_POLICIES}")
     num_tokens, num_experts = logits.shape
     gates = F.softmax(logits, dim=1)
     mask = torch.zeros_like(gates, dtype=torch.int64).scatter_(1, gates.topk(k, dim=1).indices, 1)
@@ -172,9 +183,12 @@ def topk_gating(logits: torch.Tensor, k: int, capacity_factor: float, min_capaci
     l_aux = (gates.mean(dim=0) * mask.float().mean(dim=0)).sum() * num_experts / k
     if drop_tokens:
         cap = capacity(num_tokens, num_experts, capacity_factor * k, min_capacity)
-        score = gates.detach().masked_fill(mask == 0, float("-inf"))
-        kept = torch.zeros_like(mask).scatter_(0, score.topk(min(cap, num_tokens), dim=0).indices, 1)
-        mask = mask * kept
+        if drop_policy == "probs":
+            score = gates.detach().masked_fill(mask == 0, float("-inf"))
+            kept = torch.zeros_like(mask).scatter_(0, score.topk(min(cap, num_tokens), dim=0).indices, 1)
+            mask = mask * kept
+        else:
+            mask = mask * ((mask.cumsum(dim=0) - 1) < cap)
     else:
         cap = _dropless_capacity(counts, ep_group)
     locations = mask.cumsum(dim=0) - 1
