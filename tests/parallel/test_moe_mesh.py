@@ -7,6 +7,8 @@
   outputs. ZeRO 0, 2 and 3.
 - pipe=2 x dp=2 with an MoE layer at ep_size 2 on the first stage trains
   like the same PipelineModule on one stage x dp=2.
+- a tp=2 x ep=2 checkpoint (zero_to_fp32) and 16-bit export load into the
+  model at tp=1, ep_size=1.
 """
 from __future__ import annotations
 
@@ -138,3 +140,67 @@ def test_moe_inside_a_pipeline_trains_like_one_stage():
     got = run_ranks(_pipe_train, 4, 2, timeout=180)[-1]  # the last stage's loss
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), **TOL)
     assert want[0][1] > 0.05
+
+
+class _TPNet(torch.nn.Module):
+    """A Megatron MLP block (tensor-parallel on the current mesh) then an
+    MoE layer of 4 experts at ep_size `ep`."""
+
+    def __init__(self, ep: int) -> None:
+        super().__init__()
+        from dsrun.moe.layer import MoE
+        from tests.parallel.test_autotp import _TPBlock
+        torch.manual_seed(0)
+        self.block = _TPBlock(H)
+        self.moe = MoE(H, torch.nn.Linear(H, H), num_experts=4, ep_size=ep, k=1, drop_tokens=False, min_capacity=1)
+        self.head = torch.nn.Linear(H, 1)
+
+    def forward(self, x):
+        h = self.block(x)
+        m, _, _ = self.moe(h)
+        return self.head(h + m)
+
+
+def _tp_save_and_load_plain(save_dir: str) -> dict:
+    import os
+
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+
+    import dsrun
+    from dsrun.runtime.parallel.mesh import ParallelMesh, set_current
+    from dsrun.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    dsrun.init_distributed()
+    set_current(ParallelMesh.build(dist.get_world_size(), model=2))
+    net = _TPNet(2)
+    _distinct_experts(net)
+    engine, *_ = dsrun.initialize(model=net, config={
+        "train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "zero_optimization": {"stage": 1}, "steps_per_print": 1000})
+    x = torch.randn(4, H, generator=torch.Generator().manual_seed(3 + dist.get_rank() // 2))
+    loss = engine(x).square().mean()
+    engine.backward(loss)
+    engine.step()
+    engine.save_checkpoint(save_dir, tag="t")
+    engine.save_16bit_model(save_dir, "model.safetensors")
+    with torch.no_grad():
+        want = engine(x)
+    engine.destroy()
+    set_current(ParallelMesh.build(dist.get_world_size(), model=1))
+    out = {}
+    for what, state in (("16bit", load_file(os.path.join(save_dir, "model.safetensors"))),
+                        ("zero_to_fp32", get_fp32_state_dict_from_zero_checkpoint(save_dir, tag="t"))):
+        plain = _TPNet(1)
+        plain.load_state_dict(state, strict=True)
+        with torch.no_grad():
+            out[what] = float((plain(x) - want).abs().max())
+    set_current(None)
+    return out
+
+
+def test_tp2_ep2_checkpoint_and_16bit_export_load_into_the_plain_model(tmp_path):
+    """tp=2 x dp=2, ep_size 2, ZeRO-1: the 16-bit file and zero_to_fp32 of
+    the checkpoint load strictly into the model at tp=1, ep_size=1 and give
+    the trained model's outputs (to 1e-6) on every rank's samples."""
+    for per_rank in run_ranks(_tp_save_and_load_plain, 4, str(tmp_path), timeout=240):
+        assert per_rank["16bit"] < 1e-6 and per_rank["zero_to_fp32"] < 1e-6, per_rank
