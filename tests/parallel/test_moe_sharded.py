@@ -70,7 +70,7 @@ def _assert_matches(out, want):
     assert combine.shape == want_combine.shape
     assert torch.allclose(combine, want_combine, atol=1e-6)
     assert torch.equal(dispatch, want_combine != 0) and dispatch.dtype == torch.bool
-    assert float(l_aux) == pytest.approx(want_l_aux, rel=1e-5)
+    assert float(l_aux.detach()) == pytest.approx(want_l_aux, rel=1e-5)
     assert counts.tolist() == want_counts and counts.dtype == torch.int64
 
 
@@ -188,6 +188,10 @@ def test_topkgate_takes_deepspeeds_arguments():
 
 def test_moelayer_checks_its_arguments():
     from dsrun.moe.experts import Experts
+    from dsrun.moe.layer import MoE
+    layer = MoE(HIDDEN, torch.nn.Linear(HIDDEN, HIDDEN), num_experts=EXPERTS)  # the same classes MoE builds
+    assert isinstance(layer.deepspeed_moe, MOELayer) and isinstance(layer.deepspeed_moe.gate, TopKGate)
+    assert layer.deepspeed_moe.ep_group_name == "ep_size_1" and layer.deepspeed_moe.gate.min_capacity == 4
     gate = TopKGate(HIDDEN, EXPERTS, min_capacity=1)
     with pytest.raises(ValueError, match="ep_group_name='experts' must be 'ep_size_1'"):
         MOELayer(gate, Experts(torch.nn.Linear(HIDDEN, HIDDEN), EXPERTS), "experts", 1, EXPERTS)
