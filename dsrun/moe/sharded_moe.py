@@ -29,8 +29,8 @@ from dsrun.runtime.parallel.expert import gating
 from dsrun.runtime.parallel.expert.gating import GateOutput, TopKGate, gumbel_noise
 from dsrun.runtime.parallel.expert.layer import MOELayer
 
-__all__ = ["TopKGate", "MOELayer", "top1gating", "top2gating", "topkgating", "multiplicative_jitter",
-           "gumbel_rsample", "einsum", "_capacity"]
+__all__ = ["MOELayer", "TopKGate", "_capacity", "einsum", "gumbel_rsample", "multiplicative_jitter",
+           "top1gating", "top2gating", "topkgating"]
 
 einsum = torch.einsum  # DeepSpeed's `einsum(rule, a, b)` is torch.einsum unless its USE_EINSUM is turned off
 
