@@ -131,6 +131,7 @@ def _export_16bit(save_dir: str) -> dict:
         engine = _engine(2, initial, stage)
         _step(engine, 0)
         engine.save_16bit_model(save_dir, f"z{stage}.safetensors")
+        consolidated = engine._zero3_consolidated_16bit_state_dict()  # the same gathering, into memory on rank 0
         gen = torch.Generator().manual_seed(77 + dist.get_rank())
         x, y = torch.randn(12, HIDDEN, generator=gen), torch.randn(12, generator=gen)
         with torch.no_grad():
@@ -142,15 +143,18 @@ def _export_16bit(save_dir: str) -> dict:
         with torch.no_grad():
             got = float(plain(x, y))
         experts = sorted({n.split(".deepspeed_experts.")[1].split(".")[0] for n in state if "deepspeed_experts" in n})
-        out[stage] = (got, want, experts)
+        out[stage] = (got, want, experts,
+                      consolidated is None or all(torch.equal(consolidated[n], state[n]) for n in state)
+                      and sorted(consolidated) == sorted(state))
     return out
 
 
 def test_save_16bit_model_at_ep2_is_the_plain_models_state_dict(tmp_path):
     """2 ranks, ep=2: the 16-bit file holds all 4 experts by global id, loads
     strictly into the model built with ep_size=1 and gives each rank's loss
-    to 1e-6 (ZeRO 0 and 3)."""
+    to 1e-6 (ZeRO 0 and 3); _zero3_consolidated_16bit_state_dict holds the
+    same tensors."""
     for per_rank in run_ranks(_export_16bit, 2, str(tmp_path), timeout=180):
-        for stage, (got, want, experts) in per_rank.items():
-            assert experts == ["0", "1", "2", "3"], stage
+        for stage, (got, want, experts, consolidated) in per_rank.items():
+            assert experts == ["0", "1", "2", "3"] and consolidated, stage
             assert got == pytest.approx(want, rel=1e-6), stage
