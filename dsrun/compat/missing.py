@@ -42,8 +42,6 @@ def message(name: str, feature: str, instead: str | None) -> str:
 # Module path relative to the package (a prefix covers its submodules) ->
 # (feature, what to use instead or None).
 MISSING_MODULES: dict[str, tuple[str, str | None]] = {
-    "moe.sharded_moe": ("DeepSpeed's gating functions module (sharded MoE)",
-                        "use deepspeed.moe.layer.MoE, whose gate is dsrun.runtime.parallel.expert.gating"),
     "inference": ("DeepSpeed-Inference (init_inference, InferenceEngine)", "run the model with plain PyTorch"),
     "module_inject": ("kernel injection and automatic tensor parallelism", None),
     "compression": ("compression training (quantization, pruning)", None),

@@ -121,7 +121,7 @@ def test_noisy_gate_policies():
     assert torch.equal(gate(tokens).dispatch_mask.any(dim=2).float().argmax(dim=1),
                        logits.softmax(dim=1).argmax(dim=1))
     jitter = TopKGate(HIDDEN, EXPERTS, k=2, min_capacity=1, noisy_gate_policy="Jitter",
-                      second_expert_sampling=False)
+                      top2_2nd_expert_sampling=False)
     a, b = jitter(tokens).combine_weights, jitter(tokens).combine_weights
     assert not torch.equal(a, b)  # training: the router input is jittered
     jitter.eval()

@@ -11,6 +11,8 @@ from dsrun.runtime import comm
 from dsrun.runtime.checkpoint.rendezvous import Rendezvous, raise_unless_all
 from dsrun.runtime.checkpoint.store import atomic_write, fsync_dir, stream_safetensors
 from dsrun.runtime.checkpoint.tensor_split import assemble, contributes
+from dsrun.runtime.parallel.expert.groups import expert_group_name_of, expert_groups
+from dsrun.runtime.parallel.expert.names import all_expert_names
 from dsrun.runtime.parallel.mesh import current as current_mesh
 from dsrun.runtime.parallel.tensor.split import split_of
 from dsrun.runtime.zero.params import record_of
@@ -22,42 +24,61 @@ _warned_bin = False
 
 
 def full_16bit_entries(parts: TrainingParts, exclude_frozen_parameters: bool = False) -> list[tuple]:
-    """What a 16-bit export holds, in state-dict order: (name, tensor, full
+    """What a 16-bit export holds, in state-dict order: (names, tensor, full
     shape, dtype to write, managed by the strategy) for every parameter (tied
-    ones once) and persistent buffer of the module. Local; gathers nothing."""
+    ones once) and persistent buffer of the module. `names` is [the name],
+    or for an expert parameter the global names of it on every rank of its
+    expert-parallel group, in group-rank order ([Note: expert names in
+    checkpoints] in dsrun/runtime/parallel/expert/names.py): the export
+    holds every expert, named as in the model without expert parallelism.
+    Local; gathers nothing."""
     strategy = parts.strategy
     entries = []
     for name, p in parts.module.named_parameters():
         if exclude_frozen_parameters and not p.requires_grad:
             continue
         split = split_of(p)
+        names = all_expert_names(name, p)
         if strategy.manages(p):
             shape = split.full_shape if split is not None else tuple(record_of(p).shape)
-            entries.append((name, p, shape, strategy.compute_dtype, True))
+            entries.append((names, p, shape, strategy.compute_dtype, True))
         else:
-            entries.append((name, p, split.full_shape if split is not None else tuple(p.shape), p.dtype, False))
+            entries.append((names, p, split.full_shape if split is not None else tuple(p.shape), p.dtype, False))
     for mod_name, mod in parts.module.named_modules():
         for bname, buf in mod._buffers.items():
             if buf is not None and bname not in mod._non_persistent_buffers_set:
                 name = f"{mod_name}.{bname}" if mod_name else bname
-                entries.append((name, buf, tuple(buf.shape), buf.dtype, False))
+                entries.append(([name], buf, tuple(buf.shape), buf.dtype, False))
     return entries
 
 
+def _specs(entries: list[tuple]) -> list[tuple]:
+    """(name, full shape, export dtype) of every tensor the entries write."""
+    return [(name, shape, dtype) for names, _, shape, dtype, _ in entries for name in names]
+
+
 def full_16bit_values(parts: TrainingParts, entries: list[tuple]):
-    """Yield each entry's full value in its export dtype and shape; a
-    collective per strategy-managed or tensor-parallel entry (a
-    tensor-parallel slice is assembled over its pipeline stage, see
-    tensor_split.py), so every rank must exhaust it."""
+    """Yield the full value of each name of each entry (`_specs` order) in
+    its export dtype and shape; a collective per strategy-managed,
+    tensor-parallel or expert entry (a tensor-parallel slice is assembled
+    over its pipeline stage, see tensor_split.py; an expert is gathered
+    over its expert-parallel group), so every rank must exhaust it."""
     mesh = current_mesh()
-    for _, t, shape, dtype, managed in entries:
+    for names, t, shape, dtype, managed in entries:
         full = parts.strategy.full_fp32_param(t) if managed else t.detach()  # collective when managed
         split = split_of(t)
         if split is not None:
             writes = contributes(t) and mesh.rank("data") == 0  # every data rank holds the same slice
             held = [(0, full.numel(), full.reshape(-1))] if writes else []
             full = assemble(split, held, dtype, mesh, full.device)
-        yield full.to(dtype).reshape(shape)
+        full = full.to(dtype).reshape(shape).contiguous()
+        if len(names) == 1:
+            yield full
+            continue
+        copies = full.new_empty((len(names), full.numel()))  # one per expert-parallel rank, in group-rank order
+        comm.all_gather_into_tensor(copies.reshape(-1), full.reshape(-1),
+                                    group=expert_groups(expert_group_name_of(t)).ep_group)
+        yield from (copy.reshape(shape) for copy in copies)
 
 
 def model_16bit(parts: TrainingParts, exclude_frozen_parameters: bool = False):
@@ -74,9 +95,9 @@ def model_16bit(parts: TrainingParts, exclude_frozen_parameters: bool = False):
     entries = full_16bit_entries(parts, exclude_frozen_parameters)
     split = parts.split
     if split is None or split.parts_group is None:
-        return [(name, shape, dtype) for name, _, shape, dtype, _ in entries], full_16bit_values(parts, entries)
-    entries = [e for e in entries if e[0] not in split.duplicates]
-    mine = [(name, shape, dtype) for name, _, shape, dtype, _ in entries]
+        return _specs(entries), full_16bit_values(parts, entries)
+    entries = [e for e in entries if e[0][0] not in split.duplicates]
+    mine = _specs(entries)
     per_part = comm.all_gather_object(mine, group=split.parts_group)
     me = split.part_ranks.index(parts.topology.rank)
 
@@ -101,7 +122,9 @@ def save_16bit(parts: TrainingParts, rdv_factory: Callable[[str], Rendezvous], s
     pieces at stages 1-3) and streamed into the file, so rank 0 holds one
     full parameter at a time, not the model (a pipeline's stages send
     theirs to rank 0 in turn, see `model_16bit`). Tied parameters appear once,
-    under their first name. A DeepSpeed-style "*.bin" name is replaced by
+    under their first name. MoE experts appear under their global expert
+    ids, gathered over each expert-parallel group: the file is the state
+    dict of the same model built with ep_size=1. A DeepSpeed-style "*.bin" name is replaced by
     its safetensors equivalent ("pytorch_model.bin" -> "model.safetensors"),
     with a warning. Returns the file's path. Raises CheckpointError on every
     rank when rank 0 cannot write.

@@ -458,8 +458,9 @@ class AllReduceStrategy(GradientStrategy):
             norm = self._with_experts_norm(params)
         else:
             norm = torch.nn.utils.get_total_norm([sparse.norm_view(p.grad) for p in params], norm_type=2.0)
-        if self.stages is not None:
-            dup = [sparse.norm_view(p.grad) for p in params if id(p) in self.stages.duplicates]
+        if self.stages is not None:  # experts' duplicates are left out before their expert-parallel sum
+            dup = [sparse.norm_view(p.grad) for p in params
+                   if id(p) in self.stages.duplicates and not is_expert_param(p)]
             dup_sq = torch.nn.utils.get_total_norm(dup, norm_type=2.0).square() if dup else 0.0
             norm = self._stage_sq_norm(norm.float().square().reshape(1), dup_sq).sqrt()[0]
         if not math.isfinite(float(norm)):
@@ -475,7 +476,10 @@ class AllReduceStrategy(GradientStrategy):
     def _with_experts_norm(self, params: list[torch.nn.Parameter]) -> torch.Tensor:
         """The norm over this rank's plain gradients and every expert's
         gradient of its expert-parallel groups (see [Note: expert gradients];
-        an all-reduce per expert group name)."""
+        an all-reduce per expert group name). An expert this rank holds as a
+        duplicate (replicated over the model axis: on model rank > 0, see
+        model_parallel.py [Note: counting each gradient once]) adds nothing."""
+        duplicates = self.stages.duplicates if self.stages is not None else frozenset()
         def sq_norm(grads: list[torch.Tensor]) -> torch.Tensor:
             if not grads:
                 return torch.zeros(1, dtype=torch.float32, device=params[0].device if params else "cpu")
@@ -483,7 +487,8 @@ class AllReduceStrategy(GradientStrategy):
 
         total = sq_norm([sparse.norm_view(p.grad) for p in params if not is_expert_param(p)])
         for name, groups in self._experts.items():
-            sq = sq_norm([p.grad for p in params if is_expert_param(p) and expert_group_name_of(p) == name])
+            sq = sq_norm([p.grad for p in params if is_expert_param(p) and expert_group_name_of(p) == name
+                          and id(p) not in duplicates])
             if groups.expert_parallel.size > 1:
                 comm.all_reduce(sq, group=groups.ep_group)
             total = total + sq

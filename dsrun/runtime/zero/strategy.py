@@ -175,7 +175,8 @@ class ZeroStrategy(GradientStrategy):
             experts = {f.experts.name: f.experts for f in self.sets if f.experts is not None}
             if experts:  # each expert shard once (see [Note: expert partitions] in experts.py)
                 local = {name: self._local_sq([f for f in self.sets if f.experts is not None
-                                               and f.experts.name == name]) for name in experts}
+                                               and f.experts.name == name and not self._duplicate_set(f)])
+                         for name in experts}
                 sq = sq + add_expert_sq_norms(local, experts)
         if self.stages is not None:
             with self.watchdog.waiting("all-reduce of the gradient norm over the pipeline stages"):
@@ -194,12 +195,31 @@ class ZeroStrategy(GradientStrategy):
             return torch.stack([n.float() for n in norms]).square().sum().reshape(1)
         return torch.zeros(1, dtype=torch.float32, device=self.topology.device)
 
+    def _duplicate_set(self, fset: FlatParamSet) -> bool:
+        """Whether every parameter of `fset` is a stage duplicate (experts
+        replicated over the model axis, on model rank > 0): an expert set's
+        duplicates are left out before its expert-parallel sum, not after.
+
+        Raises:
+            NotImplementedError: an expert set holding duplicates and other
+                parameters (experts split by tensor parallelism).
+        """
+        if self.stages is None:
+            return False
+        dup = [id(p) in self.stages.duplicates for p in fset.params]
+        if any(dup) and not all(dup):
+            raise NotImplementedError("expert parameters split by tensor parallelism (expert tensor parallelism) "
+                                      "are not supported: keep the experts' layers plain (replicated over the "
+                                      "model axis)")
+        return all(dup)
+
     def _duplicate_sq(self) -> torch.Tensor:
         """Squared norm of the stage duplicates' gradients (see StageSpan),
-        summed over the shard group (collective over it)."""
+        summed over the shard group (collective over it); experts are left
+        out (see `_duplicate_set`)."""
         sq = torch.zeros(1, dtype=torch.float32, device=self.topology.device)
         for p in self.managed_params():
-            if id(p) in self.stages.duplicates:
+            if id(p) in self.stages.duplicates and record_of(p).fset.experts is None:
                 rec = record_of(p)
                 piece = rec.fset.local_piece_tensor(rec.fset.partition_of(rec.fset.grad_view), rec.slot)
                 sq += piece.square().sum()

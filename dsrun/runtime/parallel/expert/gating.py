@@ -26,7 +26,8 @@ Which tokens keep their place when an expert is full:
   token order (GShard's policy);
 - top-2: first choices before second choices, each in token order (GShard,
   Lepikhin et al. 2020, Algorithm 1);
-- top-k (k > 2): the tokens with the largest gate probability for it.
+- top-k (k > 2): the tokens with the largest gate probability for it
+  (drop_policy "probs"), or the first in token order ("position").
 
 The load-balancing loss is E x sum_e(me_e x ce_e) with me_e the mean gate
 probability of expert e over the tokens and ce_e the fraction of tokens
@@ -159,12 +160,22 @@ def top2_gating(logits: torch.Tensor, capacity_factor: float, min_capacity: int,
     return GateOutput(l_aux, combine, combine.bool(), counts.cpu())
 
 
+DROP_POLICIES = ("probs", "position")
+
+
 def topk_gating(logits: torch.Tensor, k: int, capacity_factor: float, min_capacity: int, *,
-                drop_tokens: bool = True, ep_group=None) -> GateOutput:
+                drop_tokens: bool = True, ep_group=None, drop_policy: str = "probs") -> GateOutput:
     """Top-k gating over `logits` [S, E] (fp32), k <= E; see [Note: the
     gating outputs]. Each token goes to its k most probable experts, with
     its kept probabilities renormalised to sum to 1; a full expert keeps the
-    tokens most probable for it."""
+    tokens most probable for it (drop_policy "probs"), or the first in token
+    order ("position", GShard's policy).
+
+    Raises:
+        ValueError: a drop_policy other than "probs" or "position".
+    """
+    if drop_policy not in DROP_POLICIES:
+        raise ValueError(f"MoE gate: drop_policy={drop_policy!r}; choose one of {DROP_POLICIES}")
     num_tokens, num_experts = logits.shape
     gates = F.softmax(logits, dim=1)
     mask = torch.zeros_like(gates, dtype=torch.int64).scatter_(1, gates.topk(k, dim=1).indices, 1)
@@ -172,9 +183,12 @@ def topk_gating(logits: torch.Tensor, k: int, capacity_factor: float, min_capaci
     l_aux = (gates.mean(dim=0) * mask.float().mean(dim=0)).sum() * num_experts / k
     if drop_tokens:
         cap = capacity(num_tokens, num_experts, capacity_factor * k, min_capacity)
-        score = gates.detach().masked_fill(mask == 0, float("-inf"))
-        kept = torch.zeros_like(mask).scatter_(0, score.topk(min(cap, num_tokens), dim=0).indices, 1)
-        mask = mask * kept
+        if drop_policy == "probs":
+            score = gates.detach().masked_fill(mask == 0, float("-inf"))
+            kept = torch.zeros_like(mask).scatter_(0, score.topk(min(cap, num_tokens), dim=0).indices, 1)
+            mask = mask * kept
+        else:
+            mask = mask * ((mask.cumsum(dim=0) - 1) < cap)
     else:
         cap = _dropless_capacity(counts, ep_group)
     locations = mask.cumsum(dim=0) - 1
@@ -187,6 +201,8 @@ def topk_gating(logits: torch.Tensor, k: int, capacity_factor: float, min_capaci
 class TopKGate(torch.nn.Module):
     """The router: a bias-free fp32 linear map from the model dimension to
     E logits, then top-k gating (top1_gating, top2_gating, topk_gating).
+    DeepSpeed's `deepspeed.moe.sharded_moe.TopKGate`, with its argument
+    order and defaults.
 
     Args:
         model_dim: the hidden size M.
@@ -198,7 +214,10 @@ class TopKGate(torch.nn.Module):
             router's input) or "RSample" (Gumbel noise on the top-1 choice);
             training only.
         drop_tokens, use_rts: see [Note: the gating outputs].
-        second_expert_sampling: top-2's Gumbel-noised second choice.
+        ep_group: the expert-parallel process group the dropless capacity
+            is agreed over (or set later with `_set_ep_group`; the MoE
+            layer passes its own to `forward`).
+        top2_2nd_expert_sampling: top-2's Gumbel-noised second choice.
 
     Raises:
         ValueError: k outside [1, E], or an unknown noisy_gate_policy
@@ -206,9 +225,9 @@ class TopKGate(torch.nn.Module):
     """
 
     def __init__(self, model_dim: int, num_experts: int, k: int = 1, capacity_factor: float = 1.0,
-                 eval_capacity_factor: float = 1.0, min_capacity: int = 4,
+                 eval_capacity_factor: float = 1.0, min_capacity: int = 8,
                  noisy_gate_policy: str | None = None, drop_tokens: bool = True, use_rts: bool = True,
-                 second_expert_sampling: bool = True) -> None:
+                 ep_group=None, top2_2nd_expert_sampling: bool = True) -> None:
         super().__init__()
         if not 1 <= k <= num_experts:
             raise ValueError(f"MoE gate: k={k} must be between 1 and num_experts={num_experts}")
@@ -223,12 +242,27 @@ class TopKGate(torch.nn.Module):
         self.noisy_gate_policy = noisy_gate_policy
         self.drop_tokens = drop_tokens
         self.use_rts = use_rts
-        self.second_expert_sampling = second_expert_sampling
+        self.ep_group = ep_group
+        self.top2_2nd_expert_sampling = top2_2nd_expert_sampling
+
+    def _set_ep_group(self, ep_group) -> None:
+        """Set the expert-parallel group once (DeepSpeed's MOELayer calls it).
+
+        Raises:
+            ValueError: a group is set already.
+        """
+        if self.ep_group is not None:
+            raise ValueError("TopKGate: the expert-parallel group is set already; set it once")
+        self.ep_group = ep_group
 
     def forward(self, tokens: torch.Tensor, used_token: torch.Tensor | None = None,
                 ep_group=None) -> GateOutput:
-        """Gate `tokens` [S, M] (any float dtype; routed in fp32).
-        `ep_group` is needed with drop_tokens=False (the capacity agreement)."""
+        """Gate `tokens` [S, M] (any float dtype; routed in fp32); returns
+        (l_aux, combine_weights, dispatch_mask, exp_counts), see [Note: the
+        gating outputs]. The dropless capacity (drop_tokens=False) is agreed
+        over `ep_group`, else the group set at construction or by
+        `_set_ep_group`."""
+        ep_group = self.ep_group if ep_group is None else ep_group
         x = tokens.float()
         policy = self.noisy_gate_policy if self.training else None
         if policy == "Jitter":
@@ -242,6 +276,6 @@ class TopKGate(torch.nn.Module):
                                used_token=used_token)
         if self.k == 2:
             return top2_gating(logits, factor, self.min_capacity, drop_tokens=self.drop_tokens,
-                               ep_group=ep_group, second_expert_sampling=self.second_expert_sampling)
+                               ep_group=ep_group, second_expert_sampling=self.top2_2nd_expert_sampling)
         return topk_gating(logits, self.k, factor, self.min_capacity, drop_tokens=self.drop_tokens,
                            ep_group=ep_group)

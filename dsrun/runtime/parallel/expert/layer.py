@@ -23,9 +23,11 @@ an expert still takes part (no hang).
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from dsrun.runtime import comm
+from dsrun.runtime.observability.logging import logger
 from dsrun.runtime.parallel.expert.experts import Experts, all_to_all
 from dsrun.runtime.parallel.expert.gating import TopKGate
 from dsrun.runtime.parallel.expert.load import ExpertLoad
@@ -33,23 +35,75 @@ from dsrun.runtime.parallel.expert.groups import ExpertGroups, create_expert_gro
 
 
 class MOELayer(torch.nn.Module):
-    """The gate, this rank's experts and the exchange ([Note: one MoE forward]).
+    """The gate, this rank's experts and the exchange ([Note: one MoE
+    forward]); DeepSpeed's `deepspeed.moe.sharded_moe.MOELayer(gate, experts,
+    ep_group_name, ep_size, num_local_experts, use_tutel=False)`.
+
+    Args:
+        gate: a TopKGate over E = ep_size x num_local_experts experts.
+        experts: this rank's `num_local_experts` experts (an Experts).
+        ep_group_name: "ep_size_<ep_size>", the expert groups' name (every
+            expert parameter carries it).
+        ep_size: P, the expert-parallel degree.
+        num_local_experts: L, experts per rank.
+        use_tutel: DeepSpeed's Tutel dispatch; dsrun has none, so True logs
+            a warning and dispatches as below (as DeepSpeed does when Tutel
+            is not installed).
+
+    The expert-parallel group is the mesh's (groups.py): `_set_ep_group`,
+    which DeepSpeed's engine calls, accepts that group only.
 
     Attributes after a forward: l_aux (the gate's load-balancing loss),
     exp_counts ([E] int64, tokens per expert before drops, this rank);
     load: the training forwards' routing since the last step (load.py).
+
+    Raises:
+        ValueError: ep_group_name is not "ep_size_<ep_size>", or ep_size x
+            num_local_experts is not the gate's number of experts.
     """
 
-    def __init__(self, gate: TopKGate, experts: Experts, ep_size: int, num_local_experts: int) -> None:
+    def __init__(self, gate: TopKGate, experts: Experts, ep_group_name: str, ep_size: int,
+                 num_local_experts: int, use_tutel: bool = False) -> None:
         super().__init__()
+        if ep_group_name != group_name(ep_size):
+            raise ValueError(f"MOELayer: ep_group_name={ep_group_name!r} must be {group_name(ep_size)!r} for "
+                             f"ep_size={ep_size} (the name dsrun's expert groups and parameters carry)")
+        num_experts = gate.wg.weight.shape[0]
+        if ep_size * num_local_experts != num_experts:
+            raise ValueError(f"MOELayer: ep_size={ep_size} x num_local_experts={num_local_experts} must equal "
+                             f"the gate's num_experts={num_experts}")
+        if use_tutel:
+            logger.warning("MOELayer: use_tutel=True, but dsrun has no Tutel dispatch; using its own all-to-all "
+                        "(as DeepSpeed does when Tutel is not installed)")
         self.gate = gate
         self.experts = experts
+        self.ep_group_name = ep_group_name
         self.ep_size = ep_size
         self.num_local_experts = num_local_experts
-        self.expert_group_name = group_name(ep_size)
+        self.ep_group = None
         self.l_aux: torch.Tensor | None = None
         self.exp_counts: torch.Tensor | None = None
-        self.load = ExpertLoad(gate.wg.weight.shape[0])  # the training forwards' routing (watch.py)
+        self.load = ExpertLoad(num_experts)  # the training forwards' routing (watch.py)
+
+    def _set_ep_group(self, ep_group) -> None:
+        """Record the expert-parallel group DeepSpeed's engine would hand the
+        layer (and its gate).
+
+        Raises:
+            ValueError: `ep_group` holds other ranks than this rank's
+                expert-parallel group on dsrun's mesh (pass
+                `deepspeed.utils.groups._get_expert_parallel_group(ep_group_name)`),
+                or the gate has a group already.
+        """
+        mine = self.groups().expert_parallel.ranks
+        given = tuple(dist.get_process_group_ranks(ep_group)) if ep_group is not None else mine
+        if given != mine:
+            raise ValueError(f"MOELayer._set_ep_group: the group holds ranks {list(given)}, but this rank's "
+                             f"expert-parallel group for ep_size={self.ep_size} is {list(mine)}; dsrun lays "
+                             "expert groups out on its mesh: pass "
+                             f"groups._get_expert_parallel_group({self.ep_group_name!r})")
+        self.ep_group = ep_group
+        self.gate._set_ep_group(ep_group)
 
     def groups(self) -> ExpertGroups:
         """This layer's expert groups on the current mesh (made on the first
@@ -126,9 +180,9 @@ class MoE(torch.nn.Module):
         self.num_local_experts = num_experts // ep_size
         self.expert_group_name = group_name(ep_size)
         gate = TopKGate(hidden_size, num_experts, k, capacity_factor, eval_capacity_factor, min_capacity,
-                        noisy_gate_policy, drop_tokens, use_rts, top2_2nd_expert_sampling)
+                        noisy_gate_policy, drop_tokens, use_rts, None, top2_2nd_expert_sampling)
         experts = Experts(expert, self.num_local_experts, self.expert_group_name)
-        self.deepspeed_moe = MOELayer(gate, experts, ep_size, self.num_local_experts)
+        self.deepspeed_moe = MOELayer(gate, experts, self.expert_group_name, ep_size, self.num_local_experts)
         if use_residual:
             self.mlp = expert
             self.coefficient = torch.nn.Linear(hidden_size, 2)
