@@ -59,7 +59,10 @@ from dsrun.runtime import comm
 from dsrun.runtime.distributed.dist import init_distributed
 from dsrun.runtime.parallel.mesh import MeshGroup, ParallelMesh, current, set_current
 from dsrun.runtime.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
+from dsrun.runtime.parallel.tensor.partitioned import (built_partitioned, full_shape, full_value, model_placement,
+                                                       partition_over_data)
 from dsrun.runtime.parallel.tensor.split import TensorSplit
+from dsrun.runtime.zero.init import is_partitioned
 
 COLUMN = frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "c_fc", "fc"})
 FUSED_QKV = frozenset({"c_attn", "qkv"})
@@ -78,11 +81,6 @@ def _is_conv1d(module: nn.Module) -> bool:
 
 def _is_linear(module: nn.Module) -> bool:
     return isinstance(module, nn.Linear) or _is_conv1d(module)
-
-
-def _full_weight(module: nn.Module) -> torch.Tensor:
-    """The (out, in) weight of an nn.Linear or a Conv1D."""
-    return module.weight.detach().t() if _is_conv1d(module) else module.weight.detach()
 
 
 def _first_int(obj, names) -> int | None:
@@ -156,7 +154,7 @@ def _record_splits(new: nn.Module, old: nn.Module, leaf: str, heads: _Heads | No
         split = param.tp_split if hasattr(param, "tp_split") else None
         if split is None:  # a row-parallel layer's bias: whole on every rank
             continue
-        full = tuple(getattr(old, name).shape)
+        full = tuple(full_shape(getattr(old, name)))
         dim, ranges = split.dim, split.ranges
         if leaf in FUSED_QKV:
             width = full[-1 if name == "weight" and _is_conv1d(old) else 0] // 3
@@ -192,30 +190,19 @@ def placement_plan(model: nn.Module) -> list[tuple[str, str, nn.Module]]:
     return plan
 
 
-def shard_model(model: nn.Module, mesh: ParallelMesh, dtype: torch.dtype | None = None) -> nn.Module:
-    """Replace, in place, the linear layers of `model` by tensor-parallel ones
-    over `mesh`'s model axis (see [Note: which layer goes where] and [Note:
-    attention heads]); every rank must hold the same full weights.
-    Collective over the job when grouped-query key/value heads are
-    replicated (creates the replica groups).
-
-    Returns:
-        `model` itself.
+def _plan_layers(model: nn.Module, tp: int) -> list[tuple[nn.Module, str, nn.Module, _Heads | None]]:
+    """(parent, leaf, layer, heads of its attention module or None) of every
+    layer shard_model replaces, checked from the shapes alone (a zero.Init
+    parameter's full shape) so that an error leaves the model unchanged.
 
     Raises:
-        ValueError: a linear layer no rule places (its module path named), a
-            head count or width the model axis cannot split.
+        ValueError: as shard_model.
     """
-    tp = mesh.size("model")
     config = getattr(model, "config", None) or getattr(model, "cfg", None)
     modules = dict(model.named_modules())
-    plan = placement_plan(model)
-    if tp == 1:
-        return model
-    replicas: dict[int, MeshGroup] = {}  # ranks per replicated key/value head -> this rank's group
-    attention_heads: dict[str, tuple[nn.Module, _Heads]] = {}
-    replacements = []  # applied once every layer is built: a ValueError leaves the model unchanged
-    for path, leaf, module in plan:
+    attention_heads: dict[str, _Heads] = {}
+    layers = []
+    for path, leaf, module in placement_plan(model):
         parent_path = path.rsplit(".", 1)[0] if "." in path else ""
         parent = modules[parent_path]
         if leaf in _QUERY | _KEY_VALUE and parent_path not in attention_heads:
@@ -225,37 +212,84 @@ def shard_model(model: nn.Module, mesh: ParallelMesh, dtype: torch.dtype | None 
             if query is None:
                 raise ValueError(f"tensor parallelism: {path!r} has no query projection beside it "
                                  f"({' / '.join(sorted(_QUERY))}) to count its attention heads")
-            q_out = _full_weight(getattr(parent, query)).shape[0]
-            attention_heads[parent_path] = (parent, _Heads(parent_path or "<model>", parent, config, tp,
-                                                            q_out, fused=query in FUSED_QKV))
-        weight = _full_weight(module)
-        bias = module.bias.detach() if getattr(module, "bias", None) is not None else None
-        if leaf in FUSED_QKV:
-            weight = _fused_qkv_order(weight, tp)
-            bias = _fused_qkv_order(bias, tp) if bias is not None else None
-        replicate = leaf in _KEY_VALUE and attention_heads[parent_path][1].kv < tp
-        if replicate:
-            heads = attention_heads[parent_path][1]
-            weight = _replicated_kv(weight, heads)
-            bias = _replicated_kv(bias, heads) if bias is not None else None
-        try:
-            if leaf in ROW:
-                new = RowParallelLinear.from_full(weight, bias, mesh=mesh, dtype=dtype)
-            else:
-                new = ColumnParallelLinear.from_full(weight, bias, mesh=mesh, dtype=dtype)
-        except ValueError as exc:
-            raise ValueError(f"tensor parallelism cannot split layer {path!r}: {exc}") from None
-        _record_splits(new, module, leaf, attention_heads.get(parent_path, (None, None))[1], mesh)
-        if replicate:
-            size = tp // attention_heads[parent_path][1].kv
+            q_out = _weight_shape(getattr(parent, query))[0]
+            attention_heads[parent_path] = _Heads(parent_path or "<model>", parent, config, tp, q_out,
+                                                  fused=query in FUSED_QKV)
+        if leaf in _QUERY | _KEY_VALUE:  # split by heads, checked by _Heads
+            layers.append((parent, leaf, module, attention_heads[parent_path]))
+            continue
+        out_features, in_features = _weight_shape(module)
+        split, what = (in_features, "in_features") if leaf in ROW else (out_features, "out_features")
+        if split % tp:
+            raise ValueError(f"tensor parallelism cannot split layer {path!r}: its {what} = {split} is not "
+                             f"divisible by the tensor-parallel size {tp}; choose a tp_size dividing {split}")
+        layers.append((parent, leaf, module, attention_heads.get(parent_path)))
+    return layers
+
+
+def _weight_shape(module: nn.Module) -> tuple[int, int]:
+    """(out, in) of an nn.Linear or a Conv1D, built under zero.Init or not."""
+    shape = tuple(full_shape(module.weight))
+    return shape[::-1] if _is_conv1d(module) else shape
+
+
+def _build_layer(module: nn.Module, leaf: str, heads: _Heads | None, mesh: ParallelMesh,
+                 dtype: torch.dtype | None) -> nn.Module:
+    """The tensor-parallel layer replacing `module` (its full weight gathered
+    first when built under zero.Init; see partitioned.py)."""
+    weight = full_value(module.weight)
+    weight = weight.t() if _is_conv1d(module) else weight
+    bias = full_value(module.bias) if getattr(module, "bias", None) is not None else None
+    if leaf in FUSED_QKV:
+        weight = _fused_qkv_order(weight, heads.tp)
+        bias = _fused_qkv_order(bias, heads.tp) if bias is not None else None
+    replicate = leaf in _KEY_VALUE and heads.kv < heads.tp
+    if replicate:
+        weight = _replicated_kv(weight, heads)
+        bias = _replicated_kv(bias, heads) if bias is not None else None
+    if leaf in ROW:
+        return RowParallelLinear.from_full(weight, bias, mesh=mesh, dtype=dtype)
+    return ColumnParallelLinear.from_full(weight, bias, mesh=mesh, dtype=dtype)
+
+
+def shard_model(model: nn.Module, mesh: ParallelMesh, dtype: torch.dtype | None = None) -> nn.Module:
+    """Replace, in place, the linear layers of `model` by tensor-parallel ones
+    over `mesh`'s model axis (see [Note: which layer goes where] and [Note:
+    attention heads]); every rank must hold the same full weights, or the
+    same model built under zero.Init (whose layers are gathered one at a
+    time: see partitioned.py [Note: tensor parallelism of a zero.Init
+    model]). Collective over the job when grouped-query key/value heads are
+    replicated (creates the replica groups) or the model was built under
+    zero.Init.
+
+    Returns:
+        `model` itself.
+
+    Raises:
+        ValueError: a linear layer no rule places (its module path named), a
+            head count or width the model axis cannot split; raised before
+            anything changes.
+    """
+    tp = mesh.size("model")
+    layers = _plan_layers(model, tp)
+    if tp == 1:
+        return model
+    replicas: dict[int, MeshGroup] = {}  # ranks per replicated key/value head -> this rank's group
+    attentions = {id(parent): (parent, heads) for parent, leaf, _, heads in layers
+                  if leaf in _QUERY | _KEY_VALUE}
+    while layers:  # popped, so that a replaced layer (and its zero.Init shards) is freed at once
+        parent, leaf, module, heads = layers.pop(0)
+        new = _build_layer(module, leaf, heads, mesh, dtype)
+        _record_splits(new, module, leaf, heads, mesh)
+        if leaf in _KEY_VALUE and heads.kv < tp:
+            size = tp // heads.kv
             if size not in replicas:
                 replicas[size] = mesh.data_blocks(size, axis="model").block
             for p in new.parameters():
                 p.tp_replica_group = replicas[size]
-        replacements.append((parent, leaf, new))
-    for parent, leaf, new in replacements:
         setattr(parent, leaf, new)
-    for attention, heads in attention_heads.values():
+        del module
+    for attention, heads in attentions.values():
         heads.update(attention)
     if dtype is not None:
         model.to(dtype=dtype)
@@ -305,11 +339,16 @@ def tp_model_init(model: nn.Module, tp_size: int, dtype: torch.dtype | None = No
     if world % tp_size:
         raise ValueError(f"tp_model_init: tp_size={tp_size} does not divide the world size {world}")
     placement_plan(model)  # an unplaceable layer fails before anything changes
-    with torch.no_grad():
-        for tensor in list(model.parameters()) + list(model.buffers()):
+    partitioned = built_partitioned(model)
+    with torch.no_grad():  # zero.Init shards already hold rank 0's values
+        for tensor in [p for p in model.parameters() if not is_partitioned(p)] + list(model.buffers()):
             on_device = tensor.data.to(device)  # the backend's device (NCCL: cuda)
             comm.broadcast(on_device, src=0)
             tensor.data.copy_(on_device)
-    shard_model(model, tensor_parallel_mesh(tp_size), dtype)
+    placement = model_placement(model) if partitioned else None
+    mesh = tensor_parallel_mesh(tp_size)
+    shard_model(model, mesh, dtype)
+    if partitioned and tp_size > 1:
+        partition_over_data(model, mesh.axis_group("data"), placement, dtype)
     model.ds_autotp_parsed = True
     return model

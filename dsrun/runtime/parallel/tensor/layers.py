@@ -77,7 +77,9 @@ def _shard(full: torch.Tensor, dim: int, group: MeshGroup, dtype, device) -> nn.
     """This rank's slice of `full` along `dim` as a new parameter (see
     [Note: initialising a sharded layer from the full weight])."""
     part = full.chunk(group.size, dim=dim)[group.rank]
-    return nn.Parameter(part.to(dtype=dtype or torch.get_default_dtype(), device=device).contiguous())
+    # A copy even when no cast or move is needed: a view would keep all of `full` alive.
+    part = part.to(dtype=dtype or torch.get_default_dtype(), device=device)
+    return nn.Parameter(part.clone(memory_format=torch.contiguous_format))
 
 
 def _mark_sharded(param: nn.Parameter, dim: int, full_shape, group: MeshGroup) -> None:
