@@ -16,8 +16,8 @@ guess from shapes):
     row-parallel      o_proj down_proj (Llama, Mistral), c_proj (GPT-2,
                       attention and MLP), proj (examples/gpt_model.py)
     kept whole        lm_head, head (the output layer; with the embeddings
-                      it stays replicated: vocabulary parallelism is not
-                      applied automatically)
+                      it stays replicated, unless vocab_parallel: see
+                      vocab.py)
 
 Any other nn.Linear (or GPT-2's Conv1D, an nn.Linear with its weight stored
 transposed, (in, out)) raises ValueError naming its module path. Each
@@ -62,6 +62,7 @@ from dsrun.runtime.parallel.tensor.layers import ColumnParallelLinear, RowParall
 from dsrun.runtime.parallel.tensor.partitioned import (built_partitioned, full_shape, full_value, model_placement,
                                                        partition_over_data)
 from dsrun.runtime.parallel.tensor.split import TensorSplit
+from dsrun.runtime.parallel.tensor.vocab import plan_vocabulary, shard_vocabulary
 from dsrun.runtime.zero.init import is_partitioned
 
 COLUMN = frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "c_fc", "fc"})
@@ -307,7 +308,8 @@ def tensor_parallel_mesh(tp_size: int) -> ParallelMesh:
     return mesh
 
 
-def tp_model_init(model: nn.Module, tp_size: int, dtype: torch.dtype | None = None) -> nn.Module:
+def tp_model_init(model: nn.Module, tp_size: int, dtype: torch.dtype | None = None,
+                  vocab_parallel: bool = False) -> nn.Module:
     """DeepSpeed's `deepspeed.tp_model_init`: shard `model` in place over
     `tp_size` tensor-parallel ranks (see [Note: which layer goes where]).
     Call on every rank after `dsrun.init_distributed()` (or under the
@@ -322,13 +324,25 @@ def tp_model_init(model: nn.Module, tp_size: int, dtype: torch.dtype | None = No
             examples/gpt_model.py's GPT, on any device.
         tp_size: tensor-parallel degree; must divide the world size.
         dtype: cast the model to this dtype (None: keep).
+        vocab_parallel: also split the input embedding and the output
+            layer by vocabulary (see vocab.py [Note: vocabulary-parallel
+            embedding and output layer]); marks the model
+            `ds_autotp_vocab_parallel`.
+
+    A model built under `dsrun.zero.Init()` is sharded without its full
+    weights ever existing on one rank, and left partitioned over the data
+    axis (see partitioned.py [Note: tensor parallelism of a zero.Init
+    model]).
 
     Returns:
         `model` itself, sharded.
 
     Raises:
         ValueError: tp_size < 1 or not dividing the world size, a layer no
-            rule places (named), heads that tp_size cannot split.
+            rule places (named), heads that tp_size cannot split, an
+            embedding vocab_parallel cannot split (named), a zero.Init
+            model partitioned over fewer ranks than the world; all before
+            anything changes.
     """
     if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
         raise ValueError(f"tp_model_init: tp_size={tp_size!r}; give a positive integer")
@@ -339,6 +353,7 @@ def tp_model_init(model: nn.Module, tp_size: int, dtype: torch.dtype | None = No
     if world % tp_size:
         raise ValueError(f"tp_model_init: tp_size={tp_size} does not divide the world size {world}")
     placement_plan(model)  # an unplaceable layer fails before anything changes
+    vocab_plan = plan_vocabulary(model, tp_size) if vocab_parallel and tp_size > 1 else None
     partitioned = built_partitioned(model)
     with torch.no_grad():  # zero.Init shards already hold rank 0's values
         for tensor in [p for p in model.parameters() if not is_partitioned(p)] + list(model.buffers()):
@@ -348,6 +363,9 @@ def tp_model_init(model: nn.Module, tp_size: int, dtype: torch.dtype | None = No
     placement = model_placement(model) if partitioned else None
     mesh = tensor_parallel_mesh(tp_size)
     shard_model(model, mesh, dtype)
+    if vocab_plan is not None:
+        shard_vocabulary(vocab_plan, mesh, dtype)
+        model.ds_autotp_vocab_parallel = True
     if partitioned and tp_size > 1:
         partition_over_data(model, mesh.axis_group("data"), placement, dtype)
     model.ds_autotp_parsed = True
