@@ -130,7 +130,6 @@ def shard_vocabulary(plan: VocabPlan, mesh: ParallelMesh, dtype: torch.dtype | N
     new = VocabParallelEmbedding(weight.shape[0], weight.shape[1], mesh=mesh,
                                  init_method=lambda full: full.copy_(weight), dtype=dtype, device=weight.device)
     new.weight.requires_grad_(embedding.weight.requires_grad)
-    del weight
     setattr(parent, leaf, new)
     if plan.output is None:
         return
