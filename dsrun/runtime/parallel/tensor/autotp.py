@@ -41,7 +41,8 @@ the step and the norm counts them once (`tp_replica_group` on the
 parameter; see dsrun/runtime/parallel/model_parallel.py).
 
 [Note: sharding from one full model]
-tp_model_init first broadcasts the whole model from global rank 0, then
+tp_model_init first broadcasts the whole model from global rank 0 (unless
+it was built under zero.Init: see partitioned.py), then
 every rank cuts its slices from the same full weights, so the sharded model
 computes what the original did whatever each rank's seed was (the cost: one
 broadcast of the full model). Dropout between a column and a row layer
@@ -315,7 +316,9 @@ def tp_model_init(model: nn.Module, tp_size: int, dtype: torch.dtype | None = No
     Call on every rank after `dsrun.init_distributed()` (or under the
     launcher, which it initialises), before `dsrun.initialize`, which then
     trains it over the data axis. Broadcasts the full model from global
-    rank 0 first ([Note: sharding from one full model]); makes the data x
+    rank 0 first ([Note: sharding from one full model]; a zero.Init model's
+    shards already hold rank 0's values and only its buffers and any
+    parameter built outside zero.Init are broadcast); makes the data x
     model mesh current (so `dsrun.utils.groups` answers the tensor-parallel
     group); marks the model `ds_autotp_parsed` as DeepSpeed does.
 
