@@ -60,11 +60,11 @@ def _check_logits() -> dict:
         torch.testing.assert_close(got, want, **TOL)
         out[f"{kind}{'-init' if under_init else ''}"] = (
             isinstance(emb, VocabParallelEmbedding), isinstance(head, ColumnParallelLinear),
-            (head.weight is emb.weight) == (kind != "llama"), tuple(full_rows(emb.weight)))
+            (head.weight is emb.weight) == (kind != "llama"), tuple(_full_rows(emb.weight)))
     return out
 
 
-def full_rows(weight) -> tuple[int, ...]:
+def _full_rows(weight) -> tuple[int, ...]:
     return tuple(getattr(weight, "ds_shape", None) or weight.shape)[:1]
 
 
