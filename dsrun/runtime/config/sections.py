@@ -472,6 +472,11 @@ class TensorParallelConfig(_Section):
     autotp_size: PosInt = Field(1, description="Tensor-parallel degree (ranks that each hold a slice of "
                                                "every attention and MLP weight); 1 = off. Must divide "
                                                "the world size (times the pipeline stages).")
+    vocab_parallel: bool = Field(False, description="Also split the input embedding and the output layer "
+                                                    "by vocabulary over the tensor-parallel ranks (tied "
+                                                    "weights stay tied; the logits are gathered for the "
+                                                    "model's own loss); see "
+                                                    "dsrun/runtime/parallel/tensor/vocab.py.")
 
 
 class ActivationCheckpointingConfig(_Section):

@@ -226,7 +226,10 @@ def _tensor_parallel_mesh(model: torch.nn.Module, cfg: DsConfig) -> ParallelMesh
     if not _is_sharded(model):
         if cfg.tensor_parallel.autotp_size == 1:
             return None
-        tp_model_init(model, cfg.tensor_parallel.autotp_size)
+        tp_model_init(model, cfg.tensor_parallel.autotp_size, vocab_parallel=cfg.tensor_parallel.vocab_parallel)
+    elif cfg.tensor_parallel.vocab_parallel and not getattr(model, "ds_autotp_vocab_parallel", False):
+        raise ConfigError("tensor_parallel.vocab_parallel=true but the model was sharded without it; call "
+                          "dsrun.tp_model_init(..., vocab_parallel=True) or leave the key to initialize()")
     return current() if current().size("model") > 1 else None
 
 

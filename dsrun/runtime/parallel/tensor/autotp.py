@@ -16,8 +16,8 @@ guess from shapes):
     row-parallel      o_proj down_proj (Llama, Mistral), c_proj (GPT-2,
                       attention and MLP), proj (examples/gpt_model.py)
     kept whole        lm_head, head (the output layer; with the embeddings
-                      it stays replicated: vocabulary parallelism is not
-                      applied automatically)
+                      it stays replicated, unless vocab_parallel: see
+                      vocab.py)
 
 Any other nn.Linear (or GPT-2's Conv1D, an nn.Linear with its weight stored
 transposed, (in, out)) raises ValueError naming its module path. Each
@@ -41,7 +41,8 @@ the step and the norm counts them once (`tp_replica_group` on the
 parameter; see dsrun/runtime/parallel/model_parallel.py).
 
 [Note: sharding from one full model]
-tp_model_init first broadcasts the whole model from global rank 0, then
+tp_model_init first broadcasts the whole model from global rank 0 (unless
+it was built under zero.Init: see partitioned.py), then
 every rank cuts its slices from the same full weights, so the sharded model
 computes what the original did whatever each rank's seed was (the cost: one
 broadcast of the full model). Dropout between a column and a row layer
@@ -59,7 +60,11 @@ from dsrun.runtime import comm
 from dsrun.runtime.distributed.dist import init_distributed
 from dsrun.runtime.parallel.mesh import MeshGroup, ParallelMesh, current, set_current
 from dsrun.runtime.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
+from dsrun.runtime.parallel.tensor.partitioned import (built_partitioned, full_shape, full_value, model_placement,
+                                                       partition_over_data)
 from dsrun.runtime.parallel.tensor.split import TensorSplit
+from dsrun.runtime.parallel.tensor.vocab import plan_vocabulary, shard_vocabulary
+from dsrun.runtime.zero.init import is_partitioned
 
 COLUMN = frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "c_fc", "fc"})
 FUSED_QKV = frozenset({"c_attn", "qkv"})
@@ -78,11 +83,6 @@ def _is_conv1d(module: nn.Module) -> bool:
 
 def _is_linear(module: nn.Module) -> bool:
     return isinstance(module, nn.Linear) or _is_conv1d(module)
-
-
-def _full_weight(module: nn.Module) -> torch.Tensor:
-    """The (out, in) weight of an nn.Linear or a Conv1D."""
-    return module.weight.detach().t() if _is_conv1d(module) else module.weight.detach()
 
 
 def _first_int(obj, names) -> int | None:
@@ -156,7 +156,7 @@ def _record_splits(new: nn.Module, old: nn.Module, leaf: str, heads: _Heads | No
         split = param.tp_split if hasattr(param, "tp_split") else None
         if split is None:  # a row-parallel layer's bias: whole on every rank
             continue
-        full = tuple(getattr(old, name).shape)
+        full = tuple(full_shape(getattr(old, name)))
         dim, ranges = split.dim, split.ranges
         if leaf in FUSED_QKV:
             width = full[-1 if name == "weight" and _is_conv1d(old) else 0] // 3
@@ -192,30 +192,19 @@ def placement_plan(model: nn.Module) -> list[tuple[str, str, nn.Module]]:
     return plan
 
 
-def shard_model(model: nn.Module, mesh: ParallelMesh, dtype: torch.dtype | None = None) -> nn.Module:
-    """Replace, in place, the linear layers of `model` by tensor-parallel ones
-    over `mesh`'s model axis (see [Note: which layer goes where] and [Note:
-    attention heads]); every rank must hold the same full weights.
-    Collective over the job when grouped-query key/value heads are
-    replicated (creates the replica groups).
-
-    Returns:
-        `model` itself.
+def _plan_layers(model: nn.Module, tp: int) -> list[tuple[nn.Module, str, nn.Module, _Heads | None]]:
+    """(parent, leaf, layer, heads of its attention module or None) of every
+    layer shard_model replaces, checked from the shapes alone (a zero.Init
+    parameter's full shape) so that an error leaves the model unchanged.
 
     Raises:
-        ValueError: a linear layer no rule places (its module path named), a
-            head count or width the model axis cannot split.
+        ValueError: as shard_model.
     """
-    tp = mesh.size("model")
     config = getattr(model, "config", None) or getattr(model, "cfg", None)
     modules = dict(model.named_modules())
-    plan = placement_plan(model)
-    if tp == 1:
-        return model
-    replicas: dict[int, MeshGroup] = {}  # ranks per replicated key/value head -> this rank's group
-    attention_heads: dict[str, tuple[nn.Module, _Heads]] = {}
-    replacements = []  # applied once every layer is built: a ValueError leaves the model unchanged
-    for path, leaf, module in plan:
+    attention_heads: dict[str, _Heads] = {}
+    layers = []
+    for path, leaf, module in placement_plan(model):
         parent_path = path.rsplit(".", 1)[0] if "." in path else ""
         parent = modules[parent_path]
         if leaf in _QUERY | _KEY_VALUE and parent_path not in attention_heads:
@@ -225,37 +214,84 @@ def shard_model(model: nn.Module, mesh: ParallelMesh, dtype: torch.dtype | None 
             if query is None:
                 raise ValueError(f"tensor parallelism: {path!r} has no query projection beside it "
                                  f"({' / '.join(sorted(_QUERY))}) to count its attention heads")
-            q_out = _full_weight(getattr(parent, query)).shape[0]
-            attention_heads[parent_path] = (parent, _Heads(parent_path or "<model>", parent, config, tp,
-                                                            q_out, fused=query in FUSED_QKV))
-        weight = _full_weight(module)
-        bias = module.bias.detach() if getattr(module, "bias", None) is not None else None
-        if leaf in FUSED_QKV:
-            weight = _fused_qkv_order(weight, tp)
-            bias = _fused_qkv_order(bias, tp) if bias is not None else None
-        replicate = leaf in _KEY_VALUE and attention_heads[parent_path][1].kv < tp
-        if replicate:
-            heads = attention_heads[parent_path][1]
-            weight = _replicated_kv(weight, heads)
-            bias = _replicated_kv(bias, heads) if bias is not None else None
-        try:
-            if leaf in ROW:
-                new = RowParallelLinear.from_full(weight, bias, mesh=mesh, dtype=dtype)
-            else:
-                new = ColumnParallelLinear.from_full(weight, bias, mesh=mesh, dtype=dtype)
-        except ValueError as exc:
-            raise ValueError(f"tensor parallelism cannot split layer {path!r}: {exc}") from None
-        _record_splits(new, module, leaf, attention_heads.get(parent_path, (None, None))[1], mesh)
-        if replicate:
-            size = tp // attention_heads[parent_path][1].kv
+            q_out = _weight_shape(getattr(parent, query))[0]
+            attention_heads[parent_path] = _Heads(parent_path or "<model>", parent, config, tp, q_out,
+                                                  fused=query in FUSED_QKV)
+        if leaf in _QUERY | _KEY_VALUE:  # split by heads, checked by _Heads
+            layers.append((parent, leaf, module, attention_heads[parent_path]))
+            continue
+        out_features, in_features = _weight_shape(module)
+        split, what = (in_features, "in_features") if leaf in ROW else (out_features, "out_features")
+        if split % tp:
+            raise ValueError(f"tensor parallelism cannot split layer {path!r}: its {what} = {split} is not "
+                             f"divisible by the tensor-parallel size {tp}; choose a tp_size dividing {split}")
+        layers.append((parent, leaf, module, attention_heads.get(parent_path)))
+    return layers
+
+
+def _weight_shape(module: nn.Module) -> tuple[int, int]:
+    """(out, in) of an nn.Linear or a Conv1D, built under zero.Init or not."""
+    shape = tuple(full_shape(module.weight))
+    return shape[::-1] if _is_conv1d(module) else shape
+
+
+def _build_layer(module: nn.Module, leaf: str, heads: _Heads | None, mesh: ParallelMesh,
+                 dtype: torch.dtype | None) -> nn.Module:
+    """The tensor-parallel layer replacing `module` (its full weight gathered
+    first when built under zero.Init; see partitioned.py)."""
+    weight = full_value(module.weight)
+    weight = weight.t() if _is_conv1d(module) else weight
+    bias = full_value(module.bias) if getattr(module, "bias", None) is not None else None
+    if leaf in FUSED_QKV:
+        weight = _fused_qkv_order(weight, heads.tp)
+        bias = _fused_qkv_order(bias, heads.tp) if bias is not None else None
+    replicate = leaf in _KEY_VALUE and heads.kv < heads.tp
+    if replicate:
+        weight = _replicated_kv(weight, heads)
+        bias = _replicated_kv(bias, heads) if bias is not None else None
+    if leaf in ROW:
+        return RowParallelLinear.from_full(weight, bias, mesh=mesh, dtype=dtype)
+    return ColumnParallelLinear.from_full(weight, bias, mesh=mesh, dtype=dtype)
+
+
+def shard_model(model: nn.Module, mesh: ParallelMesh, dtype: torch.dtype | None = None) -> nn.Module:
+    """Replace, in place, the linear layers of `model` by tensor-parallel ones
+    over `mesh`'s model axis (see [Note: which layer goes where] and [Note:
+    attention heads]); every rank must hold the same full weights, or the
+    same model built under zero.Init (whose layers are gathered one at a
+    time: see partitioned.py [Note: tensor parallelism of a zero.Init
+    model]). Collective over the job when grouped-query key/value heads are
+    replicated (creates the replica groups) or the model was built under
+    zero.Init.
+
+    Returns:
+        `model` itself.
+
+    Raises:
+        ValueError: a linear layer no rule places (its module path named), a
+            head count or width the model axis cannot split; raised before
+            anything changes.
+    """
+    tp = mesh.size("model")
+    layers = _plan_layers(model, tp)
+    if tp == 1:
+        return model
+    replicas: dict[int, MeshGroup] = {}  # ranks per replicated key/value head -> this rank's group
+    attentions = {id(parent): (parent, heads) for parent, leaf, _, heads in layers
+                  if leaf in _QUERY | _KEY_VALUE}
+    while layers:  # popped, so that a replaced layer (and its zero.Init shards) is freed at once
+        parent, leaf, module, heads = layers.pop(0)
+        new = _build_layer(module, leaf, heads, mesh, dtype)
+        _record_splits(new, module, leaf, heads, mesh)
+        if leaf in _KEY_VALUE and heads.kv < tp:
+            size = tp // heads.kv
             if size not in replicas:
                 replicas[size] = mesh.data_blocks(size, axis="model").block
             for p in new.parameters():
                 p.tp_replica_group = replicas[size]
-        replacements.append((parent, leaf, new))
-    for parent, leaf, new in replacements:
         setattr(parent, leaf, new)
-    for attention, heads in attention_heads.values():
+        del module
+    for attention, heads in attentions.values():
         heads.update(attention)
     if dtype is not None:
         model.to(dtype=dtype)
@@ -273,13 +309,16 @@ def tensor_parallel_mesh(tp_size: int) -> ParallelMesh:
     return mesh
 
 
-def tp_model_init(model: nn.Module, tp_size: int, dtype: torch.dtype | None = None) -> nn.Module:
+def tp_model_init(model: nn.Module, tp_size: int, dtype: torch.dtype | None = None,
+                  vocab_parallel: bool = False) -> nn.Module:
     """DeepSpeed's `deepspeed.tp_model_init`: shard `model` in place over
     `tp_size` tensor-parallel ranks (see [Note: which layer goes where]).
     Call on every rank after `dsrun.init_distributed()` (or under the
     launcher, which it initialises), before `dsrun.initialize`, which then
     trains it over the data axis. Broadcasts the full model from global
-    rank 0 first ([Note: sharding from one full model]); makes the data x
+    rank 0 first ([Note: sharding from one full model]; a zero.Init model's
+    shards already hold rank 0's values and only its buffers and any
+    parameter built outside zero.Init are broadcast); makes the data x
     model mesh current (so `dsrun.utils.groups` answers the tensor-parallel
     group); marks the model `ds_autotp_parsed` as DeepSpeed does.
 
@@ -288,13 +327,25 @@ def tp_model_init(model: nn.Module, tp_size: int, dtype: torch.dtype | None = No
             examples/gpt_model.py's GPT, on any device.
         tp_size: tensor-parallel degree; must divide the world size.
         dtype: cast the model to this dtype (None: keep).
+        vocab_parallel: also split the input embedding and the output
+            layer by vocabulary (see vocab.py [Note: vocabulary-parallel
+            embedding and output layer]); marks the model
+            `ds_autotp_vocab_parallel`.
+
+    A model built under `dsrun.zero.Init()` is sharded without its full
+    weights ever existing on one rank, and left partitioned over the data
+    axis (see partitioned.py [Note: tensor parallelism of a zero.Init
+    model]).
 
     Returns:
         `model` itself, sharded.
 
     Raises:
         ValueError: tp_size < 1 or not dividing the world size, a layer no
-            rule places (named), heads that tp_size cannot split.
+            rule places (named), heads that tp_size cannot split, an
+            embedding vocab_parallel cannot split (named), a zero.Init
+            model partitioned over fewer ranks than the world; all before
+            anything changes.
     """
     if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
         raise ValueError(f"tp_model_init: tp_size={tp_size!r}; give a positive integer")
@@ -305,11 +356,20 @@ def tp_model_init(model: nn.Module, tp_size: int, dtype: torch.dtype | None = No
     if world % tp_size:
         raise ValueError(f"tp_model_init: tp_size={tp_size} does not divide the world size {world}")
     placement_plan(model)  # an unplaceable layer fails before anything changes
-    with torch.no_grad():
-        for tensor in list(model.parameters()) + list(model.buffers()):
+    vocab_plan = plan_vocabulary(model, tp_size) if vocab_parallel and tp_size > 1 else None
+    partitioned = built_partitioned(model)
+    with torch.no_grad():  # zero.Init shards already hold rank 0's values
+        for tensor in [p for p in model.parameters() if not is_partitioned(p)] + list(model.buffers()):
             on_device = tensor.data.to(device)  # the backend's device (NCCL: cuda)
             comm.broadcast(on_device, src=0)
             tensor.data.copy_(on_device)
-    shard_model(model, tensor_parallel_mesh(tp_size), dtype)
+    placement = model_placement(model) if partitioned else None
+    mesh = tensor_parallel_mesh(tp_size)
+    shard_model(model, mesh, dtype)
+    if vocab_plan is not None:
+        shard_vocabulary(vocab_plan, mesh, dtype)
+        model.ds_autotp_vocab_parallel = True
+    if partitioned and tp_size > 1:
+        partition_over_data(model, mesh.axis_group("data"), placement, dtype)
     model.ds_autotp_parsed = True
     return model

@@ -77,7 +77,9 @@ def _shard(full: torch.Tensor, dim: int, group: MeshGroup, dtype, device) -> nn.
     """This rank's slice of `full` along `dim` as a new parameter (see
     [Note: initialising a sharded layer from the full weight])."""
     part = full.chunk(group.size, dim=dim)[group.rank]
-    return nn.Parameter(part.to(dtype=dtype or torch.get_default_dtype(), device=device).contiguous())
+    # A copy even when no cast or move is needed: a view would keep all of `full` alive.
+    part = part.to(dtype=dtype or torch.get_default_dtype(), device=device)
+    return nn.Parameter(part.clone(memory_format=torch.contiguous_format))
 
 
 def _mark_sharded(param: nn.Parameter, dim: int, full_shape, group: MeshGroup) -> None:
@@ -193,6 +195,7 @@ class ColumnParallelLinear(nn.Module):
             x = copy_to_region(x, self.group)
         y = F.linear(x, self.weight, self.bias)
         if self.gather_output:
+            leave_split_region()  # the output is replicated
             return gather_from_region(y, self.group)
         if self.training:  # the output is split: see random.py [Note: dropout in tensor-parallel regions]
             enter_split_region()
@@ -291,7 +294,8 @@ class RowParallelLinear(nn.Module):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        leave_split_region()  # the output is replicated: see random.py [Note: dropout in tensor-parallel regions]
+        if not self.sequence_parallel:  # the output is replicated: see random.py [Note: dropout in ...]
+            leave_split_region()
         if self.input_is_parallel:
             _check_last_dim(x, self.in_per_rank, "RowParallelLinear", "in_features / tensor-parallel size")
         else:
@@ -300,6 +304,8 @@ class RowParallelLinear(nn.Module):
         partial = F.linear(x, self.weight)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_region(partial, self.group, self.sequence_dim)
+            if self.training:  # this rank's tokens: a sequence-parallel region (random.py)
+                enter_split_region()
         else:
             y = reduce_from_region(partial, self.group)
         return y + self.bias if self.bias is not None else y
@@ -368,7 +374,10 @@ class VocabParallelEmbedding(nn.Module):
             local = (ids - self.vocab_start).masked_fill(outside, 0)
             out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel:
-            return reduce_scatter_to_sequence_region(out, self.group, self.sequence_dim)
+            out = reduce_scatter_to_sequence_region(out, self.group, self.sequence_dim)
+            if self.training:  # this rank's tokens: a sequence-parallel region (random.py)
+                enter_split_region()
+            return out
         return reduce_from_region(out, self.group)
 
     def extra_repr(self) -> str:

@@ -47,6 +47,7 @@ import torch
 
 from dsrun.runtime import comm
 from dsrun.runtime.parallel.mesh import MeshGroup
+from dsrun.runtime.parallel.tensor.random import enter_split_region, leave_split_region
 
 
 def _check_divisible(size: int, parts: int, what: str) -> None:
@@ -198,7 +199,11 @@ def gather_from_sequence_region(x: torch.Tensor, group: MeshGroup, dim: int = 0,
     (s/tp, ...) -> (s, ...) for dim 0. Backward reduce-scatters the gradient
     along `dim` (the next layer is column-parallel, so each rank's gradient
     is a partial sum), or, with reduce_grads=False (the gathered tensor is
-    used identically on every rank), keeps this rank's slice."""
+    used identically on every rank), keeps this rank's slice; the latter
+    also leaves the sequence-parallel region's random state (random.py
+    [Note: dropout in tensor-parallel regions])."""
+    if not reduce_grads:
+        leave_split_region()
     return x if group.size == 1 else _GatherFromSequenceRegion.apply(x, group, dim, reduce_grads)
 
 
@@ -216,9 +221,14 @@ def scatter_to_sequence_region(x: torch.Tensor, group: MeshGroup, dim: int = 0) 
     """This rank's tokens of `x` (the same on every rank) along `dim`:
     (s, ...) -> (s/tp, ...) for dim 0; backward all-gathers the gradient.
     Enters a sequence-parallel region from a replicated one (the embedding's
-    output in Megatron's GPT).
+    output in Megatron's GPT), random draws included (random.py [Note:
+    dropout in tensor-parallel regions]).
 
     Raises:
         ValueError: s is not a multiple of the group size.
     """
-    return x if group.size == 1 else _ScatterToSequenceRegion.apply(x, group, dim)
+    if group.size == 1:
+        return x
+    out = _ScatterToSequenceRegion.apply(x, group, dim)
+    enter_split_region()
+    return out

@@ -31,9 +31,24 @@ left by the first row layer; activation checkpointing
 recomputation, so the recomputed masks are the forward's. A region still
 open when a forward ends (a column layer with no row layer after it, an
 exception in between) is closed by the next VocabParallelEmbedding, row
-layer or vocab_parallel_cross_entropy. Not covered: dropout inside a
-sequence-parallel region (Megatron forks there too); it draws from the
-default generator, the same stream on every rank over different tokens.
+layer, vocab_parallel_cross_entropy or gathering column layer.
+
+Sequence parallelism (Korthikanti et al. 2022) splits the activations
+outside those regions too: between a row layer's reduce-scatter and the
+next column layer's all-gather each rank holds its own tokens, and the
+residual and embedding dropout there must draw a different mask per rank
+(Megatron forks the tracker around them when sequence_parallel is set).
+So the sequence-parallel region is a split region as well: it is entered
+by `scatter_to_sequence_region` (the model's own entry, e.g. after a
+replicated embedding) and, in training, by the reduce-scatter of a
+sequence-parallel RowParallelLinear or VocabParallelEmbedding (such a row
+layer does not leave the region: its input and its output are both
+split); it is left by `gather_from_sequence_region(..., reduce_grads=False)`
+(the model's exit to replicated activations, before its output layer),
+a gathering ColumnParallelLinear, or any of the above. A sequence-parallel
+model therefore draws all its dropout masks between its entry and its exit
+from the model-parallel state, and the default generator continues after
+the exit as if nothing had been drawn.
 """
 from __future__ import annotations
 
