@@ -55,7 +55,6 @@ from typing import Any, Callable
 from dsrun.runtime.checkpoint import export
 from dsrun.runtime.checkpoint import load as loading
 from dsrun.runtime.checkpoint import save as saving
-from dsrun.runtime.checkpoint.store import CheckpointError
 from dsrun.runtime.checkpoint.rendezvous import ARRIVAL_TIMEOUT_S, COMMIT_TIMEOUT_S, Rendezvous, agree_on_location
 from dsrun.runtime.checkpoint.writer import StagingBuffer
 from dsrun.runtime.engine.train_state import TrainingParts
