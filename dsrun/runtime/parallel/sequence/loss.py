@@ -61,18 +61,26 @@ def sequence_parallel_loss(per_token_loss: torch.Tensor, mask: torch.Tensor | No
     if weights.shape != per_token_loss.shape:
         raise ValueError(f"sequence_parallel_loss: mask shape {tuple(mask.shape)} differs from the loss "
                          f"shape {tuple(per_token_loss.shape)}; give one mask entry per token")
-    local_sum = (per_token_loss * weights).sum()
-    totals = torch.stack([local_sum.detach(), weights.sum()]).float()
+    return _group_mean((per_token_loss * weights).sum(), weights.sum(), group,
+                       "sequence_parallel_loss: the mask counts no token in the whole sequence group; "
+                       "there is no mean to take (drop the sample or count at least one token)")
+
+
+def _group_mean(local_sum: torch.Tensor, count: torch.Tensor, group: ProcessGroup | None,
+                nothing_counted: str) -> torch.Tensor:
+    """The token mean over `group` of `local_sum` (0-d, this rank's sum over its `count` tokens):
+    one all-reduce of [sum, count]; value the group's mean, gradient W / total times local_sum's
+    (W the group's size). Raises ValueError(nothing_counted) when the group counts no token."""
+    totals = torch.stack([local_sum.detach().float(), count.float()])
     world = 1
     if group is not None:
         comm.all_reduce(totals, group=group)
         world = comm.get_world_size(group)
     if totals[1] <= 0:
-        raise ValueError("sequence_parallel_loss: the mask counts no token in the whole sequence group; "
-                         "there is no mean to take (drop the sample or count at least one token)")
-    count = totals[1].to(per_token_loss.dtype)
-    scaled = local_sum * world / count
-    return scaled + (totals[0].to(per_token_loss.dtype) / count - scaled).detach()
+        raise ValueError(nothing_counted)
+    total = totals[1].to(local_sum.dtype)
+    scaled = local_sum * world / total
+    return scaled + (totals[0].to(local_sum.dtype) / total - scaled).detach()
 
 
 def token_weighted_mean(mean_loss: torch.Tensor, count: torch.Tensor | int,
@@ -112,14 +120,6 @@ def token_weighted_mean(mean_loss: torch.Tensor, count: torch.Tensor | int,
             raise ValueError("token_weighted_mean: this rank counts no token and no fallback tensor was given "
                              "to carry the (zero) gradient; pass e.g. the logits")
         local_sum = fallback.sum() * 0.0
-    totals = torch.stack([local_sum.detach().float(), count])
-    world = 1
-    if group is not None:
-        comm.all_reduce(totals, group=group)
-        world = comm.get_world_size(group)
-    if totals[1] <= 0:
-        raise ValueError("token_weighted_mean: no rank of the group counts a token (every label is -100); "
-                         "there is no mean to take: drop the batch or count at least one token")
-    total = totals[1].to(local_sum.dtype)
-    scaled = local_sum * world / total
-    return scaled + (totals[0].to(local_sum.dtype) / total - scaled).detach()
+    return _group_mean(local_sum, count, group,
+                       "token_weighted_mean: no rank of the group counts a token (every label is -100); "
+                       "there is no mean to take: drop the batch or count at least one token")
