@@ -18,8 +18,7 @@ from __future__ import annotations
 import pytest
 
 from dsrun.elasticity import compute_elastic_config
-from tests.multinode.conftest import free_port
-from tests.multinode.test_ssh_restart import LOSS_RTOL, SCRIPT, STEPS, dsrun, records
+from tests.multinode.test_ssh_restart import LOSS_RTOL, records, run_losing_node_b
 
 pytestmark = pytest.mark.slow
 
@@ -36,24 +35,7 @@ def test_the_elastic_config_allows_both_world_sizes_with_one_global_batch():
 
 
 def test_elastic_restart_on_fewer_ranks_keeps_the_global_batch(sshd_cluster, tmp_path):
-    whole = tmp_path / "whole.jsonl"
-    ref = dsrun(["--num_procs", "4", "--master_port", str(free_port()), SCRIPT, str(tmp_path / "whole-ckpt"),
-                 str(whole), str(STEPS), "step", "--elastic"])
-    assert ref.returncode == 0, ref.stderr[-3000:]
-
-    live, down = tmp_path / "ssh_config", tmp_path / "ssh_config.node-b-down"
-    live.write_text(sshd_cluster.ssh_config.read_text())
-    node_a = sshd_cluster.write_config(f"{tmp_path.name}-a", {"node-a": "127.0.0.1"})
-    node_b = sshd_cluster.write_config(f"{tmp_path.name}-b", {"node-b": "127.0.0.2"}, port=free_port("127.0.0.2"))
-    down.write_text(node_a.read_text() + node_b.read_text())
-    hosts = tmp_path / "hosts"
-    hosts.write_text("node-a slots=2\nnode-b slots=2\n")
-    cut = tmp_path / "cut.jsonl"
-    run = dsrun(["--hostfile", str(hosts), "--ssh_config", str(live), "--max_restarts", "1", SCRIPT,
-                 str(tmp_path / "cut-ckpt"), str(cut), str(STEPS), "step", "--elastic", "--die", "3:4",
-                 "--down_config", str(down), str(live)])
-    log = run.stdout + run.stderr
-    assert run.returncode == 0, log[-4000:]
+    log, cut, whole = run_losing_node_b(sshd_cluster, tmp_path, "--elastic")
     assert "dsrun: dropping host node-b" in log, log[-3000:]
     assert "auto_resume: resumed from step 3" in log and "on 2 rank(s)" in log, log[-3000:]
 

@@ -43,10 +43,14 @@ def records(path: Path) -> tuple[list[dict], list[float]]:
     return [r for r in lines if "step" in r], [v for p in final for v in (p if isinstance(p, list) else [p])]
 
 
-def test_restart_without_the_lost_node_keeps_the_global_batch(sshd_cluster, tmp_path):
+def run_losing_node_b(sshd_cluster, tmp_path: Path, *script_args: str) -> tuple[str, Path, Path]:
+    """A 4-rank local reference run, then 2 SSH nodes x 2 ranks with --max_restarts 1 where rank 3 (on
+    node-b) dies in step 4 after pointing node-b's ssh config entry at a dead port, so the restart's
+    pre-check drops node-b. Returns (the second run's output, its records, the reference's records);
+    asserts both runs succeeded."""
     whole = tmp_path / "whole.jsonl"
     ref = dsrun(["--num_procs", "4", "--master_port", str(free_port()), SCRIPT, str(tmp_path / "whole-ckpt"),
-                 str(whole), str(STEPS), "step"])
+                 str(whole), str(STEPS), "step", *script_args])
     assert ref.returncode == 0, ref.stderr[-3000:]
 
     live, down = tmp_path / "ssh_config", tmp_path / "ssh_config.node-b-down"
@@ -58,10 +62,15 @@ def test_restart_without_the_lost_node_keeps_the_global_batch(sshd_cluster, tmp_
     hosts.write_text("node-a slots=2\nnode-b slots=2\n")
     cut = tmp_path / "cut.jsonl"
     run = dsrun(["--hostfile", str(hosts), "--ssh_config", str(live), "--max_restarts", "1", SCRIPT,
-                 str(tmp_path / "cut-ckpt"), str(cut), str(STEPS), "step", "--die", "3:4",
+                 str(tmp_path / "cut-ckpt"), str(cut), str(STEPS), "step", *script_args, "--die", "3:4",
                  "--down_config", str(down), str(live)])
     log = run.stdout + run.stderr
     assert run.returncode == 0, log[-4000:]
+    return log, cut, whole
+
+
+def test_restart_without_the_lost_node_keeps_the_global_batch(sshd_cluster, tmp_path):
+    log, cut, whole = run_losing_node_b(sshd_cluster, tmp_path)
     assert "dsrun: dropping host node-b: connection refused at 127.0.0.2:" in log, log[-3000:]
     # The failure named first is rank 3's SIGKILL or a peer's broken collective, whichever reaches
     # the launcher first; either way the restart runs on node-a alone.
