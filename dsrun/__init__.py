@@ -1,7 +1,7 @@
 """dsrun: a launcher and training runtime for large PyTorch models.
 
 `import dsrun as deepspeed` is meant to run a DeepSpeed training script
-unchanged; see README.md for what is supported. Public API:
+unchanged; see docs/migrating.md for what is supported. Public API:
 `initialize`, `init_distributed`, `add_config_arguments`, `comm`
 (DeepSpeed's `deepspeed.comm`), `Engine` (alias `DeepSpeedEngine`), `ops`
 (DeepSpeed's optimizer names under `ops.adam`, `ops.lion`, `ops.adagrad`),

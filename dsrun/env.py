@@ -8,7 +8,7 @@ rendezvous) or that tune one machine rather than a job. Each is declared
 here once, with its type, default and meaning, and every other module of
 dsrun reads it through that declaration (`HOST_CACHE_MB.read()`), never
 through `os.environ`: tests/test_env.py walks dsrun/ to keep it so, and the
-table in README.md and docs/config.md is generated from `VARIABLES`.
+table on docs/config.md is generated from `VARIABLES`.
 
 A variable that is unset or empty (spaces only) takes its default. A value
 that does not parse raises `EnvVarError` naming the variable, the value and
