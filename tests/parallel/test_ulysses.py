@@ -1,7 +1,8 @@
 """Ulysses sequence parallelism: DistributedAttention against unsharded
-attention (values and gradients, GQA, both layouts, all-to-all counts and
-bytes), the token-averaged loss, refusals of sizes it cannot split, and
-training at sequence=2 x data=2 with ZeRO-2 against data=4."""
+attention (values and gradients, GQA, both layouts, head counts the ranks
+do not divide, all-to-all counts and bytes), the token-averaged loss,
+refusals of sizes it cannot split, training at sequence=2 x data=2 with
+ZeRO-2 against data=4, and 6 heads at sequence=4 against one process."""
 from __future__ import annotations
 
 import pytest
@@ -36,7 +37,9 @@ def _calls(op: str) -> tuple[int, int]:
     return (stats.calls, stats.bytes) if stats else (0, 0)
 
 
-def _check_attention(heads: int, kv_heads: int, batch_dim_idx: int) -> None:
+def _check_attention(heads: int, kv_heads: int, batch_dim_idx: int, kv_sent: int) -> None:
+    """`kv_sent`: the key/value heads all destinations together receive from
+    a rank (a head whose query heads straddle two ranks goes to both)."""
     import dsrun
     from dsrun.runtime.comm import comms_logger
     from dsrun.runtime.parallel.mesh import ParallelMesh
@@ -63,10 +66,11 @@ def _check_attention(heads: int, kv_heads: int, batch_dim_idx: int) -> None:
                                      mesh.group("sequence"), scatter_idx=2, gather_idx=0)
     comms_logger.reset()
     out = attention(*mine, batch_dim_idx)
-    kv_sent = max(kv_heads, world)  # fewer key/value heads than ranks are replicated
-    elements = B * (N // world) * (heads + 2 * kv_sent) * D
+    scattered = B * (N // world) * (heads + 2 * kv_sent) * D  # this rank's tokens of every head, to their ranks
+    my_heads = heads // world + (dsrun.comm.get_rank() < heads % world)  # the first h % P ranks take one head more
+    gathered = B * N * my_heads * D  # the whole sequence of this rank's heads, back to the tokens' ranks
     calls = _calls("all_to_all_single")
-    assert calls == (1 + 1, (elements + B * (N // world) * heads * D) * 4), calls
+    assert calls == (1 + 1, (scattered + gathered) * 4), calls
     torch.testing.assert_close(out, shard_sequence(want, seq_dim, mesh.group("sequence")), **TOL)
     comms_logger.reset()
     out.backward(shard_sequence(grad_out, seq_dim, mesh.group("sequence")))
@@ -77,16 +81,49 @@ def _check_attention(heads: int, kv_heads: int, batch_dim_idx: int) -> None:
 
 
 def _check_attentions(cases) -> None:
-    for heads, kv_heads, batch_dim_idx in cases:
-        _check_attention(heads, kv_heads, batch_dim_idx)
+    for case in cases:
+        _check_attention(*case)
 
 
-@pytest.mark.parametrize("world,cases", [(2, [(4, 2, 0), (4, 4, 1)]), (4, [(8, 2, 0), (4, 1, 1)])])
+@pytest.mark.parametrize("world,cases", [(2, [(4, 2, 0, 2), (4, 4, 1, 4)]),
+                                         (4, [(8, 2, 0, 4), (4, 1, 1, 4), (12, 6, 0, 8)])])
 def test_distributed_attention_equals_whole_attention(world, cases):
     """Output and q/k/v gradients at P=2 and 4, both layouts, GQA with more
-    and with fewer key/value heads than ranks; one all-to-all each way.
-    (Several cases per run: starting ranks costs more than a case.)"""
+    and with fewer key/value heads than ranks, and with 6 key/value heads on
+    4 ranks (3 query heads a rank using key/value heads 0 0 1: repeated to
+    one per query head); one all-to-all each way. (Several cases per run:
+    starting ranks costs more than a case.)"""
     run_ranks(_check_attentions, world, cases, timeout=120)
+
+
+def test_heads_the_ranks_do_not_divide_equal_whole_attention():
+    """6 query heads on 4 ranks (2, 2, 1, 1 heads), alone and with 3 and 2
+    key/value heads (neither dividing nor divided by 4: a key/value head
+    goes to every rank whose query heads use it), both layouts: output and
+    gradients equal whole attention, bytes as counted per head sent."""
+    run_ranks(_check_attentions, 4, [(6, 6, 0, 6), (6, 3, 1, 4), (6, 2, 0, 5), (5, 1, 0, 4)], timeout=120)
+
+
+def test_twelve_heads_on_eight_ranks_equal_whole_attention():
+    """12 query heads on 8 ranks (2 heads on ranks 0-3, 1 on 4-7), alone and
+    with 4 key/value heads."""
+    run_ranks(_check_attentions, 8, [(12, 12, 0, 12), (12, 4, 1, 9)], timeout=240)
+
+
+def test_head_plan():
+    """Which heads each rank takes: the first h % P ranks one more, the
+    key/value heads their query heads use; refusals name the numbers."""
+    from dsrun.runtime.parallel.sequence.heads import plan_heads
+    plan = plan_heads(6, 2, 4)
+    assert plan.query == ((0, 2), (2, 4), (4, 5), (5, 6))
+    assert plan.kv == ((0, 1), (0, 2), (1, 2), (1, 2))  # query heads 2, 3 use key/value heads 0, 1
+    assert plan.kv_index == (None,) * 4
+    assert plan_heads(12, 6, 4).kv_index == ((0, 0, 1), (0, 1, 1), (0, 0, 1), (0, 1, 1))
+    assert plan_heads(8, 8, 4).query == ((0, 2), (2, 4), (4, 6), (6, 8))
+    with pytest.raises(ValueError, match="3 query heads over 4 sequence-parallel ranks.*at most 3"):
+        plan_heads(3, 3, 4)
+    with pytest.raises(ValueError, match="6 query heads and 4 key/value heads"):
+        plan_heads(6, 4, 4)
 
 
 def _check_refusals() -> None:
@@ -98,10 +135,10 @@ def _check_refusals() -> None:
     mesh = ParallelMesh.build(dsrun.comm.get_world_size(), sequence=2)
     attention = DistributedAttention(_sdpa, mesh.axis_group("sequence"))
     n = N // 2
-    with pytest.raises(ValueError, match="3 query heads cannot be split over the 2 ranks"):
-        attention(_data(1, B, n, 3, D), _data(2, B, n, 3, D), _data(3, B, n, 3, D), 0)
-    with pytest.raises(ValueError, match="3 key/value heads over 2 sequence-parallel ranks"):
-        attention(_data(1, B, n, 6, D), _data(2, B, n, 3, D), _data(3, B, n, 3, D), 0)
+    with pytest.raises(ValueError, match="1 query head over 2 sequence-parallel ranks: every rank needs"):
+        attention(_data(1, B, n, 1, D), _data(2, B, n, 1, D), _data(3, B, n, 1, D), 0)
+    with pytest.raises(ValueError, match="6 query heads and 4 key/value heads"):
+        attention(_data(1, B, n, 6, D), _data(2, B, n, 4, D), _data(3, B, n, 4, D), 0)
     with pytest.raises(ValueError, match="must agree on batch and sequence"):
         attention(_data(1, B, n, 4, D), _data(2, B, n + 1, 4, D), _data(3, B, n + 1, 4, D), 0)
     with pytest.raises(ValueError, match="batch_dim_idx=2"):

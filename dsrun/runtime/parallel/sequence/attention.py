@@ -94,4 +94,4 @@ class DistributedAttention(torch.nn.Module):
             return self.local_attn(query, key, value, *args, **kwargs)
         q, k, v = scatter_heads(query, key, value, self.spg, world, batch_dim_idx)
         context = self.local_attn(q, k, v, *args, **kwargs)
-        return gather_heads(context, self.spg, world, batch_dim_idx)
+        return gather_heads(context, query.shape[2], self.spg, world, batch_dim_idx)

@@ -58,7 +58,7 @@ def _ulysses_attention(core: Any, group: ProcessGroup, world: int):
                                          is_causal=getattr(module, "is_causal", True), training=module.training)
         context, _ = core(stand_in, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None,
                           is_causal=True, **kwargs)                      # [b, N, heads/P, d]
-        return gather_heads(context, group, world, batch_dim_idx=0), None  # [b, n, heads, d]
+        return gather_heads(context, query.shape[1], group, world, batch_dim_idx=0), None  # [b, n, heads, d]
 
     return attention
 
