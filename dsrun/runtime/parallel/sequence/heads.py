@@ -8,12 +8,12 @@ h/P whole heads, so P must divide h. With h = qP + s (0 < s < P) rank r
 takes q + 1 heads for r < s and q otherwise, contiguous and in rank order
 (torch.tensor_split's rule), and the all-to-alls carry blocks of unequal
 sizes (all_to_all_single with split sizes). The other way, padding h to
-P ceil(h/P) zero heads that are dropped after the exchange, moves the same
-bytes to the busiest rank but P ceil(h/P) / h times the bytes in all (8/6
-for 6 heads on 4 ranks) and packs zero heads into every send buffer; the
-busiest rank (q + 1 heads) bounds the step either way, so uneven splits
-are never slower and move less (bench/sequence/uneven_heads.py measures
-both).
+P ceil(h/P) heads with zeros that are dropped after the exchange, gives
+the busiest rank the same q + 1 heads to receive and attend over, so it
+shortens nothing, while every rank sends P ceil(h/P) / h times the bytes
+(8/6 for 6 heads on 4 ranks) and holds padded copies of q, k, v and the
+output. bench/sequence/uneven_heads.py measures both against P dividing
+the heads.
 
 Grouped-query attention (h_kv key/value heads, h_kv dividing h, query
 head i using key/value head i // (h / h_kv)): rank r receives exactly the
