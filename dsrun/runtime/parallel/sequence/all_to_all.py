@@ -52,9 +52,13 @@ Layout = tuple[Sequence[Sequence[Range]], int, ProcessGroup, int]  # per-tensor 
 def _exchange(send: torch.Tensor, send_sizes: list[int], recv_sizes: list[int],
               group: ProcessGroup) -> torch.Tensor:
     """all_to_all_single of 1-D `send`: elements [sum(send_sizes[:j]), +send_sizes[j])
-    go to rank j; returns what every rank sent here, in rank order."""
+    go to rank j; returns what every rank sent here, in rank order. Equal
+    blocks (P divides the heads) take the plain all-to-all."""
     recv = send.new_empty(sum(recv_sizes))
-    all_to_all_single_split(recv, send, recv_sizes, send_sizes, group=group)
+    if len(set(send_sizes)) == 1 and len(set(recv_sizes)) == 1:
+        comm.all_to_all_single(recv, send, group=group)
+    else:
+        all_to_all_single_split(recv, send, recv_sizes, send_sizes, group=group)
     return recv
 
 
