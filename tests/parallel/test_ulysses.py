@@ -1,7 +1,8 @@
 """Ulysses sequence parallelism: DistributedAttention against unsharded
-attention (values and gradients, GQA, both layouts, all-to-all counts and
-bytes), the token-averaged loss, refusals of sizes it cannot split, and
-training at sequence=2 x data=2 with ZeRO-2 against data=4."""
+attention (values and gradients, GQA, both layouts, head counts the ranks
+do not divide, all-to-all counts and bytes), the token-averaged loss,
+refusals of sizes it cannot split, training at sequence=2 x data=2 with
+ZeRO-2 against data=4, and 6 heads at sequence=4 against one process."""
 from __future__ import annotations
 
 import pytest
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 from tests.dist_helpers import run_ranks
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}  # fp32: the sharded and whole computations sum in different orders
+EXACT = {"rtol": 1e-6, "atol": 1e-6}  # attention alone: the exchanges copy, each head is computed as in the whole
 B, N, D = 2, 8, 4                 # batch, whole sequence, head_dim
 
 
@@ -36,7 +38,9 @@ def _calls(op: str) -> tuple[int, int]:
     return (stats.calls, stats.bytes) if stats else (0, 0)
 
 
-def _check_attention(heads: int, kv_heads: int, batch_dim_idx: int) -> None:
+def _check_attention(heads: int, kv_heads: int, batch_dim_idx: int, kv_sent: int) -> None:
+    """`kv_sent`: the key/value heads all destinations together receive from
+    a rank (a head whose query heads straddle two ranks goes to both)."""
     import dsrun
     from dsrun.runtime.comm import comms_logger
     from dsrun.runtime.parallel.mesh import ParallelMesh
@@ -63,30 +67,64 @@ def _check_attention(heads: int, kv_heads: int, batch_dim_idx: int) -> None:
                                      mesh.group("sequence"), scatter_idx=2, gather_idx=0)
     comms_logger.reset()
     out = attention(*mine, batch_dim_idx)
-    kv_sent = max(kv_heads, world)  # fewer key/value heads than ranks are replicated
-    elements = B * (N // world) * (heads + 2 * kv_sent) * D
+    scattered = B * (N // world) * (heads + 2 * kv_sent) * D  # this rank's tokens of every head, to their ranks
+    my_heads = heads // world + (dsrun.comm.get_rank() < heads % world)  # the first h % P ranks take one head more
+    gathered = B * N * my_heads * D  # the whole sequence of this rank's heads, back to the tokens' ranks
     calls = _calls("all_to_all_single")
-    assert calls == (1 + 1, (elements + B * (N // world) * heads * D) * 4), calls
-    torch.testing.assert_close(out, shard_sequence(want, seq_dim, mesh.group("sequence")), **TOL)
+    assert calls == (1 + 1, (scattered + gathered) * 4), calls
+    torch.testing.assert_close(out, shard_sequence(want, seq_dim, mesh.group("sequence")), **EXACT)
     comms_logger.reset()
     out.backward(shard_sequence(grad_out, seq_dim, mesh.group("sequence")))
     assert _calls("all_to_all_single")[0] == 2  # one for the output's gradient, one for dq, dk, dv
     for name, got, ref in zip("qkv", mine, whole):
         torch.testing.assert_close(got.grad, shard_sequence(ref.grad, seq_dim, mesh.group("sequence")),
-                                   **TOL, msg=f"d{name}")
+                                   **EXACT, msg=f"d{name}")
 
 
 def _check_attentions(cases) -> None:
-    for heads, kv_heads, batch_dim_idx in cases:
-        _check_attention(heads, kv_heads, batch_dim_idx)
+    for case in cases:
+        _check_attention(*case)
 
 
-@pytest.mark.parametrize("world,cases", [(2, [(4, 2, 0), (4, 4, 1)]), (4, [(8, 2, 0), (4, 1, 1)])])
+@pytest.mark.parametrize("world,cases", [(2, [(4, 2, 0, 2), (4, 4, 1, 4)]),
+                                         (4, [(8, 2, 0, 4), (4, 1, 1, 4), (12, 6, 0, 8)])])
 def test_distributed_attention_equals_whole_attention(world, cases):
     """Output and q/k/v gradients at P=2 and 4, both layouts, GQA with more
-    and with fewer key/value heads than ranks; one all-to-all each way.
-    (Several cases per run: starting ranks costs more than a case.)"""
+    and with fewer key/value heads than ranks, and with 6 key/value heads on
+    4 ranks (3 query heads a rank using key/value heads 0 0 1: repeated to
+    one per query head); one all-to-all each way. (Several cases per run:
+    starting ranks costs more than a case.)"""
     run_ranks(_check_attentions, world, cases, timeout=120)
+
+
+def test_heads_the_ranks_do_not_divide_equal_whole_attention():
+    """6 query heads on 4 ranks (2, 2, 1, 1 heads), alone and with 3 and 2
+    key/value heads (neither dividing nor divided by 4: a key/value head
+    goes to every rank whose query heads use it), both layouts: output and
+    gradients equal whole attention, bytes as counted per head sent."""
+    run_ranks(_check_attentions, 4, [(6, 6, 0, 6), (6, 3, 1, 4), (6, 2, 0, 5), (5, 1, 0, 4)], timeout=120)
+
+
+def test_twelve_heads_on_eight_ranks_equal_whole_attention():
+    """12 query heads on 8 ranks (2 heads on ranks 0-3, 1 on 4-7), alone and
+    with 4 key/value heads."""
+    run_ranks(_check_attentions, 8, [(12, 12, 0, 12), (12, 4, 1, 9)], timeout=240)
+
+
+def test_head_plan():
+    """Which heads each rank takes: the first h % P ranks one more, the
+    key/value heads their query heads use; refusals name the numbers."""
+    from dsrun.runtime.parallel.sequence.heads import plan_heads
+    plan = plan_heads(6, 2, 4)
+    assert plan.query == ((0, 2), (2, 4), (4, 5), (5, 6))
+    assert plan.kv == ((0, 1), (0, 2), (1, 2), (1, 2))  # query heads 2, 3 use key/value heads 0, 1
+    assert plan.kv_index == (None,) * 4
+    assert plan_heads(12, 6, 4).kv_index == ((0, 0, 1), (0, 1, 1), (0, 0, 1), (0, 1, 1))
+    assert plan_heads(8, 8, 4).query == ((0, 2), (2, 4), (4, 6), (6, 8))
+    with pytest.raises(ValueError, match="3 query heads over 4 sequence-parallel ranks.*at most 3"):
+        plan_heads(3, 3, 4)
+    with pytest.raises(ValueError, match="6 query heads and 4 key/value heads"):
+        plan_heads(6, 4, 4)
 
 
 def _check_refusals() -> None:
@@ -98,10 +136,10 @@ def _check_refusals() -> None:
     mesh = ParallelMesh.build(dsrun.comm.get_world_size(), sequence=2)
     attention = DistributedAttention(_sdpa, mesh.axis_group("sequence"))
     n = N // 2
-    with pytest.raises(ValueError, match="3 query heads cannot be split over the 2 ranks"):
-        attention(_data(1, B, n, 3, D), _data(2, B, n, 3, D), _data(3, B, n, 3, D), 0)
-    with pytest.raises(ValueError, match="3 key/value heads over 2 sequence-parallel ranks"):
-        attention(_data(1, B, n, 6, D), _data(2, B, n, 3, D), _data(3, B, n, 3, D), 0)
+    with pytest.raises(ValueError, match="1 query head over 2 sequence-parallel ranks: every rank needs"):
+        attention(_data(1, B, n, 1, D), _data(2, B, n, 1, D), _data(3, B, n, 1, D), 0)
+    with pytest.raises(ValueError, match="6 query heads and 4 key/value heads"):
+        attention(_data(1, B, n, 6, D), _data(2, B, n, 4, D), _data(3, B, n, 4, D), 0)
     with pytest.raises(ValueError, match="must agree on batch and sequence"):
         attention(_data(1, B, n, 4, D), _data(2, B, n + 1, 4, D), _data(3, B, n + 1, 4, D), 0)
     with pytest.raises(ValueError, match="batch_dim_idx=2"):
@@ -144,7 +182,11 @@ def test_loss_without_sequence_parallelism_is_the_masked_mean():
 
 # -- training: sequence=2 x data=2 (ZeRO-2) against data=4 ----------------
 
-VOCAB, WIDTH, HEADS, KV_HEADS, STEPS = 16, 16, 4, 2, 3
+VOCAB, HEADS, KV_HEADS, STEPS = 16, 4, 2, 3  # width: heads x D
+ADAM = {"type": "Adam", "params": {"lr": 1e-2}}
+# Adam turns rounding noise in a gradient element near zero into visible
+# parameter differences; SGD passes gradient differences on unamplified
+SGD = {"type": "SGD", "params": {"lr": 0.5}}
 LENGTHS = (8, 5, 7, 3)  # valid tokens of the 4 samples: the two halves of a sample count differently
 
 
@@ -153,27 +195,28 @@ class _Block(torch.nn.Module):
     or DistributedAttention around it. Positions are the tokens' places in
     the whole sequence."""
 
-    def __init__(self, sequence_group=None):
+    def __init__(self, sequence_group=None, heads: int = HEADS, kv_heads: int = KV_HEADS):
         super().__init__()
         from dsrun.sequence.layer import DistributedAttention
-        self.embed = torch.nn.Embedding(VOCAB, WIDTH)
-        self.position = torch.nn.Embedding(N, WIDTH)
-        self.q = torch.nn.Linear(WIDTH, WIDTH)
+        self.heads, self.kv_heads, width = heads, kv_heads, heads * D
+        self.embed = torch.nn.Embedding(VOCAB, width)
+        self.position = torch.nn.Embedding(N, width)
+        self.q = torch.nn.Linear(width, width)
         # no bias: a key bias has zero gradient in exact arithmetic, which Adam
         # would turn into rounding noise of full step size
-        self.kv = torch.nn.Linear(WIDTH, 2 * KV_HEADS * (WIDTH // HEADS), bias=False)
-        self.out = torch.nn.Linear(WIDTH, WIDTH)
-        self.norm = torch.nn.LayerNorm(WIDTH)
-        self.head = torch.nn.Linear(WIDTH, VOCAB)
+        self.kv = torch.nn.Linear(width, 2 * kv_heads * D, bias=False)
+        self.out = torch.nn.Linear(width, width)
+        self.norm = torch.nn.LayerNorm(width)
+        self.head = torch.nn.Linear(width, VOCAB)
         self.attention = (DistributedAttention(_sdpa, sequence_group) if sequence_group is not None
                           else _sdpa)
 
     def forward(self, ids, positions):
         x = self.embed(ids) + self.position(positions)
         b, n, _ = x.shape
-        q = self.q(x).view(b, n, HEADS, -1)
-        k, v = self.kv(x).view(b, n, 2 * KV_HEADS, -1).chunk(2, dim=2)
-        x = x + self.out(self.attention(q, k, v, 0).reshape(b, n, WIDTH))
+        q = self.q(x).view(b, n, self.heads, D)
+        k, v = self.kv(x).view(b, n, 2 * self.kv_heads, D).chunk(2, dim=2)
+        x = x + self.out(self.attention(q, k, v, 0).flatten(2))
         return self.head(self.norm(x))
 
 
@@ -183,7 +226,8 @@ def _samples():
     return ids[:, :-1], ids[:, 1:], mask
 
 
-def _train(sequence: int, stage: int = 2) -> tuple[list[float], torch.Tensor]:
+def _train(sequence: int, stage: int = 2, heads: int = HEADS, kv_heads: int = KV_HEADS,
+           optimizer: dict = ADAM) -> tuple[list[float], torch.Tensor]:
     """STEPS steps on the 4 samples. data=4: one sample per rank. sequence=2
     x data=2: data rank d takes samples 2d and 2d+1 as two micro-batches of
     one (gradient accumulation 2), each sequence rank its half of the
@@ -200,14 +244,14 @@ def _train(sequence: int, stage: int = 2) -> tuple[list[float], torch.Tensor]:
     if sequence > 1:  # the mesh first, so that the model's DistributedAttention has its group
         set_current(ParallelMesh.build(world, sequence=sequence))
     torch.manual_seed(0)
-    model = _Block(groups._get_sequence_parallel_group() if sequence > 1 else None)
+    model = _Block(groups._get_sequence_parallel_group() if sequence > 1 else None, heads, kv_heads)
     cfg = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 1, "sequence_parallel_size": sequence,
-           "optimizer": {"type": "Adam", "params": {"lr": 1e-2}}, "zero_optimization": {"stage": stage},
+           "optimizer": optimizer, "zero_optimization": {"stage": stage},
            "gradient_clipping": 0.0, "steps_per_print": 1000}
     engine, *_ = dsrun.initialize(model=model, config=cfg)
     assert engine.gradient_accumulation_steps() == 4 // data
     assert groups._get_sequence_parallel_world_size() == sequence
-    assert groups._get_sequence_data_parallel_world_size() == 4  # ZeRO's group: data x sequence
+    assert groups._get_sequence_data_parallel_world_size() == world  # ZeRO's group: data x sequence
     inputs, labels, mask = _samples()
     positions = torch.arange(N)[None, :]
     data_rank = dist.get_rank() // sequence  # axes data, sequence: sequence innermost
@@ -257,6 +301,32 @@ def test_training_sequence_x_data_equals_data_parallel():
     for _, (_, params), _ in results[1:]:  # every rank holds the same parameters
         torch.testing.assert_close(params, got_params, rtol=0, atol=0)
 
+
+def _train_cases(sequence: int, cases) -> list[tuple[list[float], torch.Tensor]]:
+    import dsrun
+    from dsrun.runtime.parallel.mesh import set_current
+    dsrun.init_distributed()
+    results = []
+    for heads, kv_heads in cases:
+        set_current(None)
+        results.append(_train(sequence, 2, heads, kv_heads, SGD))
+    return results
+
+
+def test_training_six_heads_on_sequence_4_equals_one_process():
+    """6 query heads at sequence=4 (ranks take 2, 2, 1, 1 heads), with 6 and
+    with 2 key/value heads, ZeRO-2: every rank's losses per step and
+    parameters after 3 SGD steps equal one process training the same model
+    on the same samples (fp32, 1e-5)."""
+    cases = [(6, 6), (6, 2)]
+    want = run_ranks(_train_cases, 1, 1, cases, timeout=120)[0]
+    got = run_ranks(_train_cases, 4, 4, cases, timeout=180)
+    for case, (want_loss, want_params) in zip(cases, want):
+        assert want_loss[-1] < want_loss[0], case  # it trains
+    for rank, per_case in enumerate(got):
+        for case, (loss, params), (want_loss, want_params) in zip(cases, per_case, want):
+            torch.testing.assert_close(torch.tensor(loss), torch.tensor(want_loss), **TOL, msg=f"{case} rank {rank}")
+            torch.testing.assert_close(params, want_params, **TOL, msg=f"{case} rank {rank}")
 
 def _initialize_builds_the_mesh():
     import dsrun

@@ -19,16 +19,18 @@ TOL = {"rtol": 2e-5, "atol": 2e-5}
 
 
 def _model(kind: str = "llama"):
-    """A tiny Llama (rotary positions, 4 query and 2 key/value heads) or
-    GPT-2 (learned positions, tied head), no dropout."""
+    """A tiny Llama (rotary positions, 4 query and 2 key/value heads;
+    "llama6": 6 and 2) or GPT-2 (learned positions, tied head), no
+    dropout."""
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
     if kind == "gpt2":
         return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=16, n_layer=2, n_head=4,
                                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                                           attn_implementation="sdpa"))
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    heads = 6 if kind == "llama6" else 4
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=4 * heads, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=heads, num_key_value_heads=2, max_position_embeddings=64,
                          attn_implementation="sdpa")
     return LlamaForCausalLM(config)
 
@@ -150,6 +152,16 @@ def test_hf_llama_zero3_sequence_2_x_data_2_equals_unsharded():
     cases = [(3, False, 2, 2)]
     results = run_ranks(_cases, 4, cases, timeout=300)
     _check(results, _reference(4), 2, 2, cases, TOL)
+
+
+
+def test_hf_llama_six_heads_on_sequence_4_equals_unsharded():
+    """6 query and 2 key/value heads at sequence=4 (query heads 2, 2, 1, 1
+    per rank; rank 1's query heads 2 and 3 use key/value heads 0 and 1),
+    ZeRO-2: logits, losses and parameters equal the unsharded model's."""
+    cases = [(2, False, 1, 4, "llama6")]
+    results = run_ranks(_cases, 4, cases, timeout=300)
+    _check(results, _reference(2, "llama6"), 1, 4, cases, TOL)
 
 
 # -- the batch slicing ------------------------------------------------------------

@@ -1,5 +1,6 @@
 """Ulysses sequence parallelism (Jacobs et al. 2023, arXiv 2309.14509):
-DistributedAttention (attention.py) with its all-to-alls (all_to_all.py),
+DistributedAttention (attention.py) with its all-to-alls (all_to_all.py)
+and the heads each rank takes (heads.py),
 each rank's slice of a sample (data.py) or of a dict batch (batches.py),
 the token-averaged loss (loss.py; the engine's for a model's own loss:
 model_loss.py) and a Hugging Face model's attention wrapped (hf.py).

@@ -8,11 +8,13 @@ wrapper moves q, k and v in one all-to-all to all N tokens of h/P heads
 local attention on them (which sees ordinary, whole-sequence attention over
 fewer heads) and moves the output back in one more all-to-all. Per layer
 each link carries 4Nh/P elements per sample in forward (q, k, v and the
-output) against Megatron-SP's 4Nh.
+output) against Megatron-SP's 4Nh. When P does not divide h the ranks take
+h // P or h // P + 1 heads (heads.py's [Note: heads the sequence-parallel
+size does not divide]); grouped-query attention's key/value heads go to
+the ranks whose query heads use them.
 
 Head counts are read from the tensors on every call, so layers with
-different head counts (or grouped-query attention, [Note: grouped-query
-attention under Ulysses]) share no state.
+different head counts (or grouped-query attention) share no state.
 """
 from __future__ import annotations
 
@@ -31,9 +33,13 @@ class DistributedAttention(torch.nn.Module):
 
     Args:
         local_attention: a module or callable `local_attention(q, k, v,
-            *args, **kwargs)` taking q [b, N, h/P, d] and k, v [b, N,
+            *args, **kwargs)` taking q [b, N, h_r, d] and k, v [b, N,
             h_kv', d] (or [N, b, ...] for batch_dim_idx=1) for the whole
-            sequence N, and returning [b, N, h/P, d_v] (same layout).
+            sequence N, and returning [b, N, h_r, d_v] (same layout); h_r
+            is this rank's query heads (h/P, or h // P or one more when P
+            does not divide h) and h_kv' divides h_r (query head i uses
+            key/value head i // (h_r / h_kv'), as in grouped-query
+            attention).
         sequence_process_group: the sequence-parallel group: a torch
             ProcessGroup (e.g. dsrun.utils.groups._get_sequence_parallel_group())
             or a MeshGroup (mesh.axis_group("sequence")).
@@ -70,12 +76,12 @@ class DistributedAttention(torch.nn.Module):
             query: [b, n, h, d] (batch_dim_idx 0) or [n, b, h, d] (1): this
                 rank's n = N/P consecutive tokens (the rank-th slice; see
                 shard_sequence), every query head.
-            key, value: the same tokens, h_kv heads (h_kv divides h; P
-                divides h_kv or h_kv divides P). One dtype for all three.
-                Every rank of the group must hold the same n: the
-                all-to-all cuts equal blocks, and torch does not check that
-                the ranks agree (shard_sequence refuses a length N that P
-                does not divide).
+            key, value: the same tokens, h_kv heads (h_kv divides h; any
+                h_kv and P). One dtype for all three. Every rank of the
+                group must hold the same n: the all-to-all's block sizes
+                assume it, and torch does not check that the ranks agree
+                (shard_sequence refuses a length N that P does not
+                divide).
             batch_dim_idx: 0 or 1, the layout above.
             *args, **kwargs: passed to the local attention (e.g. a causal
                 flag; a mask must be for the whole sequence).
@@ -85,13 +91,14 @@ class DistributedAttention(torch.nn.Module):
             attention output.
 
         Raises:
-            ValueError: heads not divisible by P, key/value heads that
-                neither divide nor are divided by P, mismatched shapes or
-                dtypes, a local attention output that is not 4-D.
+            ValueError: more ranks P than query heads h (the message
+                names both), key/value heads that do not divide the query
+                heads, mismatched shapes or dtypes, a local attention
+                output that is not 4-D.
         """
         world = comm.get_world_size(self.spg) if self.spg is not None else 1
         if world == 1:
             return self.local_attn(query, key, value, *args, **kwargs)
         q, k, v = scatter_heads(query, key, value, self.spg, world, batch_dim_idx)
         context = self.local_attn(q, k, v, *args, **kwargs)
-        return gather_heads(context, self.spg, world, batch_dim_idx)
+        return gather_heads(context, query.shape[2], self.spg, world, batch_dim_idx)

@@ -18,8 +18,10 @@ model's config at that name. No other model in the process is touched
 builds no attention mask for a name unknown to transformers' mask registry,
 which is what Ulysses needs: its attention is causal over the whole
 sequence, so padding must be on the right with labels -100 (see
-batches.py). Grouped-query attention follows [Note: grouped-query attention
-under Ulysses]: each rank's key/value-heads-per-query-head ratio is passed
+batches.py). Head counts follow heads.py's [Note: heads the
+sequence-parallel size does not divide] (any h >= P; grouped-query
+attention with any key/value heads dividing h): each rank's
+key/value-heads-per-query-head ratio is passed
 to sdpa through a stand-in for the module (sdpa reads only
 `num_key_value_groups` and `is_causal` from it).
 
@@ -53,12 +55,12 @@ def _ulysses_attention(core: Any, group: ProcessGroup, world: int):
         if world == 1:
             return core(module, query, key, value, None, is_causal=True, **kwargs)
         q, k, v = scatter_heads(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-                                group, world, batch_dim_idx=0)          # [b, N, heads/P, d]
+                                group, world, batch_dim_idx=0)          # [b, N, this rank's heads, d]
         stand_in = types.SimpleNamespace(num_key_value_groups=q.shape[2] // k.shape[2],
                                          is_causal=getattr(module, "is_causal", True), training=module.training)
         context, _ = core(stand_in, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None,
-                          is_causal=True, **kwargs)                      # [b, N, heads/P, d]
-        return gather_heads(context, group, world, batch_dim_idx=0), None  # [b, n, heads, d]
+                          is_causal=True, **kwargs)                      # [b, N, this rank's heads, d]
+        return gather_heads(context, query.shape[1], group, world, batch_dim_idx=0), None  # [b, n, heads, d]
 
     return attention
 
