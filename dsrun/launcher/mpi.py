@@ -24,7 +24,8 @@ class SchedulerEnvError(RuntimeError):
     """A launcher's rank variables are incomplete; the message names what is missing."""
 
 
-def mpirun_command(flavor: str, placement: Placement, command: list[str], env_names: list[str]) -> list[str]:
+def mpirun_command(flavor: str, placement: Placement, command: list[str], env_names: list[str],
+                   launcher_args: list[str] = ()) -> list[str]:
     """The mpirun (Open MPI) or mpiexec (MPICH/Hydra) argv for `placement`.
 
     Args:
@@ -33,6 +34,8 @@ def mpirun_command(flavor: str, placement: Placement, command: list[str], env_na
         env_names: variables to forward by name (their values stay in the
             environment of the mpirun process, see `mpirun_env`);
             MASTER_ADDR and MASTER_PORT are always forwarded.
+        launcher_args: `--launcher_args`, split; placed after dsrun's own
+            options and before the program, as DeepSpeed's runner does.
 
     Raises:
         ValueError: unknown flavor.
@@ -44,9 +47,10 @@ def mpirun_command(flavor: str, placement: Placement, command: list[str], env_na
         argv = ["mpirun", "-n", str(placement.world_size), "--host", hosts, "--map-by", "slot", "--bind-to", "none"]
         for name in names:
             argv += ["-x", name]
-        return [*argv, *rank_cmd]
+        return [*argv, *launcher_args, *rank_cmd]
     if flavor == "mpich":
-        return ["mpiexec", "-n", str(placement.world_size), "-hosts", hosts, "-genvlist", ",".join(names), *rank_cmd]
+        return ["mpiexec", "-n", str(placement.world_size), "-hosts", hosts, "-genvlist", ",".join(names),
+                *launcher_args, *rank_cmd]
     raise ValueError(f"unknown MPI flavor {flavor!r}; use openmpi or mpich")
 
 
