@@ -78,7 +78,7 @@ class MultinodeOptions:
 
 
 _OPTIONS = [
-    click.option("--hostfile", type=click.Path(path_type=Path), default=None,
+    click.option("--hostfile", "-H", type=click.Path(path_type=Path), default=None,
                  help="Hosts and their slots, one 'HOST slots=N' per line (see hostfile.example)."),
     click.option("--include", "-i", default="", help="Use only these hosts/slots: NAME[:SLOT[,SLOT|A-B]][@NAME...]."),
     click.option("--exclude", "-e", default="", help="Leave out these hosts/slots (same grammar as --include)."),

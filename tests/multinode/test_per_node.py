@@ -149,3 +149,28 @@ def test_slots_zero_needs_num_procs_and_names_skypilot():
     assert select_slots(hosts, num_procs=2) == {"a": [0, 1], "b": [0, 1]}
     with pytest.raises(ValueError, match="slots=0.*SKYPILOT_NUM_GPUS_PER_NODE.*--num_procs"):
         select_slots(hosts)
+
+
+def test_cli_flags_one_host_force_multi_and_unknown_flags(tmp_path):
+    """Dry runs: a one-host hostfile of this machine is local unless --force_multi; DeepSpeed's -H works; an
+    unknown flag is named instead of being taken for the script; --launcher_args needs a launcher that takes it."""
+    from click.testing import CliRunner
+
+    from dsrun.launcher.cli import cli
+    (tmp_path / "hosts").write_text("127.0.0.1 slots=2\n")
+    (tmp_path / "s.py").write_text("")
+    base = ["-H", str(tmp_path / "hosts"), "--dry_run"]
+
+    def said(args):
+        result = CliRunner().invoke(cli, args)
+        return result.exit_code, " ".join(result.output.split())
+    code, out = said([*base, str(tmp_path / "s.py")])
+    assert code == 0 and "127.0.0.1, is this machine: running its ranks here without SSH" in out
+    code, out = said([*base, "--force_multi", str(tmp_path / "s.py")])
+    assert code == 0 and "without SSH" not in out
+    code, out = said(["--no_python", str(tmp_path / "s.py")])
+    assert code == 2 and "no such option: --no_python" in out
+    code, out = said([*base, "--launcher_args", "-v", str(tmp_path / "s.py")])
+    assert code == 2 and "--launcher_args goes to mpirun, mpiexec or srun" in out
+    code, out = said(["--no_ssh", "--max_restarts", "1", *base, str(tmp_path / "s.py")])
+    assert code == 2 and "restart the job from the cluster manager" in out
