@@ -42,8 +42,12 @@ def test_rank_0_not_on_the_first_host_is_named(tmp_path, no_mpi4py):
     with pytest.raises(MasterDiscoveryError, match=r"rank 0 runs on .*, not on worker-0.example.invalid.*MASTER_ADDR"):
         discover_master(env, rank=0, world_size=2)
     assert discover_master({**env, "OMPI_COMM_WORLD_RANK": "1"}, 1, 2).addr == "worker-0.example.invalid"
-    with pytest.raises(MasterDiscoveryError, match="cannot be read"):
-        discover_master({**env, "OMPI_MCA_orte_default_hostfile": str(tmp_path / "missing")}, 1, 2)
+    # A worker pod of the MPI Operator: the variable arrives, the file (on the launcher pod) does not.
+    worker = {**env, "OMPI_COMM_WORLD_RANK": "1", "OMPI_MCA_orte_default_hostfile": str(tmp_path / "missing")}
+    assert discover_master({**worker, "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}, 1, 2).addr == "127.0.0.1"
+    with pytest.raises(MasterDiscoveryError, match=r"the hostfile OMPI_MCA_orte_default_hostfile=.*missing \(No such "
+                                                   r"file or directory on this node\) cannot be read.*install mpi4py"):
+        discover_master(worker, 1, 2)
 
 
 def test_one_node_without_hostfile_is_loopback_and_several_nodes_an_error(no_mpi4py):

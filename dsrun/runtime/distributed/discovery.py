@@ -15,7 +15,9 @@ host for the TCP rendezvous; it is found, in this order:
    HYDRA_HOST_FILE): its first host. mpirun maps ranks by slot and by node
    alike starting at the first host, so rank 0 runs there; rank 0 checks
    that the host is its own machine and fails with both names if not (a
-   `--host` list or a rank file overrode the hostfile).
+   `--host` list or a rank file overrode the hostfile). A node that cannot
+   read the file goes on to 3: the MPI Operator mounts the hostfile on its
+   launcher pod only, while orted passes the variable to every node's ranks.
 3. Every rank on one node (the launcher's local size equals the world
    size): 127.0.0.1.
 
@@ -89,7 +91,8 @@ def _by_mpi4py() -> str | None:
     return comm.bcast(own_address() if comm.Get_rank() == 0 else None, root=0)
 
 
-def _from_hostfile(environ: Mapping[str, str], rank: int) -> Master | None:
+def _from_hostfile(environ: Mapping[str, str], rank: int, unread: list[str]) -> Master | None:
+    """The first host of the MPI launcher's hostfile; a hostfile this node cannot read goes into `unread`."""
     from dsrun.launcher.ports import is_local_address
 
     for var in HOSTFILE_VARS:
@@ -98,9 +101,9 @@ def _from_hostfile(environ: Mapping[str, str], rank: int) -> Master | None:
             continue
         try:
             host = first_hostfile_host(path)
-        except OSError as exc:
-            raise MasterDiscoveryError(f"{var}={path} cannot be read ({exc.strerror}); it names the hostfile "
-                                       "rank 0's address is taken from, set MASTER_ADDR instead") from None
+        except OSError as exc:  # e.g. the MPI Operator mounts it on the launcher pod, not on the workers
+            unread.append(f"{var}={path} ({exc.strerror} on this node)")
+            continue
         if host is None:
             continue
         if rank == 0 and not is_local_address(host):
@@ -118,13 +121,15 @@ def discover_master(environ: Mapping[str, str], rank: int, world_size: int) -> M
     Collective over MPI_COMM_WORLD when mpi4py is used: every rank must call it.
 
     Raises:
-        MasterDiscoveryError: no source gives the address, the hostfile
-            cannot be read, or rank 0 is not on the hostfile's first host.
+        MasterDiscoveryError: no source gives the address (the message
+            names each, and a hostfile this node cannot read), or rank 0 is
+            not on the hostfile's first host.
     """
     addr = _by_mpi4py()
     if addr is not None:
         return Master(addr, "rank 0, over MPI (mpi4py)")
-    found = _from_hostfile(environ, rank)
+    unread: list[str] = []
+    found = _from_hostfile(environ, rank, unread)
     if found is not None:
         return found
     local_size = next((environ[v] for v in _LOCAL_SIZE_VARS if v in environ), None)
@@ -133,6 +138,7 @@ def discover_master(environ: Mapping[str, str], rank: int, world_size: int) -> M
     raise MasterDiscoveryError(
         f"this rank was started by MPI with WORLD_SIZE={world_size} on several nodes but MASTER_ADDR is not "
         f"set, and no source gives rank 0's address: mpi4py (pip install mpi4py) is not installed, "
-        f"neither {' nor '.join(HOSTFILE_VARS)} "
-        f"names a hostfile, and {'/'.join(_LOCAL_SIZE_VARS)} is not the world size; set MASTER_ADDR (and "
+        + (f"the hostfile {', '.join(unread)} cannot be read"
+           if unread else f"neither {' nor '.join(HOSTFILE_VARS)} names a hostfile")
+        + f", and {'/'.join(_LOCAL_SIZE_VARS)} is not the world size; install mpi4py, or set MASTER_ADDR (and "
         "MASTER_PORT) for every rank, e.g. `mpirun -x MASTER_ADDR=HOST`")
