@@ -141,7 +141,9 @@ def rank_env_from_scheduler(environ: Mapping[str, str]) -> dict[str, str]:
 
     Returns {} when RANK is already set (dsrun, torchrun) or no launcher's
     variables are present. MPI variables win over Slurm's: under mpirun in a
-    Slurm allocation, SLURM_PROCID numbers the MPI daemons, not the ranks.
+    Slurm allocation, SLURM_PROCID numbers the MPI daemons, not the ranks;
+    inside a Slurm step (srun --mpi=pmix) the master address and port still
+    come from the step (see `slurm_task_env`).
     Variables already in `environ` are never overridden.
 
     Raises:
@@ -149,7 +151,12 @@ def rank_env_from_scheduler(environ: Mapping[str, str]) -> dict[str, str]:
     """
     if "RANK" in environ:
         return {}
-    found = mpi_rank_env(environ) or _slurm_rank_env(environ)
+    found = mpi_rank_env(environ)
+    if found and "SLURM_STEP_NUM_TASKS" in environ:
+        # srun --mpi=pmix sets PMIX_RANK; Slurm still knows rank 0's node (the step's first) and the port.
+        step = slurm_task_env(environ)
+        found.update({k: v for k, v in step.items() if k in ("MASTER_ADDR", "MASTER_PORT")})
+    found = found or _slurm_rank_env(environ)
     return {k: v for k, v in found.items() if k not in environ}
 
 

@@ -5,6 +5,8 @@ import socket
 import pytest
 
 from dsrun.launcher.mpi import SchedulerEnvError, rank_env_from_scheduler
+from dsrun.launcher.placement import derived_port
+from dsrun.launcher.slurm import node_address
 from dsrun.runtime.distributed import discovery
 from dsrun.runtime.distributed.discovery import MasterDiscoveryError, discover_master, first_hostfile_host
 
@@ -88,6 +90,15 @@ def test_batch_shell_and_complete_environments_still_work():
     # sbatch's own shell: SLURM_PROCID=0 without a step is one process, not a rank.
     assert rank_env_from_scheduler({"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_JOB_ID": "5"}) == {}
     assert rank_env_from_scheduler({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "1"})["WORLD_SIZE"] == "1"
+
+
+def test_srun_with_pmix_takes_the_master_from_the_step():
+    """srun --mpi=pmix gives PMIX_RANK (read as the rank) and the step's variables, which name rank 0's node."""
+    env = {"PMIX_RANK": "1", "SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NODELIST": "n[1-2]",
+           "SLURM_JOB_ID": "9", "SLURM_LOCALID": "0"}
+    got = rank_env_from_scheduler(env)
+    assert (got["RANK"], got["WORLD_SIZE"], got["MASTER_PORT"]) == ("1", "2", str(derived_port("9")))
+    assert got["MASTER_ADDR"] in ("n1", node_address("n1"))
 
 
 def test_init_distributed_reports_incomplete_environment(monkeypatch):
