@@ -116,6 +116,20 @@ def mpi_rank_env(environ: Mapping[str, str]) -> dict[str, str]:
     return env
 
 
+def _srun_started(environ: Mapping[str, str]) -> bool:
+    """True when srun itself started this MPI rank (srun --mpi=pmix): one step task per rank.
+
+    Not under mpirun/mpiexec inside an allocation: they start their daemons
+    as a step of their own (SLURM_PROCID numbers the daemons, and the step
+    leaves out mpirun's node), so its first node need not be rank 0's.
+    Those set OMPI_COMM_WORLD_RANK or PMI_RANK; srun sets only PMIX_RANK,
+    equal to SLURM_PROCID, with SLURM_STEP_NUM_TASKS ranks.
+    """
+    return ("OMPI_COMM_WORLD_RANK" not in environ and "PMI_RANK" not in environ
+            and environ.get("PMIX_RANK") == environ.get("SLURM_PROCID")
+            and "SLURM_STEP_NUM_TASKS" in environ)
+
+
 def _slurm_rank_env(environ: Mapping[str, str]) -> dict[str, str]:
     """`slurm_task_env`, refusing a Slurm task whose world size is missing or too small.
 
@@ -152,7 +166,7 @@ def rank_env_from_scheduler(environ: Mapping[str, str]) -> dict[str, str]:
     if "RANK" in environ:
         return {}
     found = mpi_rank_env(environ)
-    if found and "SLURM_STEP_NUM_TASKS" in environ:
+    if found and _srun_started(environ):
         # srun --mpi=pmix sets PMIX_RANK; Slurm still knows rank 0's node (the step's first) and the port.
         step = slurm_task_env(environ)
         found.update({k: v for k, v in step.items() if k in ("MASTER_ADDR", "MASTER_PORT")})

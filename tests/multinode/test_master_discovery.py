@@ -99,6 +99,10 @@ def test_srun_with_pmix_takes_the_master_from_the_step():
     got = rank_env_from_scheduler(env)
     assert (got["RANK"], got["WORLD_SIZE"], got["MASTER_PORT"]) == ("1", "2", str(derived_port("9")))
     assert got["MASTER_ADDR"] in ("n1", node_address("n1"))
+    # mpirun inside an allocation: its daemons' step says nothing about where rank 0 is
+    under_mpirun = {**env, "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "SLURM_PROCID": "0"}
+    assert "MASTER_ADDR" not in rank_env_from_scheduler(under_mpirun)
+    assert "MASTER_ADDR" not in rank_env_from_scheduler({**env, "SLURM_PROCID": "0"})
 
 
 def test_init_distributed_reports_incomplete_environment(monkeypatch):
