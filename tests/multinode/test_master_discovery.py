@@ -11,6 +11,16 @@ from dsrun.runtime.distributed import discovery
 from dsrun.runtime.distributed.discovery import MasterDiscoveryError, discover_master, first_hostfile_host
 
 
+_RANK_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "LOCAL_SIZE")
+
+
+def _unset_rank_env(monkeypatch) -> None:
+    """Unset the rank variables, and have monkeypatch remove whatever init_distributed sets in their place."""
+    for name in _RANK_ENV:
+        monkeypatch.setenv(name, "0")  # recorded, so undo restores the variable's absence
+        monkeypatch.delenv(name)
+
+
 @pytest.fixture
 def no_mpi4py(monkeypatch):
     """The hostfile and one-node sources, as on a machine without mpi4py."""
@@ -108,9 +118,21 @@ def test_srun_with_pmix_takes_the_master_from_the_step():
 def test_init_distributed_reports_incomplete_environment(monkeypatch):
     """The error reaches the user from init_distributed, before any process group or port."""
     import dsrun
-    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR"):
-        monkeypatch.delenv(name, raising=False)
+    _unset_rank_env(monkeypatch)
     monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "1")
     monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "1")
     with pytest.raises(SchedulerEnvError, match="OMPI_COMM_WORLD_RANK=1 but OMPI_COMM_WORLD_SIZE=1"):
         dsrun.init_distributed(dist_backend="gloo")
+
+
+def test_auto_mpi_discovery_false_leaves_master_addr_to_the_user(monkeypatch, no_mpi4py):
+    """As in DeepSpeed, auto_mpi_discovery=False looks for nothing, although the one-node source would answer.
+    (init_distributed sets RANK etc. from OMPI_* before it fails: _unset_rank_env has them removed after.)"""
+    import dsrun
+    from dsrun.runtime.distributed.dist import DistributedSetupError
+    _unset_rank_env(monkeypatch)
+    for name, value in {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2",
+                        "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(DistributedSetupError, match=r"MASTER_ADDR is not set \(auto_mpi_discovery=False"):
+        dsrun.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
