@@ -257,9 +257,10 @@ def parse_filter(spec: str, hosts: list[Host], flag: str) -> dict[str, list[int]
 
 
 # [Note: slots=0]
-# DeepSpeed's runner accepts `slots=0` and then starts no rank on that host
-# unless `--num_gpus N` is given, which replaces every host's slots by N; a
-# hostfile of slots=0 hosts alone is a job of no rank that exits 0 at once.
+# DeepSpeed's runner (0.19.8, tried) accepts `slots=0` and then starts no
+# rank on that host unless `--num_gpus N` is given, which replaces every
+# host's slots by N; a hostfile of slots=0 hosts alone is a job of no rank
+# (dist_world_size=0) that exits 0 at once.
 # SkyPilot's DeepSpeed recipe writes such a hostfile on CPU nodes
 # (slots=$SKYPILOT_NUM_GPUS_PER_NODE). dsrun reads slots=0 as "size not
 # given": with --num_procs N the host runs N ranks, as with DeepSpeed's

@@ -302,10 +302,13 @@ def _is_this_machine(hosts: list[str], force_multi: bool) -> bool:
     A hostfile with one host, this machine (localhost, 127.0.0.1, its name
     or one of its addresses), as SkyPilot's recipe writes on a one-node
     cluster, runs its ranks here as a local launch: no sshd is needed (a
-    container often has none). DeepSpeed's runner runs every one-host
-    hostfile locally, even one naming another machine; dsrun goes over SSH
-    then, since the ranks belong there. `--force_multi` goes over SSH in
-    both cases, as DeepSpeed's does. The hostfile's slot selection still
+    container often has none). DeepSpeed 0.19's runner starts the ranks of
+    any one-host hostfile locally, even one naming another machine, but
+    first runs `ssh HOST hostname` (unless --no_ssh_check) and asks the host
+    for its address over SSH (unless --master_addr), so it too fails without
+    sshd; dsrun needs no SSH here, and goes over SSH for a one-host
+    hostfile naming another machine, since the ranks belong there.
+    `--force_multi` goes over SSH in both cases, as DeepSpeed's does. The hostfile's slot selection still
     applies (CUDA_VISIBLE_DEVICES lists the chosen slots).
     """
     from dsrun.launcher.ports import is_local_address
