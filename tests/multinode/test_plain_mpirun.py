@@ -57,7 +57,8 @@ def test_plain_mpirun_on_two_ssh_nodes_finds_rank_0_from_the_hostfile(tmp_path, 
     hostfile.write_text("127.0.0.1 slots=1\n127.0.0.2 slots=1\n")
     port = free_port()
     run = _mpirun(tmp_path, {"OMPI_MCA_orte_default_hostfile": str(hostfile),
-                             "OMPI_MCA_plm_rsh_agent": f"ssh -F {config}"}, "--dsrun_init", "--distributed_port", str(port), "--steps", "2")
+                             "OMPI_MCA_plm_rsh_agent": f"ssh -F {config}"},
+                  "--dsrun_init", "--distributed_port", str(port), "--steps", "2")
     assert run.returncode == 0, run.stdout + run.stderr
     mpi4py_used = "(rank 0, over MPI (mpi4py))" in run.stdout
     assert mpi4py_used or f"MASTER_ADDR=127.0.0.1 MASTER_PORT={port} (the first host of " \

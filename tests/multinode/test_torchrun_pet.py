@@ -21,9 +21,9 @@ def test_torchrun_with_kubeflow_pet_variables_trains():
     base = {k: v for k, v in os.environ.items()
             if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
             and not k.startswith(("PET_", "OMPI_", "SLURM_", "SKYPILOT_"))}
-    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "tests/multinode/scripts/allreduce_train.py",
-                               "--dsrun_init", "--steps", "2"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True,
+    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run",
+                               "tests/multinode/scripts/allreduce_train.py", "--dsrun_init", "--steps", "2"],
+                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               env={**base, "PET_NNODES": "2", "PET_NPROC_PER_NODE": "1", "PET_NODE_RANK": str(k),
                                    "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": port})
              for k in (0, 1)]
