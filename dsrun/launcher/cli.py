@@ -111,6 +111,10 @@ def cli(
     """Launch SCRIPT as a distributed job: one process per rank, torch.distributed environment set."""
     if no_local_rank and pass_local_rank:
         raise click.UsageError("--no_local_rank and --pass_local_rank contradict each other; give one")
+    if script.startswith("-") and not Path(script).is_file():
+        # ignore_unknown_options lets the script's own flags through, so an unknown dsrun flag lands here.
+        raise click.UsageError(f"no such option: {script} (dsrun's flags come before the script; `dsrun --help` "
+                               "lists them, docs/migrating.md maps DeepSpeed's launcher flags)")
     if not module and Path(script).is_dir():
         raise click.BadParameter(f"'{script}' is a directory; give the path of the training script (a .py file), "
                                  "or pass --module to run a package by name", param_hint="SCRIPT")

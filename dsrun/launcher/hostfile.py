@@ -143,7 +143,8 @@ def parse_hostfile_text(text: str, source: str = "<hostfile>") -> list[Host]:
     pattern (see `expand_host_pattern`). Blank and `#` lines are ignored.
 
     Raises:
-        HostfileError: a line without `slots=N`, slots outside 1..MAX_SLOTS,
+        HostfileError: a line without `slots=N`, slots outside 0..MAX_SLOTS
+            (0: see [Note: slots=0]),
             anything after `slots=N` other than a comment, a host listed
             twice in any letter case (both lines named), more than MAX_HOSTS
             hosts, or no host at all.
@@ -170,9 +171,9 @@ def parse_hostfile_text(text: str, source: str = "<hostfile>") -> list[Host]:
                                 f"expected 'slots=N' after the host name, got {tokens[0]!r}")
         digits = sm.group("n").lstrip("+-").lstrip("0")
         slots = int(sm.group("n")) if len(digits) <= 12 else MAX_SLOTS + 1
-        if slots < 1:
+        if slots < 0:
             raise HostfileError(source, lineno, rest_col + len("slots="),
-                                f"slots must be >= 1, got {slots}; remove the line to leave the host out")
+                                f"slots must be >= 0, got {slots}; remove the line to leave the host out")
         if slots > MAX_SLOTS:
             raise HostfileError(source, lineno, rest_col + len("slots="),
                                 f"slots={sm.group('n')} is more than {MAX_SLOTS} ranks on one host; give the "
@@ -255,6 +256,18 @@ def parse_filter(spec: str, hosts: list[Host], flag: str) -> dict[str, list[int]
     return chosen
 
 
+# [Note: slots=0]
+# DeepSpeed's runner (0.19.8, tried) accepts `slots=0` and then starts no
+# rank on that host unless `--num_gpus N` is given, which replaces every
+# host's slots by N; a hostfile of slots=0 hosts alone is a job of no rank
+# (dist_world_size=0) that exits 0 at once.
+# SkyPilot's DeepSpeed recipe writes such a hostfile on CPU nodes
+# (slots=$SKYPILOT_NUM_GPUS_PER_NODE). dsrun reads slots=0 as "size not
+# given": with --num_procs N the host runs N ranks, as with DeepSpeed's
+# --num_gpus; without it the launch is refused, naming the case, rather
+# than doing nothing successfully.
+
+
 def select_slots(hosts: list[Host], include: str = "", exclude: str = "",
                  num_nodes: int | None = None, num_procs: int | None = None) -> dict[str, list[int]]:
     """Decide which slots of which hosts the job runs on.
@@ -282,7 +295,14 @@ def select_slots(hosts: list[Host], include: str = "", exclude: str = "",
     if (include or exclude) and (num_nodes is not None or num_procs is not None):
         raise ValueError("--num_nodes/--num_procs cannot be combined with --include/--exclude; "
                          "name the slots in the filter instead")
-    selection = {h.name: list(range(h.slots)) for h in hosts}
+    unsized = [h.name for h in hosts if h.slots == 0]
+    if unsized and num_procs is None:
+        raise ValueError(
+            f"host {unsized[0]!r} has slots=0, which says nothing about how many ranks to start there (SkyPilot's "
+            "DeepSpeed recipe writes slots=$SKYPILOT_NUM_GPUS_PER_NODE, 0 on CPU nodes); pass --num_procs N "
+            "for N ranks on every host, or write slots=N (see [Note: slots=0] in dsrun/launcher/hostfile.py)")
+    # See [Note: slots=0]: --num_procs sizes a host written with slots=0.
+    selection = {h.name: list(range(h.slots or num_procs or 0)) for h in hosts}
     if include:
         picked = parse_filter(include, hosts, "--include")
         selection = {h.name: picked[h.name] for h in hosts if h.name in picked}

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import os
+import shlex
 import subprocess
 import sys
 from dataclasses import dataclass, fields
@@ -42,7 +43,7 @@ from dsrun.launcher.hostfile import Host, HostfileError, parse_hostfile, select_
 from dsrun.launcher.job import DEFAULT_HANG_TIMEOUT, NodeJob, new_job_id
 from dsrun.launcher.local_devices import default_num_procs, warn_if_oversubscribed
 from dsrun.launcher.ports import DEFAULT_MASTER_PORT
-from dsrun.launcher.placement import build_placement, derived_port, node_jobs, print_placement
+from dsrun.launcher.placement import build_placement, compact_ranges, derived_port, node_jobs, print_placement
 from dsrun.launcher.propagate import EnvFileError, masked, propagated_env
 from dsrun.launcher.restart import (AttemptResult, HostsDown, NotEnoughHosts, RestartPolicy, attempt_job_id,
                                    run_with_restarts)
@@ -70,10 +71,14 @@ class MultinodeOptions:
     max_restarts: int
     min_nodes: int | None
     max_nodes: int | None
+    launcher_args: str = ""
+    no_ssh: bool = False
+    node_rank: int | None = None
+    force_multi: bool = False
 
 
 _OPTIONS = [
-    click.option("--hostfile", type=click.Path(path_type=Path), default=None,
+    click.option("--hostfile", "-H", type=click.Path(path_type=Path), default=None,
                  help="Hosts and their slots, one 'HOST slots=N' per line (see hostfile.example)."),
     click.option("--include", "-i", default="", help="Use only these hosts/slots: NAME[:SLOT[,SLOT|A-B]][@NAME...]."),
     click.option("--exclude", "-e", default="", help="Leave out these hosts/slots (same grammar as --include)."),
@@ -106,6 +111,19 @@ _OPTIONS = [
                       "[default: every host on the first attempt, 1 on a restart]."),
     click.option("--max_nodes", type=click.IntRange(min=1), default=None,
                  help="Most hosts an attempt runs on: the first healthy ones in hostfile order [default: all]."),
+    click.option("--launcher_args", default="", metavar="'ARGS'",
+                 help="Arguments for mpirun (openmpi), mpiexec (mpich) or each srun (slurm), as one quoted string, "
+                      "e.g. --launcher_args '--allow-run-as-root' (DeepSpeed's flag); put them before the program."),
+    click.option("--no_ssh", is_flag=True,
+                 help="Per-node launch: this node starts only its own ranks and joins the others; run the same "
+                      "dsrun command on every node with --node_rank K (or under SkyPilot/Kubeflow, which set it) "
+                      "and the same --hostfile (docs/cluster-managers.md)."),
+    click.option("--node_rank", type=click.IntRange(min=0), default=None,
+                 help="This node's index in the job for a per-node launch (implies --no_ssh) "
+                      "[default: SKYPILOT_NODE_RANK or PET_NODE_RANK]."),
+    click.option("--force_multi", is_flag=True,
+                 help="Use the SSH launcher even when the hostfile's one host is this machine "
+                      "(by default such a hostfile runs locally, without SSH)."),
 ]
 _FIELDS = [f.name for f in fields(MultinodeOptions)]
 
@@ -148,6 +166,8 @@ def run_multinode(opts: MultinodeOptions, rc: RankCommand, console: Console) -> 
     """
     launcher = opts.launcher or ("ssh" if opts.hostfile else "local")
     try:
+        if opts.no_ssh or opts.node_rank is not None:
+            return _run_per_node(opts, rc, console)
         return _run(opts, rc, launcher, console)
     except NotEnoughHosts as exc:
         raise click.ClickException(str(exc)) from exc
@@ -185,9 +205,21 @@ def _hosts(opts: MultinodeOptions, launcher: str, num_procs: int | None,
 
 
 def _run(opts: MultinodeOptions, rc: RankCommand, launcher: str, console: Console) -> int:
+    if opts.launcher_args and launcher not in ("openmpi", "mpich", "slurm"):
+        raise ValueError(f"--launcher_args goes to mpirun, mpiexec or srun; --launcher {launcher} runs none of "
+                         "them (for SSH options use --ssh_config)")
+    if opts.force_multi and launcher != "ssh":
+        raise ValueError(f"--force_multi makes a one-host hostfile go over SSH; it does nothing with --launcher "
+                         f"{launcher}")
     hosts, per_host = _hosts(opts, launcher, rc.num_procs, console)
     selection = select_slots(hosts, opts.include, opts.exclude, opts.num_nodes, per_host)
     placement = build_placement(selection)
+    from_hostfile = opts.hostfile is not None
+    if launcher == "ssh" and _is_this_machine(placement.hosts, opts.force_multi):
+        # See [Note: a one-host hostfile].
+        console.print(f"dsrun: the hostfile's one host, {placement.hosts[0]}, is this machine: running its "
+                      "ranks here without SSH (--force_multi: over SSH)")
+        launcher = "local"
     cwd = opts.remote_cwd or os.getcwd()
     python = opts.remote_python or sys.executable
     command = [python, *rc.command[1:]] if rc.command[0] == sys.executable else rc.command
@@ -206,7 +238,8 @@ def _run(opts: MultinodeOptions, rc: RankCommand, launcher: str, console: Consol
         chosen = placement if hosts is None else build_placement({h: selection[h] for h in hosts})
         return node_jobs(chosen, job_id=attempt_job_id(job_id, restart), master_addr=addr, master_port=port,
                          command=command, cwd=cwd, env=env, grace_period=rc.grace_period,
-                         pass_local_rank=rc.pass_local_rank, log_dir=rc.log_dir, visible_devices=launcher == "ssh",
+                         pass_local_rank=rc.pass_local_rank, log_dir=rc.log_dir,
+                         visible_devices=launcher == "ssh" or (launcher == "local" and from_hostfile),
                          rendezvous_timeout=rc.rendezvous_timeout, hang_timeout=rc.hang_timeout,
                          restart_count=restart)
 
@@ -227,7 +260,7 @@ def _run(opts: MultinodeOptions, rc: RankCommand, launcher: str, console: Consol
     if launcher == "slurm":
         from dsrun.launcher.slurm import SlurmRunner, allocation_from_env, node_address
         alloc = allocation_from_env(os.environ)
-        runner = SlurmRunner(alloc, python)
+        runner = SlurmRunner(alloc, python, shlex.split(opts.launcher_args))
 
         def slurm_attempt(restart: int, hosts: list[str], header: str | None) -> AttemptResult:
             # The allocation's nodes are the job's: no pre-check, no host dropped.
@@ -260,6 +293,64 @@ def _run(opts: MultinodeOptions, rc: RankCommand, launcher: str, console: Consol
     except SshConnectError as exc:
         console.print(exc.table())
         raise click.ClickException(f"{exc.stage} failed on {', '.join(exc.failures)}; nothing was started") from exc
+
+
+def _is_this_machine(hosts: list[str], force_multi: bool) -> bool:
+    """True for one host that is this machine, unless --force_multi (see [Note: a one-host hostfile]).
+
+    [Note: a one-host hostfile]
+    A hostfile with one host, this machine (localhost, 127.0.0.1, its name
+    or one of its addresses), as SkyPilot's recipe writes on a one-node
+    cluster, runs its ranks here as a local launch: no sshd is needed (a
+    container often has none). DeepSpeed 0.19's runner starts the ranks of
+    any one-host hostfile locally, even one naming another machine, but
+    first runs `ssh HOST hostname` (unless --no_ssh_check) and asks the host
+    for its address over SSH (unless --master_addr), so it too fails without
+    sshd; dsrun needs no SSH here, and goes over SSH for a one-host
+    hostfile naming another machine, since the ranks belong there.
+    `--force_multi` goes over SSH in both cases, as DeepSpeed's does. The hostfile's slot selection still
+    applies (CUDA_VISIBLE_DEVICES lists the chosen slots).
+    """
+    from dsrun.launcher.ports import is_local_address
+    return len(hosts) == 1 and not force_multi and is_local_address(hosts[0])
+
+
+def _run_per_node(opts: MultinodeOptions, rc: RankCommand, console: Console) -> int:
+    """This node's part of a per-node launch (see [Note: per-node launch] in pernode.py)."""
+    from dsrun.launcher.local import LocalRunner
+    from dsrun.launcher.pernode import nodes_from_environment, per_node_launch
+    if opts.launcher not in (None, "local", "ssh") or opts.launcher_args or opts.force_multi:
+        raise ValueError("--no_ssh/--node_rank start this node's ranks here; drop --launcher "
+                         f"{opts.launcher or ''}/--launcher_args/--force_multi")
+    if RestartPolicy(opts.max_restarts, opts.min_nodes, opts.max_nodes) != RestartPolicy():
+        raise ValueError("--max_restarts/--min_nodes/--max_nodes need dsrun to start every node; with --no_ssh "
+                         "each node's dsrun sees only its own ranks (restart the job from the cluster manager)")
+    if opts.hostfile:
+        hosts, source = parse_hostfile(opts.hostfile), str(opts.hostfile)
+        per_host = rc.num_procs
+    else:
+        hosts, source = nodes_from_environment(os.environ, rc.num_procs, lambda: default_num_procs(console))
+        per_host = None
+    launch = per_node_launch(os.environ, hosts, source, opts.node_rank, rc.master_addr, rc.master_port)
+    selection = select_slots(hosts, opts.include, opts.exclude, opts.num_nodes, per_host)
+    placement = build_placement(selection)
+    if launch.node_rank >= len(placement.nodes):
+        raise ValueError(f"node rank {launch.node_rank} is out of range: the selection keeps "
+                         f"{len(placement.nodes)} node(s) of {source}")
+    cwd = os.getcwd()
+    job = node_jobs(placement, job_id=new_job_id(), master_addr=launch.master_addr, master_port=launch.master_port,
+                    command=rc.command, cwd=cwd, env=propagated_env(os.environ, Path(cwd), opts.env),
+                    grace_period=rc.grace_period, pass_local_rank=rc.pass_local_rank, log_dir=rc.log_dir,
+                    visible_devices=opts.hostfile is not None, rendezvous_timeout=rc.rendezvous_timeout,
+                    hang_timeout=rc.hang_timeout)[launch.node_rank]
+    console.print(f"dsrun: per-node launch from {source}: node {job.node_rank} of {job.nnodes} ({job.host}) starts "
+                  f"ranks {compact_ranges(job.ranks)} of {job.world_size}")
+    if opts.dry_run:
+        print_placement(placement, console, launch.master_addr)
+        if opts.print_env:
+            print_environment([job], console, dict(os.environ))
+        return 0
+    return _run_head([job], LocalRunner(), opts, console, dict(os.environ)).status
 
 
 def _local_attempt(jobs_for, inherited: dict[str, str], addr: str, port: int, opts: MultinodeOptions,
@@ -321,7 +412,7 @@ def _run_head(jobs: list[NodeJob], runner, opts: MultinodeOptions, console: Cons
 def _run_mpi(flavor: str, placement, command: list[str], env: dict[str, str], master_addr: str, port: int,
              opts: MultinodeOptions, console: Console) -> int:
     from dsrun.launcher.mpi import mpirun_command, mpirun_env
-    argv = mpirun_command(flavor, placement, command, list(env))
+    argv = mpirun_command(flavor, placement, command, list(env), shlex.split(opts.launcher_args))
     if opts.print_env:
         console.print("dsrun: forwarded by name to every rank: " + ", ".join(masked(env)))
     console.print("dsrun: " + " ".join(argv))  # names only: no value is on this line

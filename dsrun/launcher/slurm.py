@@ -211,28 +211,34 @@ def allocation_from_env(environ: Mapping[str, str]) -> SlurmAllocation:
     )
 
 
-def srun_agent_argv(job: NodeJob, alloc: SlurmAllocation, python: str) -> list[str]:
-    """The srun command that runs `job`'s agent on its node (see [Note: one step per node])."""
+def srun_agent_argv(job: NodeJob, alloc: SlurmAllocation, python: str, launcher_args: list[str] = ()) -> list[str]:
+    """The srun command that runs `job`'s agent on its node (see [Note: one step per node]).
+
+    `launcher_args` (`--launcher_args`, split) come after dsrun's options, so
+    srun lets them override those (e.g. --cpus-per-task).
+    """
     cpus = alloc.cpus_per_node[alloc.nodes.index(job.host)]
     argv = ["srun", "--kill-on-bad-exit=1", "--nodes=1", "--ntasks=1", "--ntasks-per-node=1",
             f"--nodelist={job.host}", f"--cpus-per-task={cpus}", f"--chdir={job.cwd}",
             f"--job-name=dsrun-agent-{job.node_rank}"]
     if alloc.gpus_per_node:
         argv.append(f"--gpus-per-task={alloc.gpus_per_node}")
-    return [*argv, python, "-m", "dsrun.launcher.agent"]
+    return [*argv, *launcher_args, python, "-m", "dsrun.launcher.agent"]
 
 
 class SlurmRunner(Runner):
     """Starts each node's agent as a one-task srun step inside the current allocation."""
 
-    def __init__(self, alloc: SlurmAllocation, python: str) -> None:
+    def __init__(self, alloc: SlurmAllocation, python: str, launcher_args: list[str] = ()) -> None:
         if shutil.which("srun") is None:
             raise SlurmError("srun is not on PATH; --launcher slurm needs Slurm's client commands")
         self.alloc = alloc
         self.python = python
+        self.launcher_args = list(launcher_args)
 
     def start(self, job: NodeJob) -> AgentHandle:
-        return start_popen_agent(job, srun_agent_argv(job, self.alloc, self.python), env=dict(os.environ))
+        argv = srun_agent_argv(job, self.alloc, self.python, self.launcher_args)
+        return start_popen_agent(job, argv, env=dict(os.environ))
 
 
 def slurm_task_env(environ: Mapping[str, str]) -> dict[str, str]:

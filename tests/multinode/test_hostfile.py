@@ -22,7 +22,6 @@ def test_expand_patterns_keep_padding_and_product():
 
 
 @pytest.mark.parametrize("text, line, col, words", [
-    ("a slots=1\nb slots=0\n", 2, 9, "slots must be >= 1"),
     ("a slots=2 gpus=4\n", 1, 11, "unexpected 'gpus=4'"),
     ("a slots=1\n  a slots=2\n", 2, 3, "listed twice (first on line 1)"),
     ("node[01-02] slots=1\nnode02 slots=1\n", 2, 1, "listed twice"),
@@ -33,7 +32,7 @@ def test_expand_patterns_keep_padding_and_product():
     ("node[03-01] slots=1\n", 1, 6, "descending"),
     ("node[01-x] slots=1\n", 1, 6, "bad host range"),
     ("node[01-02 slots=1\n", 1, 5, "unbalanced bracket"),
-    ("a slots=-1\n", 1, 9, "slots must be >= 1"),
+    ("a slots=-1\n", 1, 9, "slots must be >= 0"),
 ])
 def test_hostfile_errors_have_position(text, line, col, words):
     with pytest.raises(HostfileError) as e:

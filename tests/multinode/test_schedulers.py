@@ -78,6 +78,10 @@ def test_mpirun_commands_pass_names_not_values():
     env = mpirun_env({"PATH": "/bin"}, {"HF_TOKEN": "secret"}, "a", 1234)
     assert env == {"PATH": "/bin", "HF_TOKEN": "secret", "MASTER_ADDR": "a", "MASTER_PORT": "1234"}
     assert "secret" not in " ".join(cmd + hydra)
+    # --launcher_args: after dsrun's options, before the program (as DeepSpeed's runner places them)
+    extra = mpirun_command("openmpi", placement, ["python", "t.py"], [], ["--allow-run-as-root", "--mca", "x", "y"])
+    assert extra[-9:-5] == ["--allow-run-as-root", "--mca", "x", "y"]
+    assert mpirun_command("mpich", placement, ["python", "t.py"], [], ["-v"])[-6] == "-v"
 
 
 def test_mpi_shim_sets_rank_and_execs():
@@ -178,3 +182,16 @@ def test_requeue_directives_and_cli_checks(tmp_path):
                           "--script", str(tmp_path / "x.sbatch"), "tests/multinode/scripts/allreduce_train.py"],
                          cwd=ROOT, capture_output=True, text=True)
     assert bad.returncode == 2 and "give --time too" in bad.stderr, bad.stderr
+
+
+def test_srun_agent_argv_takes_launcher_args():
+    """--launcher_args go into each node's srun after dsrun's options (srun lets a later option win)."""
+    from dsrun.launcher.placement import node_jobs
+    from dsrun.launcher.slurm import srun_agent_argv
+    alloc = allocation_from_env({"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n1", "SLURM_JOB_CPUS_PER_NODE": "4"})
+    job, = node_jobs(build_placement({"n1": [0]}), job_id="j", master_addr="n1", master_port=1, command=["python"],
+                     cwd="/", env={}, grace_period=1, pass_local_rank=False, log_dir=None, visible_devices=False,
+                     rendezvous_timeout=1)
+    argv = srun_agent_argv(job, alloc, "python3", ["--cpus-per-task=2", "--mpi=none"])
+    assert argv[-5:] == ["--cpus-per-task=2", "--mpi=none", "python3", "-m", "dsrun.launcher.agent"]
+    assert "--cpus-per-task=4" in argv[:-5]

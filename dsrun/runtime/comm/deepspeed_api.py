@@ -48,8 +48,11 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
 
     Args:
         dist_backend: "gloo", "nccl", ...; default nccl with CUDA, else gloo.
-        auto_mpi_discovery: accepted; dsrun always reads the rank from
-            mpirun/srun variables when RANK is not set.
+        auto_mpi_discovery: for ranks mpirun started without MASTER_ADDR,
+            find rank 0's address (over MPI with mpi4py, else from the MPI
+            launcher's hostfile; dsrun/runtime/distributed/discovery.py);
+            False: MASTER_ADDR must be set. The rank itself is read from
+            the mpirun/srun variables either way.
         distributed_port: MASTER_PORT when the environment has none.
         verbose: print one line on rank 0 once the group exists.
         timeout: how long a collective waits for the other ranks.
@@ -86,7 +89,8 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
         os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = url.hostname, str(url.port)
     if rank >= 0:
         os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world_size)
-    topology = _init_process_group(dist_backend, timeout=timeout, distributed_port=distributed_port)
+    topology = _init_process_group(dist_backend, timeout=timeout, distributed_port=distributed_port,
+                                   auto_mpi_discovery=auto_mpi_discovery)
     if verbose and topology.is_rank_zero:
         print(f"dsrun: process group ready: {topology.world_size} ranks, backend {topology.backend}", flush=True)
     return topology

@@ -27,8 +27,9 @@ import torch.distributed as dist
 
 from dsrun.accelerator import get_accelerator
 from dsrun.launcher.mpi import rank_env_from_scheduler
+from dsrun.launcher.ports import DEFAULT_MASTER_PORT
 from dsrun.runtime.memory import allocator
-from dsrun.runtime.distributed import rendezvous
+from dsrun.runtime.distributed import discovery, rendezvous
 from dsrun.runtime.distributed import nodes as nodes_mod
 from dsrun.runtime.observability import heartbeat
 
@@ -128,7 +129,7 @@ def _device_for(backend: str, local_rank: int) -> torch.device:
 
 def init_distributed(dist_backend: str | None = None,
                      timeout: datetime.timedelta = DEFAULT_TIMEOUT,
-                     distributed_port: int | None = None) -> Topology:
+                     distributed_port: int | None = None, auto_mpi_discovery: bool = True) -> Topology:
     """Start (or join) the default process group and describe this rank.
 
     Idempotent: when torch.distributed is already initialised (by an earlier
@@ -141,7 +142,12 @@ def init_distributed(dist_backend: str | None = None,
         timeout: how long a collective may wait for the other ranks before
             failing (instead of hanging for ever).
         distributed_port: used as MASTER_PORT only when the environment sets
-            none (DeepSpeed's `distributed_port` argument).
+            none (DeepSpeed's `distributed_port` argument); default 29500
+            for ranks an MPI launcher started.
+        auto_mpi_discovery: for ranks an MPI launcher started without
+            MASTER_ADDR, find rank 0's address (discovery.py, [Note: master
+            address under mpirun]); False: MASTER_ADDR must be set, as
+            DeepSpeed then skips its MPI discovery.
 
     Returns:
         The Topology of this rank. With nccl, the current CUDA device is set
@@ -151,6 +157,8 @@ def init_distributed(dist_backend: str | None = None,
     Raises:
         DistributedSetupError: inconsistent rank variables, or MASTER_ADDR
             missing for a multi-rank job.
+        discovery.MasterDiscoveryError: an MPI-started rank whose rank 0
+            address cannot be found.
     """
     allocator.use_returning_allocator()  # see [Note: glibc and peak RSS]
     # A rank started by mpirun/mpiexec or by srun (one task per rank) finds its
@@ -174,9 +182,13 @@ def init_distributed(dist_backend: str | None = None,
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=timeout)
     else:
+        by_mpi = discovery.started_by_mpi(os.environ)
+        if not os.environ.get("MASTER_ADDR") and by_mpi and auto_mpi_discovery:
+            _discover_master(rank, world_size, distributed_port)
         if not os.environ.get("MASTER_ADDR"):
+            off = " (auto_mpi_discovery=False: not looked for)" if by_mpi else ""
             raise DistributedSetupError(
-                f"WORLD_SIZE={world_size} but MASTER_ADDR is not set; set MASTER_ADDR "
+                f"WORLD_SIZE={world_size} but MASTER_ADDR is not set{off}; set MASTER_ADDR "
                 "and MASTER_PORT to rank 0's address (dsrun and torchrun do this)")
         if not os.environ.get("MASTER_PORT"):
             if distributed_port is None:
@@ -193,6 +205,16 @@ def init_distributed(dist_backend: str | None = None,
     heartbeat.start()
     return Topology(rank, world_size, local_rank, local_world_size, device, backend,
                     nodes_mod.learn(rank, world_size, local_rank, local_world_size, device))
+
+
+def _discover_master(rank: int, world_size: int, distributed_port: int | None) -> None:
+    """Set MASTER_ADDR (and MASTER_PORT if unset) for a rank mpirun started: see [Note: master address under mpirun]."""
+    master = discovery.discover_master(os.environ, rank, world_size)
+    os.environ["MASTER_ADDR"] = master.addr
+    os.environ.setdefault("MASTER_PORT", str(distributed_port or DEFAULT_MASTER_PORT))
+    if rank == 0:
+        print(f"dsrun: MASTER_ADDR={master.addr} MASTER_PORT={os.environ['MASTER_PORT']} ({master.source})",
+              flush=True)
 
 
 def _leave() -> None:

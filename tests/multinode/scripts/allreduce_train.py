@@ -27,11 +27,12 @@ p.add_argument("--fail_rank", type=int, default=-1)
 p.add_argument("--piddir", default="")
 p.add_argument("--secret_var", default="HF_TOKEN")
 p.add_argument("--dsrun_init", action="store_true", help="join the group with dsrun.init_distributed()")
+p.add_argument("--distributed_port", type=int, default=29500, help="with --dsrun_init: MASTER_PORT if unset")
 p.add_argument("--local_rank", type=int, default=-1)  # appended by the launcher, as DeepSpeed's does
 args = p.parse_args()
 if args.dsrun_init:  # e.g. under srun with one task per rank: dsrun finds the rank in SLURM_* variables
     import dsrun
-    dsrun.init_distributed(dist_backend="gloo")
+    dsrun.init_distributed(dist_backend="gloo", distributed_port=args.distributed_port)
 
 torch.set_num_threads(1)
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -85,4 +86,6 @@ if args.mode == "fail":
 dist.barrier()
 dist.destroy_process_group()
 sys.stdout.flush()
+if "mpi4py.MPI" in sys.modules:  # dsrun found rank 0 over MPI: mpirun fails a rank that skips MPI_Finalize
+    sys.modules["mpi4py.MPI"].Finalize()
 os._exit(0)
