@@ -113,7 +113,7 @@ def _rank(rank, port, args, out):
             engine.destroy()
     if rank == 0:
         out.put(results)
-    comm.destroy_process_group()
+    torch.distributed.destroy_process_group()
 
 
 def main() -> None:

@@ -2,7 +2,7 @@
 
 Every case trains TinyGPT (tied embedding/head, two blocks in a ModuleList:
 three stage-3 units) for 2 steps eagerly and then compiled, from the same
-seed, on 2 real gloo ranks. One spawn per backend runs every stage (a
+seed, on 2 real gloo ranks. One spawn per backend runs its stages (a
 spawn costs seconds; compiling costs more).
 
 Tolerances: the "eager" backend (dynamo only) and "aot_eager" (plus
