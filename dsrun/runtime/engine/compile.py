@@ -139,10 +139,10 @@ def check_settings(backend: Any, compile_kwargs: dict | None, hooked_modules: in
     elif not callable(backend):
         raise TypeError(f"engine.compile(): backend must be a backend name such as 'inductor' or a callable, "
                         f"got {type(backend).__name__}")
-    kwargs = dict(compile_kwargs or {}) if isinstance(compile_kwargs, (dict, type(None))) else None
-    if kwargs is None:
+    if not isinstance(compile_kwargs, (dict, type(None))):
         raise TypeError(f"engine.compile(): compile_kwargs must be a dict of torch.compile arguments, "
                         f"got {type(compile_kwargs).__name__}")
+    kwargs = dict(compile_kwargs or {})
     if "backend" in kwargs:
         logger.warning("engine.compile(): compile_kwargs['backend']=%r is ignored; the backend argument (%r) "
                        "is used", kwargs.pop("backend"), backend)
