@@ -45,6 +45,12 @@ ALLOWED: dict[str, str] = {}
 # Keys that DeepSpeed only reads while another key (the switch) is on.
 ONLY_WITH: dict[str, str] = {
     "zero_force_ds_cpu_optimizer": "zero_optimization.offload_optimizer.device",
+    # DeepCompile's knobs (DeepSpeed's compile/config.py): read only under compile.deepcompile
+    **{f"compile.{key}": "compile.deepcompile" for key in (
+        "free_activation", "free_activation_threshold", "offload_activation", "offload_activation_pin_memory",
+        "offload_opt_states", "double_buffer", "symmetric_memory", "debug_log", "offload_parameters",
+        "sync_before_reduce", "sync_after_reduce", "sync_before_allgather", "sync_after_allgather",
+        "keep_int_input_tensors", "keep_all_input_tensors", "passes")},
 }
 
 _SWITCHES = ("enabled", "device")  # a section's own on/off key

@@ -53,6 +53,7 @@ from dsrun.runtime.config.sections import (  # noqa: F401 - the package's names
     Bf16Config,
     CheckpointConfig,
     CommsLoggerConfig,
+    CompileConfig,
     Count,
     DataTypesConfig,
     DEEPSPEED_OPTIMIZERS,

@@ -31,6 +31,9 @@ def _describe(field: FieldInfo, item: bool = False) -> str:
     """
     tp, meta, nullable = _unwrap(field.annotation)
     if item and typing.get_origin(tp) is list:
+        element = (typing.get_args(tp) or (str,))[0]
+        if typing.get_origin(element) is Literal:
+            return "one of " + ", ".join(repr(v) for v in typing.get_args(element))
         return "a string"
     b = _bounds([*field.metadata, *meta])
     if tp is bool:

@@ -18,7 +18,7 @@ from pydantic import (
 
 from dsrun.runtime.config.errors import _Problem
 from dsrun.runtime.data_pipeline.data_routing.config import DataRoutingConfig
-from dsrun.runtime.config.sections import ActivationCheckpointingConfig, AioConfig, AutotuningConfig, Bf16Config, CheckpointConfig, CommsLoggerConfig, Count, CurriculumLearningConfig, DataSamplingConfig, DataTypesConfig, ElasticityConfig, FlopsProfilerConfig, Fp16Config, Int, MonitorConfig, NonNegReal, _NUMBER, OptimizerConfig, PipelineConfig, PosInt, PosReal, SchedulerConfig, _Section, TensorParallelConfig, WandbConfig, ZeroConfig
+from dsrun.runtime.config.sections import ActivationCheckpointingConfig, AioConfig, AutotuningConfig, Bf16Config, CheckpointConfig, CommsLoggerConfig, CompileConfig, Count, CurriculumLearningConfig, DataSamplingConfig, DataTypesConfig, ElasticityConfig, FlopsProfilerConfig, Fp16Config, Int, MonitorConfig, NonNegReal, _NUMBER, OptimizerConfig, PipelineConfig, PosInt, PosReal, SchedulerConfig, _Section, TensorParallelConfig, WandbConfig, ZeroConfig
 
 class _BatchTriple(_Section):
     """The three batch keys, validated on their own (see [Note: order of the checks])."""
@@ -158,6 +158,8 @@ class DsConfig(_BatchTriple):
                                                 description="FLOPs profiler.")
     comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig,
                                             description="Collective-communication logger.")
+    compile: CompileConfig = Field(default_factory=CompileConfig, description="DeepSpeed's compiler settings "
+                                   "(DeepCompile; engine.compile() takes its own arguments).")
     autotuning: AutotuningConfig = Field(default_factory=AutotuningConfig,
                                          description="The autotuner (dsrun --autotuning tune|run).")
     elasticity: ElasticityConfig = Field(default_factory=ElasticityConfig, description="Elastic training: the "

@@ -593,6 +593,43 @@ class CommsLoggerConfig(_Section):
     debug: bool = Field(False, description="Also record the caller of each collective.")
 
 
+class CompileConfig(_Section):
+    """`compile`: DeepSpeed's settings for `engine.compile()`.
+
+    dsrun's `engine.compile()` runs plain torch.compile (see
+    dsrun/runtime/engine/compile.py); the keys below belong to DeepSpeed's
+    own compiler, DeepCompile, and to its AutoEP regional mode, which dsrun
+    does not implement: turning either on is refused at initialize, and the
+    DeepCompile knobs do nothing while `deepcompile` is off (in DeepSpeed
+    too).
+    """
+
+    deepcompile: bool = Field(False, description="DeepSpeed's DeepCompile (ZeRO as compiler passes); "
+                                                 "not implemented by dsrun: must stay false.")
+    autoep_non_moe: bool = Field(False, description="DeepSpeed: compile the parents of AutoEP layers only; "
+                                                    "not implemented by dsrun: must stay false.")
+    free_activation: bool = Field(False, description="DeepCompile: free activations early.")
+    free_activation_threshold: Count = Field(10 * 1024 * 1024, description="DeepCompile: bytes from which "
+                                                                           "activations are freed early.")
+    offload_activation: bool = Field(False, description="DeepCompile: keep saved activations in host memory.")
+    offload_activation_pin_memory: bool = Field(True, description="DeepCompile: pin those host buffers.")
+    offload_opt_states: bool = Field(False, description="DeepCompile: offload optimizer states between steps.")
+    double_buffer: bool = Field(True, description="DeepCompile: double-buffer gathered parameters.")
+    symmetric_memory: bool = Field(False, description="DeepCompile: use symmetric memory for collectives.")
+    debug_log: bool = Field(False, description="DeepCompile: dump the graphs.")
+    offload_parameters: bool = Field(False, description="DeepCompile: offload parameters.")
+    sync_before_reduce: bool = Field(False, description="DeepCompile: synchronize before each reduction.")
+    sync_after_reduce: bool = Field(False, description="DeepCompile: synchronize after each reduction.")
+    sync_before_allgather: bool = Field(False, description="DeepCompile: synchronize before each all-gather.")
+    sync_after_allgather: bool = Field(False, description="DeepCompile: synchronize after each all-gather.")
+    keep_int_input_tensors: bool = Field(True, description="DeepCompile: keep integer inputs' values when "
+                                                           "profiling.")
+    keep_all_input_tensors: bool = Field(False, description="DeepCompile: keep every input's values when "
+                                                            "profiling.")
+    passes: Optional[list[Literal["z1", "z3", "autosp", "autotp"]]] = Field(
+        None, description="DeepCompile: the compiler passes to run.")
+
+
 class CheckpointConfig(_Section):
     """`checkpoint`: engine.save_checkpoint / load_checkpoint (dsrun.runtime.checkpoint)."""
 

@@ -29,6 +29,7 @@ from dsrun.runtime.distributed.dist import Topology
 from dsrun.runtime.parallel.expert.groups import is_expert_param
 from dsrun.runtime.parallel.sequence.model_loss import token_mean_of_model_loss
 from dsrun.runtime.engine.compat import DeepSpeedEngineCompat
+from dsrun.runtime.engine.compile import CompiledModel, check_settings
 from dsrun.runtime.observability import heartbeat
 from dsrun.runtime.observability.logging import ProgressLog, log_rank0, logger
 from dsrun.runtime.memory.profile import MemoryProfiler, format_memory_profile, no_phase, recorded_phases
@@ -180,6 +181,7 @@ class Engine(DeepSpeedEngineCompat, torch.nn.Module):
         self._consecutive_nonfinite = 0
         self._backward_since_step = False
         self._destroyed = False
+        self._compiled: CompiledModel | None = None  # set by compile()
         self._pre_step_hooks: list[Callable[[], None]] = []
         self._step_end_hooks: list[Callable[[int], None]] = []  # called with global_steps after each step
         if self.random_ltd_scheduler is not None:
@@ -604,6 +606,44 @@ class Engine(DeepSpeedEngineCompat, torch.nn.Module):
     def comm_stats(self) -> dict[str, OpStats]:
         """Collective counters of this process (calls/elements/bytes per op name)."""
         return comms_logger.snapshot()
+
+    # -- torch.compile (dsrun/runtime/engine/compile.py) ------------------------------------
+    def compile(self, backend: str | Callable = "inductor", compile_kwargs: dict | None = None,
+                schedule: Any = None, compiled_autograd_enabled: bool = False) -> None:
+        """Compile the wrapped module with torch.compile, in place (DeepSpeed's method).
+
+        Works at every ZeRO stage: at stage 3 the gather/release hooks run
+        eagerly between graphs ([Note: compiling under ZeRO hooks] in
+        dsrun/runtime/engine/compile.py). Compilation happens at the next
+        forward; state_dict keys and checkpoints are unchanged. Calling it
+        again with the same arguments does nothing; with others, the module
+        is compiled again with those.
+
+        Args:
+            backend: a name from `torch._dynamo.list_backends()` ("inductor",
+                "aot_eager", "eager", ...) or a callable backend.
+            compile_kwargs: further torch.compile arguments (fullgraph,
+                dynamic, mode, options, disable).
+            schedule: DeepCompile's pass schedule: ignored with a warning
+                (dsrun has no DeepCompile).
+            compiled_autograd_enabled: must stay False.
+
+        Raises:
+            ValueError, TypeError, NotImplementedError: bad arguments, before
+                anything is compiled (see compile.py `check_settings`).
+        """
+        regions = self.strategy.hooks.hooked_modules if self.strategy.hooks is not None else []
+        settings = check_settings(backend, compile_kwargs, len(regions), schedule, compiled_autograd_enabled)
+        if self._compiled is not None:
+            if self._compiled.settings.same_as(settings):
+                return
+            self._compiled.undo()
+        self._compiled = CompiledModel(self.module, settings, list(regions))
+
+    @property
+    def is_compiled(self) -> bool:
+        """Whether `compile()` compiled the wrapped module (DeepSpeed's property)."""
+        return self._compiled is not None
 
     # -- checkpoints (dsrun.runtime.checkpoint) -----------------------------------------------
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
