@@ -7,6 +7,10 @@ The suite runs on the CPU, on gloo, whatever the machine has: DS_ACCELERATOR
 defaults to "cpu" here (the ranks run_ranks starts inherit it), so a test
 does not change meaning on a machine with a GPU. A test of the CUDA paths
 asks for them with the `cuda` fixture (skipped without a GPU).
+
+Daemons the tests share live here, session-scoped, so a run starts each once
+however many directories use it: `sshd_cluster` (tests/multinode/sshd.py),
+used by tests/multinode and tests/faults.
 """
 import os
 import sys
@@ -19,6 +23,15 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+
+@pytest.fixture(scope="session")
+def sshd_cluster(tmp_path_factory):
+    """An OpenSSH server on loopback with node-a/node-b aliases (tests/multinode/sshd.py `SshCluster`)."""
+    from tests.multinode.sshd import loopback_sshd
+
+    with loopback_sshd(tmp_path_factory.mktemp("sshd")) as cluster:
+        yield cluster
 
 
 @pytest.fixture

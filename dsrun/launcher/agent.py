@@ -2,7 +2,7 @@
 
 Run as ``python -m dsrun.launcher.agent``. It reads a `NodeJob` as one JSON
 line on stdin, then keeps reading stdin for control lines from the head
-(see `control_line`). Its exit status is the failing rank's (128+N for a
+(see `control_line`). Its exit status is the root-cause rank's (128+N for a
 signal N; 124 for a rank found hung, see [Note: hung ranks] in hang.py),
 128+N when stopped by signal N, 129 when stdin reached EOF (the head or the
 SSH channel went away), 0 only if every rank exited 0.
@@ -41,6 +41,21 @@ still has (the watchdog excepted), by pid. Such a daemon may also hold the
 rank's stdout or stderr open; the agent never waits for EOF on a pipe whose
 writer is gone: once a rank has exited and its pipes hold no unread bytes,
 its output is complete.
+
+[Note: which exits are failures]
+A rank that exits non-zero is reported (a `RankFailure` record for the
+head's table) unless the agent itself ended it: an exit by a signal the
+agent sent that rank (the SIGTERM of a teardown, a forwarded SIGINT, the
+SIGKILL after the grace period) is the teardown, not a failure. A rank
+ended by any other signal is always reported, also once a teardown has
+begun: a rank SIGKILLed by the OOM killer must be in the table even when a
+peer's error about it reached the agent first and started the teardown
+(which rank a poll sees dead first depends on scheduling). A rank that
+exits with a non-zero code is reported while no teardown is under way, or
+once this node has a failure of its own; during a teardown started from
+outside (Ctrl-C, the head stopping every node) a rank whose signal handler
+exits with a code is the stop taking effect. The order of the records does
+not matter: the root cause is chosen by `failure.by_root_cause`.
 """
 from __future__ import annotations
 
@@ -64,7 +79,7 @@ from pydantic import ValidationError
 
 from dsrun.env import HEARTBEAT_FILE
 from dsrun.launcher.env import rank_argv, rank_process_env
-from dsrun.launcher.failure import RankFailure, StderrTail, exit_status, lost_a_peer, signal_name
+from dsrun.launcher.failure import RankFailure, StderrTail, by_root_cause, exit_status, signal_name
 from dsrun.launcher.hang import HANG_EXIT_CODE, HANG_REASON, HangReport, HangWatch, likely_causes
 from dsrun.launcher.job import NodeJob
 from dsrun.runtime.offload import registry
@@ -238,6 +253,7 @@ class _Rank:
         self.tail = StderrTail()
         self.popen: subprocess.Popen | None = None
         self.returncode: int | None = None
+        self.signals_sent: set[int] = set()  # signals the agent sent the running rank (see _stopped_by_agent)
         self.pumps: list[threading.Thread] = []
         # Per pump thread: lines read so far, and whether it is inside readline (see Agent._drain).
         self.lines_read: dict[str, int] = {}
@@ -245,6 +261,8 @@ class _Rank:
 
     def signal_group(self, signum: int) -> None:
         """Send `signum` to the rank's process group; a group that is gone is fine."""
+        if self.returncode is None:
+            self.signals_sent.add(signum)
         try:
             os.killpg(self.popen.pid, signum)
         except (ProcessLookupError, PermissionError):
@@ -423,15 +441,12 @@ class Agent:
                     continue
                 rank.returncode = returncode
                 rank.signal_group(signal.SIGKILL)  # whatever the rank left behind in its group
-                if returncode != 0 and not self._stopping:
+                if self._failed_on_its_own(rank):
                     newly_failed.append(rank)
             if newly_failed:
                 self._begin_stop(signal.SIGTERM)  # stop the others first, then collect the report
                 for rank in newly_failed:
                     self._drain(rank)
-                # Ranks seen dead in the same poll: one that merely lost its peer's
-                # connection is recorded after the one that died (the root cause).
-                newly_failed.sort(key=lambda r: lost_a_peer(r.tail.lines()))
                 for rank in newly_failed:
                     failure = self._record(rank, rank.popen.pid, exit_status(rank.returncode), signal_name(rank.returncode))
                     self._failures.append(failure)
@@ -500,6 +515,14 @@ class Agent:
         self._write(self._err, (report.to_line() + "\n").encode())
         return hung
 
+    def _failed_on_its_own(self, rank: _Rank) -> bool:
+        """Whether an exited rank goes into the failure report: see [Note: which exits are failures]."""
+        if rank.returncode == 0 or -rank.returncode in rank.signals_sent:
+            return False
+        if any(failure.rank == rank.rank for failure in self._failures):
+            return False  # already reported (found hung, then its handler exited on the teardown's signal)
+        return rank.returncode < 0 or not self._stopping or bool(self._failures)
+
     def _running(self) -> list[_Rank]:
         return [r for r in self._ranks if r.returncode is None]
 
@@ -545,7 +568,7 @@ class Agent:
 
     def _exit_status(self) -> int:
         if self._failures:
-            return self._failures[0].exit_code
+            return by_root_cause(self._failures)[0].exit_code
         if self._external_status is not None:
             return self._external_status
         return next((exit_status(r.returncode) for r in self._ranks if r.returncode != 0), 0)

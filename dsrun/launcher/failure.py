@@ -68,6 +68,32 @@ def lost_a_peer(stderr_lines: list[str]) -> bool:
     return any(marker in line for line in stderr_lines for marker in _PEER_LOST)
 
 
+def by_root_cause(failures: list[RankFailure]) -> list[RankFailure]:
+    """`failures` with the likely root cause first: see [Note: root cause order].
+
+    [Note: root cause order]
+    When one rank dies, its peers fail too, and which exit a launcher sees
+    first is a matter of scheduling: on a loaded machine a peer's "rank 1
+    (pid N) exited while rank 2 waited" can reach the agent, or travel from
+    another node to the head, before the dead rank's own exit. So failures
+    are ordered by what they say, and only then by when they were seen:
+    first a rank that a signal ended (SIGKILL from the OOM killer, SIGSEGV)
+    or that its agent found hung, then a rank that failed on its own (a
+    Python exception, an exit code), last a rank whose stderr says it lost a
+    peer (`lost_a_peer`), which follows some other rank's failure by
+    definition. A signal death whose stderr says it lost a peer (gloo aborts
+    with SIGABRT when its connection is reset) is a consequence too. Within
+    a class the earliest record comes first. The same order gives the agent's
+    exit status, the head's restart line and the summary's "root cause".
+    """
+    def key(failure: RankFailure) -> tuple[int, float]:
+        if lost_a_peer(failure.stderr_tail):
+            return 2, failure.time
+        return (0 if failure.signal is not None or failure.reason is not None else 1), failure.time
+
+    return sorted(failures, key=key)
+
+
 def exit_status(returncode: int) -> int:
     """Shell-style exit status of a Popen returncode: a signal N (returncode -N) becomes 128+N.
 

@@ -33,7 +33,7 @@ from typing import BinaryIO
 from rich.console import Console
 
 from dsrun.launcher.agent import control_line
-from dsrun.launcher.failure import AgentFailure, RankFailure
+from dsrun.launcher.failure import AgentFailure, RankFailure, by_root_cause
 from dsrun.launcher.hang import HANG_REASON, HangReport
 from dsrun.launcher.job import NodeJob
 from dsrun.launcher.progress import ProgressDisplay
@@ -248,10 +248,10 @@ class Head:
         return self._stop_signal
 
     def first_failure(self) -> str | None:
-        """One line naming what ended the job first: the earliest rank failure,
-        else a node whose agent failed; None when nothing failed (after run())."""
+        """One line naming what ended the job: the root-cause rank failure (see [Note: root cause order]
+        in failure.py), else a node whose agent failed; None when nothing failed (after run())."""
         if self._failures:
-            f = min(self._failures, key=lambda f: f.time)
+            f = by_root_cause(self._failures)[0]
             how = f.signal or f"exit code {f.exit_code}"
             return f"rank {f.rank} on {f.host} ended with {how}"
         lost = next((a for a in self._agents if a.failed_first), None)
@@ -261,7 +261,7 @@ class Head:
 
     def _report(self) -> int:
         """Print what went wrong (if anything) and return dsrun's exit status."""
-        failures = sorted(self._failures, key=lambda f: f.time)
+        failures = by_root_cause(self._failures)
         failed_nodes = {f.node_rank for f in failures}
         lost = [
             AgentFailure(host=a.handle.job.host, node_rank=a.handle.job.node_rank, exit_code=a.status, output_tail=list(a.tail))

@@ -59,8 +59,9 @@ def print_failure_summary(
 ) -> None:
     """Print the table of failed ranks and lost agents, then the root cause's stderr, then the hang reports.
 
-    `failures` are ordered by time; the first is the root cause (the others
-    failed before the teardown reached them). The traceback is printed
+    `failures` are in `failure.by_root_cause` order; the first is the root
+    cause (the others failed before the teardown reached them, most of them
+    because they lost that rank). The traceback is printed
     unwrapped, so it can be copied and searched. `hangs` are the agents'
     reports of a hang (see [Note: hung ranks] in hang.py), printed with
     every rank's last collective and stacks.

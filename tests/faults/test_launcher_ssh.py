@@ -1,6 +1,6 @@
 """SSH host keys and a silent host against a real sshd on loopback (issue 11, items 5 and 10).
 
-Uses the OpenSSH server of tests/multinode (`sshd_cluster`): node-a is
+Uses the session's OpenSSH server (`sshd_cluster`, tests/conftest.py): node-a is
 127.0.0.1, node-b 127.0.0.2, both with the same host key.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ import paramiko
 import pytest
 
 from dsrun.launcher.ssh import HostKeyPolicy, SshConnectError, connect_all, load_ssh_config, resolve_target
-from tests.multinode.conftest import keygen, sshd_cluster  # noqa: F401 (the fixture)
+from tests.multinode.sshd import keygen
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow

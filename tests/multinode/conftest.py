@@ -1,6 +1,7 @@
-"""Real daemons for the multi-node tests: an OpenSSH server on loopback.
+"""Real daemons for the multi-node tests: an OpenSSH server and a Slurm cluster on loopback.
 
-`sshd_cluster` starts Debian's sshd on a free port, listening on 127.0.0.1
+`sshd_cluster` (defined in tests/conftest.py, so tests/faults shares the
+one daemon) starts Debian's sshd on a free port, listening on 127.0.0.1
 and 127.0.0.2 (both loopback on Linux), with host and client keys generated
 in a temporary directory, and writes an ssh config file that maps the host
 aliases `node-a` -> 127.0.0.1 and `node-b` -> 127.0.0.2 (tests/multinode/sshd.py,
@@ -44,12 +45,6 @@ def expected_losses(steps: int) -> list[float]:
         opt.step()
         out.append(loss.item())
     return out
-
-
-@pytest.fixture(scope="session")
-def sshd_cluster(tmp_path_factory) -> SshCluster:
-    with loopback_sshd(tmp_path_factory.mktemp("sshd")) as cluster:
-        yield cluster
 
 
 @dataclass
