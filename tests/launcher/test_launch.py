@@ -72,7 +72,10 @@ def test_a_raising_rank_ends_the_job_fast_and_its_traceback_is_shown(launcher):
     result = launcher.run("--num_procs", "2", str(SCRIPTS / "raise_or_sleep.py"))
     elapsed = time.monotonic() - start
     assert result.returncode == 1, result.stderr
-    assert elapsed < 5.0, f"the job took {elapsed:.1f} s to end although rank 1 failed"
+    # Rank 0 sleeps 60 s: a job that ends well before that was torn down when
+    # rank 1 failed, rather than waiting for the sleeper (no tighter bound: a
+    # loaded machine takes seconds just to start the ranks).
+    assert elapsed < 40.0, f"the job took {elapsed:.1f} s to end although rank 1 failed"
     summary = result.stderr[result.stderr.index("Root cause: rank 1"):]
     # The whole chained traceback, not just the last 40 lines: both headers, the
     # outermost frame, and the final exception.
