@@ -344,18 +344,22 @@ def test_config_must_match_the_module():
     assert module.activation_checkpoint_interval == 3, "a set interval replaces the module's, as in DeepSpeed"
 
 
-def test_zero3_with_a_pipeline_is_refused():
-    """Refused when the config meets the pipeline (stage 3 over a data axis
-    alone trains: tensor x data, tests/parallel/test_autotp.py)."""
+def test_zero3_with_the_zero_bubble_schedule_is_refused():
+    """Refused when the config meets the pipeline: stage 3 cannot split a
+    backward into zero bubble's input and weight passes (stage 3 with the
+    other schedules trains: tests/parallel/test_pipe_zero.py)."""
     from types import SimpleNamespace
 
     from dsrun.runtime.config import ConfigError, load_config
     from dsrun.runtime.parallel.pipe.engine import check_pipeline_config
     module = SimpleNamespace(num_stages=2, partition_method="parameters", seed_layers=False, virtual_stages=1,
                              activation_checkpoint_interval=0)
-    cfg = load_config({"train_batch_size": 2, "zero_optimization": {"stage": 3}}, world_size=2)
-    with pytest.raises(ConfigError, match="stage=3 with a pipeline is not supported"):
+    cfg = load_config({"train_batch_size": 2, "zero_optimization": {"stage": 3},
+                       "pipeline": {"schedule": "zb-h1"}}, world_size=2)
+    with pytest.raises(ConfigError, match="zb-h1.*stage=3 is not supported"):
         check_pipeline_config(cfg, module)
+    check_pipeline_config(load_config({"train_batch_size": 2, "zero_optimization": {"stage": 3}}, world_size=2),
+                          module)
 
 
 def _train_with_csv_monitor(out_dir: str) -> float:
