@@ -496,8 +496,7 @@ def check_pipeline_config(cfg, module: PipelineModule) -> None:
     Raises:
         ConfigError: stages, partition, seed_layers or virtual_stages differ
             from the module's, the schedule does not fit virtual_stages,
-            the zero-bubble schedule with ZeRO stage 3, or the optimizer is
-            offloaded (not supported with a pipeline yet).
+            or the zero-bubble schedule meets ZeRO stage 3.
     """
     pipe = cfg.pipeline
     problems = []
@@ -518,10 +517,6 @@ def check_pipeline_config(cfg, module: PipelineModule) -> None:
         problems.append("pipeline.schedule='zb-h1' with zero_optimization.stage=3 is not supported: stage 3 "
                         "gathers a unit's parameters for one whole backward, which zero bubble splits into an "
                         "input pass and a later weight pass; use schedule 1f1b or interleaved, or ZeRO stage 1 or 2")
-    if cfg.zero_optimization.offload_optimizer.device != "none":
-        problems.append("zero_optimization.offload_optimizer with a pipeline is not supported yet (its "
-                        "gradients live in host memory, where the cross-stage norm does not read them yet); "
-                        "set its device to none")
     if problems:
         raise ConfigError("the config does not fit the PipelineModule (built before the config is read): "
                           + "; ".join(problems) + ". Make them agree (or remove the keys from the config)")
