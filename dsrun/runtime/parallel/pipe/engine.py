@@ -11,8 +11,9 @@ backward frees them. A new schedule is a new list, not new engine code.
 [Note: gradients through the strategy]
 Every backward goes through the engine's `GradientStrategy` (ZeRO stage 0
 to 3 over the mesh's data axis; stage 3 gathers each layer's parameters
-inside the forward and backward actions, see stage3.py [Note: hooks]), so gradient accumulation, loss scaling and
-the data-parallel reduction are the data-parallel engine's. The last stage
+inside the forward and backward actions, see stage3.py [Note: hooks]), so
+gradient accumulation, loss scaling and the data-parallel reduction are
+the data-parallel engine's. The last stage
 runs `strategy.backward(loss / m)`. Another stage has no loss: it runs the
 strategy's backward on the scalar sum over its outputs of
 `(output * received_grad).sum() / loss_scale`, whose gradient with respect
