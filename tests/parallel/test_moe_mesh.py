@@ -99,8 +99,8 @@ def test_moe_beside_tensor_parallelism_trains_like_data_parallel(stage):
 
 
 class _MoEBlock(torch.nn.Module):
-    """x + MoE(x) with 2 experts at ep_size `ep` (l_aux left out: a pipeline
-    passes activations only)."""
+    """x + MoE(x) with 2 experts at ep_size `ep` (l_aux left out here;
+    tests/parallel/test_pipe_moe.py carries it between the stages)."""
 
     def __init__(self, ep: int) -> None:
         super().__init__()

@@ -297,6 +297,13 @@ class HostGradients:
         self.fresh, self._written = False, True
         self._micro_steps += 1
 
+    def written_elsewhere(self) -> None:
+        """Host gradient partitions were changed after backward (a sum over
+        ranks before the step: tied pipeline weights, tensor-parallel
+        partial gradients): the device-side norm of the copies is stale, so
+        `sq_norm` reads the host gradients."""
+        self._sq = None
+
     def sq_norm(self, grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
         """Sum of squares of the host gradient shards `grads` as a (1,) fp32
         tensor on `device`: the device-side sum when one micro-step wrote

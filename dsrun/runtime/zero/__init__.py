@@ -52,8 +52,8 @@ def build_zero_strategy(cfg, module: torch.nn.Module, optimizer: torch.optim.Opt
     Stage 0 with bf16/fp16 uses the stage-1/2 machinery over the (nobody,
     world) group pair (see groups.py). `group`: the data-parallel process
     group to partition and average over (None: every rank; the mesh's data
-    axis under tensor parallelism or a pipeline, whose initialize() refuses
-    stage 3 in check_pipeline_config). Raises ValueError for an unknown stage.
+    axis under tensor parallelism or a pipeline: a stage's ranks of the
+    same pipeline stage). Raises ValueError for an unknown stage.
 
     `zero_optimization.mics_shard_size` > 0 (MiCS) shards stages 1-3 within
     blocks of that many data-parallel ranks and replicates across the

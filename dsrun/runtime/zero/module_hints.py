@@ -1,6 +1,7 @@
 """What stage 3 needs to know about a module beyond its own parameters:
-leaf modules (DeepSpeed's `set_z3_leaf_modules`) and parameters it uses
-but does not own (`register_external_parameter`).
+leaf modules (DeepSpeed's `set_z3_leaf_modules`), parameters it uses
+but does not own (`register_external_parameter`), and the children that
+are a module's layers.
 
 A leaf module is gathered and released as a whole: stage 3 never makes a
 gather unit of anything inside it. Use it for blocks whose forward runs a
@@ -25,6 +26,7 @@ import torch
 
 LEAF_ATTR = "_z3_leaf"
 EXTERNAL_ATTR = "_dsrun_external_params"
+LAYERS_ATTR = "_z3_layers"
 
 
 def _matches(module: torch.nn.Module, classes) -> bool:
@@ -92,3 +94,15 @@ def unregister_external_parameter(module: torch.nn.Module, parameter: torch.nn.P
 def external_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:
     """The parameters registered as external to `module`."""
     return list(module.__dict__.get(EXTERNAL_ATTR, ()))
+
+
+def z3_layer_names(module: torch.nn.Module) -> list[str]:
+    """Names of the children of `module` that are its layers, run one after
+    another (empty: none declared). Stage 3 makes each a gather unit, as it
+    does each element of an nn.ModuleList. A module that registers its layers
+    by index as direct children instead of holding a list (dsrun's
+    PipelineModule, whose parameter names must stay DeepSpeed's "3.weight")
+    declares them in a `_z3_layers` list of child names; other children
+    (its tied modules, read through forward functions outside their own
+    forward) stay in the module's own unit."""
+    return list(getattr(module, LAYERS_ATTR, ()))

@@ -51,7 +51,7 @@ from dsrun.runtime.zero.collectives import GradientQuantization
 from dsrun.runtime.zero.experts import ExpertSetGroups, expert_name, expert_set_groups
 from dsrun.runtime.zero.flat_params import FlatParamSet
 from dsrun.runtime.zero.groups import RankGroup, ZeroGroups, block_group, node_groups
-from dsrun.runtime.zero.module_hints import external_parameters, z3_leaf_module
+from dsrun.runtime.zero.module_hints import external_parameters, z3_layer_names, z3_leaf_module
 from dsrun.runtime.zero.params import home_device, record_of
 from dsrun.runtime.zero.policies import QGZ_BLOCK, GatherPolicy, ZeroPPPolicy
 from dsrun.runtime.zero.reducer import OrderedReducer, Region
@@ -67,7 +67,8 @@ def find_units(module: torch.nn.Module, patterns: list[str] | None = None) -> li
 
     patterns: fnmatch patterns matched against each module's qualified name
     and its class name; None = the default guess (each element of an
-    nn.ModuleList / nn.Sequential). The root is always a unit. A module
+    nn.ModuleList / nn.Sequential, and each child a module declares as a
+    layer: module_hints.z3_layer_names). The root is always a unit. A module
     marked by set_z3_leaf_modules is one unit and nothing inside it is.
     """
     units = [("", module)]
@@ -79,9 +80,11 @@ def find_units(module: torch.nn.Module, patterns: list[str] | None = None) -> li
             leaves.append(name)
             units.append((name, m))
         elif patterns is None:
+            prefix = f"{name}." if name else ""
             if isinstance(m, (torch.nn.ModuleList, torch.nn.Sequential)):  # a container root too
-                prefix = f"{name}." if name else ""
                 units.extend((prefix + c, child) for c, child in m.named_children())
+            else:  # layers registered as direct children (a pipeline stage's)
+                units.extend((prefix + c, m.get_submodule(c)) for c in z3_layer_names(m))
         elif m is not module and any(fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(type(m).__name__, p)
                                      for p in patterns):
             units.append((name, m))

@@ -232,6 +232,8 @@ class ZeroStrategy(GradientStrategy):
         across pipeline stages): each parameter's gradient is assembled over
         the shard group, summed over `group`, and this rank's pieces written
         back (collective over both; the shard layouts of the stages may differ)."""
+        if self.optimizer_tier.host_grads is not None and params:
+            self.optimizer_tier.host_grads.written_elsewhere()
         for p in params:
             rec = record_of(p)
             fset = rec.fset

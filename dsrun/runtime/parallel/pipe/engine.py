@@ -9,9 +9,11 @@ stage output (kept for the backward) and the gradient received for it; a
 backward frees them. A new schedule is a new list, not new engine code.
 
 [Note: gradients through the strategy]
-Every backward goes through the engine's `GradientStrategy` (ZeRO stage 0, 1
-or 2 over the mesh's data axis), so gradient accumulation, loss scaling and
-the data-parallel reduction are the data-parallel engine's. The last stage
+Every backward goes through the engine's `GradientStrategy` (ZeRO stage 0
+to 3 over the mesh's data axis; stage 3 gathers each layer's parameters
+inside the forward and backward actions, see stage3.py [Note: hooks]), so
+gradient accumulation, loss scaling and the data-parallel reduction are
+the data-parallel engine's. The last stage
 runs `strategy.backward(loss / m)`. Another stage has no loss: it runs the
 strategy's backward on the scalar sum over its outputs of
 `(output * received_grad).sum() / loss_scale`, whose gradient with respect
@@ -495,8 +497,7 @@ def check_pipeline_config(cfg, module: PipelineModule) -> None:
     Raises:
         ConfigError: stages, partition, seed_layers or virtual_stages differ
             from the module's, the schedule does not fit virtual_stages,
-            ZeRO stage 3, or the optimizer is offloaded (not supported with
-            a pipeline yet).
+            or the zero-bubble schedule meets ZeRO stage 3.
     """
     pipe = cfg.pipeline
     problems = []
@@ -513,14 +514,10 @@ def check_pipeline_config(cfg, module: PipelineModule) -> None:
     if (pipe.schedule == "interleaved") != (module.virtual_stages > 1):
         problems.append(f"pipeline.schedule={pipe.schedule!r} with virtual_stages={module.virtual_stages}: the "
                         "interleaved schedule needs virtual_stages >= 2 and the others 1")
-    if cfg.zero_optimization.stage == 3:
-        problems.append("zero_optimization.stage=3 with a pipeline is not supported: stage 3's parameter "
-                        "gathers follow one forward and backward in order, while a pipeline interleaves "
-                        "micro-batches; use stage 1 or 2 (each stage already holds only its layers)")
-    if cfg.zero_optimization.offload_optimizer.device != "none":
-        problems.append("zero_optimization.offload_optimizer with a pipeline is not supported yet (its "
-                        "gradients live in host memory, where the cross-stage norm does not read them yet); "
-                        "set its device to none")
+    if cfg.zero_optimization.stage == 3 and pipe.schedule == "zb-h1":
+        problems.append("pipeline.schedule='zb-h1' with zero_optimization.stage=3 is not supported: stage 3 "
+                        "gathers a unit's parameters for one whole backward, which zero bubble splits into an "
+                        "input pass and a later weight pass; use schedule 1f1b or interleaved, or ZeRO stage 1 or 2")
     if problems:
         raise ConfigError("the config does not fit the PipelineModule (built before the config is read): "
                           + "; ".join(problems) + ". Make them agree (or remove the keys from the config)")

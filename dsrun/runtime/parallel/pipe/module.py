@@ -232,6 +232,9 @@ class PipelineModule(nn.Module):
         self.parts = self._partition(partition_method)
 
         self.tied_modules = nn.ModuleDict()  # registered first, as in DeepSpeed (parameter order)
+        # The children that are layers: ZeRO stage 3 gathers each as one unit
+        # (dsrun/runtime/zero/module_hints.py, z3_layer_names).
+        self._z3_layers: list[str] = []
         self.tied_weight_attrs: dict[str, list[str]] = {}
         # chunk k: (global layer index, what forward calls) for each of its layers
         self._chunks = [self._build_part(self.stage_id + k * self.num_stages) for k in range(virtual_stages)]
@@ -317,6 +320,7 @@ class PipelineModule(nn.Module):
             layer = layer.build()
         if isinstance(layer, nn.Module):
             self.add_module(str(idx), layer)
+            self._z3_layers.append(str(idx))
         return layer
 
     # -- forward ------------------------------------------------------------------------------
