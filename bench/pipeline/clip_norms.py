@@ -1,13 +1,15 @@
 """Gradient clipping in a 4-stage pipeline: the global gradient norm dsrun
-clips on beside each stage's own norm, which DeepSpeed 0.19.8's
-PipelineEngine clips each stage on.
+clips on beside each stage's own norm. DeepSpeed 0.19.8's PipelineEngine
+without ZeRO (fp32, `clip_fp32_gradients`) clips every stage on the first
+stage's norm; with ZeRO stage 1 it clips on the global norm, as dsrun.
 
     .venv/bin/python bench/pipeline/clip_norms.py              # gradient_clipping 1.7, 10 steps
     .venv/bin/python bench/pipeline/clip_norms.py --clip 0     # no clipping: the raw norms
 
 With 1.7 the first step whose global norm passes it is step 7 (global 1.93,
-stages 1.61 / 0.43 / 0.42 / 0.86 when measured): dsrun clips there, a
-per-stage clip does not, and the runs part from step 8 on.
+stages 1.61 / 0.43 / 0.42 / 0.86 when measured): dsrun clips there, a clip
+on the first stage's norm (or on any one stage's) does not, and the runs
+part from step 8 on.
 
 4 ranks (gloo, tests/dist_helpers.run_ranks), 4 stages x 1 data-parallel
 replica, 1F1B, ZeRO stage 0, fp32, torch's AdamW (lr 1e-2), 4 micro-batches
@@ -18,8 +20,9 @@ loss cross-entropy.
 
 Per step it prints the global L2 norm of all gradients before clipping
 (`engine.get_global_grad_norm()`, what dsrun clips on, as a one-process run
-would), each stage's own L2 norm before clipping (what a per-stage clip
-compares to `gradient_clipping`), and which of the two clips. The stage
+would), each stage's own L2 norm before clipping, whether dsrun clips, and
+which stages' own norms exceed `gradient_clipping` (stage 0's decides for
+DeepSpeed's ZeRO-0 pipeline). The stage
 norms are read in an optimizer step pre-hook, after clipping, and divided
 by torch's clip coefficient min(1, clip / (global + 1e-6)); their squares
 add up to the global norm's square (printed as a check).
@@ -40,7 +43,8 @@ MICRO, MICRO_BATCHES = 8, 4
 
 
 def _rank(clip: float, steps: int) -> list[dict]:
-    """This rank's (one stage's) norms per step: {"global", "stage"}."""
+    """This rank's (one stage's) norms per step and the batch's mean loss:
+    {"global", "stage", "loss"}."""
     import torch
     import torch.nn as nn
 
@@ -65,10 +69,10 @@ def _rank(clip: float, steps: int) -> list[dict]:
             for _ in range(MICRO_BATCHES)]
     out = []
     for _ in range(steps):
-        engine.train_batch(iter(data))
+        loss = engine.train_batch(iter(data))
         total = engine.get_global_grad_norm()
         coef = min(1.0, clip / (total + 1e-6)) if clip > 0 else 1.0
-        out.append({"global": total, "stage": math.sqrt(clipped_sq[-1]) / coef})
+        out.append({"global": total, "stage": math.sqrt(clipped_sq[-1]) / coef, "loss": float(loss)})
     return out
 
 
@@ -80,15 +84,15 @@ def main() -> None:
     args = parser.parse_args()
     ranks = run_ranks(_rank, STAGES, args.clip, args.steps, timeout=args.timeout)
     print(f"4 stages, gradient_clipping {args.clip:g}: L2 norms before clipping")
-    print("step  global   " + "  ".join(f"stage {s}" for s in range(STAGES))
-          + "   sqrt(sum sq)  dsrun clips  per-stage clips")
+    print("step    loss  global   " + "  ".join(f"stage {s}" for s in range(STAGES))
+          + "   sqrt(sum sq)  dsrun clips  stages over the clip")
     for step in range(args.steps):
         total = ranks[0][step]["global"]
         stage = [ranks[s][step]["stage"] for s in range(STAGES)]
         own = [s for s in range(STAGES) if stage[s] > args.clip > 0]
-        print(f"{step + 1:>4}  {total:7.4f}  " + "  ".join(f"{n:7.4f}" for n in stage)
+        print(f"{step + 1:>4}  {ranks[STAGES - 1][step]['loss']:6.4f}  {total:7.4f}  " + "  ".join(f"{n:7.4f}" for n in stage)
               + f"   {math.sqrt(sum(n * n for n in stage)):12.4f}  {'yes' if total > args.clip > 0 else 'no':>11}"
-              + f"  {','.join(map(str, own)) or 'none':>15}")
+              + f"  {','.join(map(str, own)) or 'none':>20}")
 
 
 if __name__ == "__main__":
