@@ -63,8 +63,9 @@ def train(out_dir: str, extra: dict, steps: int, gas: int, ballast_rank: int | N
         losses.append(sum(micro) / gas)
         norms.append(engine.get_global_grad_norm())
     del ballast
+    monitors = len(engine.monitor.monitors)  # before close(), which lets go of them
     engine.monitor.close()
-    return {"losses": losses, "norms": norms, "monitors": len(engine.monitor.monitors),
+    return {"losses": losses, "norms": norms, "monitors": monitors,
             "params": sum(p.numel() for p in model.parameters()), "rss_before_last": rss_before_last,
             "hwm_after": _vm("VmHWM"), "samples_per_step": engine.train_batch_size()}
 
