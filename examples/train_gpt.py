@@ -159,7 +159,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def run_config(args: argparse.Namespace) -> dict | None:
     """The config file of --config (JSON or YAML) fitted to this run, or
     None without --config: a scheduler's total_num_steps becomes --steps
-    (its warmup_num_steps at most that), so the LR schedule and the
+    (its warmup_num_steps scaled alike), so the LR schedule and the
     launcher's progress line ("step 3/3") follow the run's length; with
     --curriculum_seqlen a seqlen curriculum is added: fixed_linear from
     curriculum_seqlen to seq_len in multiples of 8 over curriculum_steps,
@@ -175,10 +175,11 @@ def run_config(args: argparse.Namespace) -> dict | None:
     with open(args.deepspeed_config) as f:
         config = yaml.safe_load(f) if args.deepspeed_config.endswith((".yaml", ".yml")) else json.load(f)
     params = (config.get("scheduler") or {}).get("params", {})
-    if "total_num_steps" in params:
+    planned = params.get("total_num_steps")
+    if planned:
         params["total_num_steps"] = args.steps
-        if "warmup_num_steps" in params:
-            params["warmup_num_steps"] = min(params["warmup_num_steps"], args.steps)
+        if params.get("warmup_num_steps"):  # the same fraction of the run, at least one step
+            params["warmup_num_steps"] = max(1, round(params["warmup_num_steps"] * args.steps / planned))
     if args.curriculum_seqlen:
         config["curriculum_learning"] = {
             "enabled": True, "curriculum_type": "seqlen", "min_difficulty": args.curriculum_seqlen,

@@ -112,7 +112,7 @@ def test_the_schedule_and_the_progress_total_follow_steps(name):
     from dsrun.runtime.engine.telemetry import _scheduler_total
     config = run_config(parse_args(["--config", str(EXAMPLES / "configs" / name), "--steps", "3"]))
     assert config["scheduler"]["params"]["total_num_steps"] == 3
-    assert config["scheduler"]["params"]["warmup_num_steps"] == 3  # 40 in the file, at most the run
+    assert config["scheduler"]["params"]["warmup_num_steps"] == 1  # 40 of 400 in the file: scaled, >= 1
     total = _scheduler_total(load_config(config, world_size=1))
     assert format_record({"step": 1, "total": total}) == "step 1/3 (33%)"
     assert run_config(parse_args([])) is None  # no --config: nothing to fit
