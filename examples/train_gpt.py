@@ -66,6 +66,7 @@ import time
 
 import torch
 import torch.distributed as dist
+import yaml
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -87,7 +88,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The script's flags plus dsrun's --config/--deepspeed_config; exits with a usage error on bad values."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=400,
-                   help="optimizer steps (keep equal to the scheduler's total_num_steps)")
+                   help="optimizer steps (the config's LR schedule, total_num_steps, is fitted to them)")
     p.add_argument("--data", default=None,
                    help="text file or folder to train on (default: the Python standard library)")
     p.add_argument("--seed", type=int, default=1234, help="seed for the model's init and the training windows")
@@ -155,22 +156,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def curriculum_config(args: argparse.Namespace) -> dict | None:
-    """The config file of --config with a seqlen curriculum added for
-    --curriculum_seqlen (None without it): fixed_linear from
+def run_config(args: argparse.Namespace) -> dict | None:
+    """The config file of --config (JSON or YAML) fitted to this run, or
+    None without --config: a scheduler's total_num_steps becomes --steps
+    (its warmup_num_steps scaled alike), so the LR schedule and the
+    launcher's progress line ("step 3/3") follow the run's length; with
+    --curriculum_seqlen a seqlen curriculum is added: fixed_linear from
     curriculum_seqlen to seq_len in multiples of 8 over curriculum_steps,
-    the LR schedule advanced by tokens (lr_schedule_in_tokens)."""
-    if not args.curriculum_seqlen:
-        return None
+    the LR schedule advanced by tokens (lr_schedule_in_tokens).
+
+    Raises:
+        SystemExit: --curriculum_seqlen without --config.
+    """
     if not args.deepspeed_config:
-        raise SystemExit("train_gpt.py: --curriculum_seqlen needs --config (the curriculum is added to it)")
+        if args.curriculum_seqlen:
+            raise SystemExit("train_gpt.py: --curriculum_seqlen needs --config (the curriculum is added to it)")
+        return None
     with open(args.deepspeed_config) as f:
-        config = json.load(f)
-    config["curriculum_learning"] = {
-        "enabled": True, "curriculum_type": "seqlen", "min_difficulty": args.curriculum_seqlen,
-        "max_difficulty": args.seq_len, "schedule_type": "fixed_linear", "lr_schedule_in_tokens": True,
-        "schedule_config": {"total_curriculum_step": args.curriculum_steps or max(1, args.steps // 2),
-                            "difficulty_step": 8}}
+        config = yaml.safe_load(f) if args.deepspeed_config.endswith((".yaml", ".yml")) else json.load(f)
+    params = (config.get("scheduler") or {}).get("params", {})
+    planned = params.get("total_num_steps")
+    if planned:
+        params["total_num_steps"] = args.steps
+        if params.get("warmup_num_steps"):  # the same fraction of the run, at least one step
+            params["warmup_num_steps"] = max(1, round(params["warmup_num_steps"] * args.steps / planned))
+    if args.curriculum_seqlen:
+        config["curriculum_learning"] = {
+            "enabled": True, "curriculum_type": "seqlen", "min_difficulty": args.curriculum_seqlen,
+            "max_difficulty": args.seq_len, "schedule_type": "fixed_linear", "lr_schedule_in_tokens": True,
+            "schedule_config": {"total_curriculum_step": args.curriculum_steps or max(1, args.steps // 2),
+                                "difficulty_step": 8}}
     return config
 
 
@@ -319,8 +334,8 @@ def train(args: argparse.Namespace) -> None:
         parameters = split_params_into_different_moe_groups_for_optimizer(model.param_groups())
     else:
         parameters = model.param_groups()
-    config = curriculum_config(args)
-    if config is not None:  # the file's config with the curriculum added, passed as a dict
+    config = run_config(args)
+    if config is not None:  # the file's config fitted to the run, passed as a dict
         args.deepspeed_config = None
     mesh = ({"mesh_param": (dsrun.comm.get_world_size() // args.sequence_parallel, args.sequence_parallel)}
             if args.sequence_parallel > 1 else {})  # DeepSpeed's (data, sequence); older DeepSpeed lacks it

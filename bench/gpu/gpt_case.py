@@ -4,6 +4,7 @@
         [--offload_optimizer cpu|nvme] [--offload_param cpu|nvme] [--zero_init]
         [--act_ckpt] [--resume] [--steps 8] [--warmup 3] [--device cuda|cpu]
     python bench/gpu/gpt_case.py --model 82m --run plain
+    python bench/gpu/gpt_case.py --model 1.2b --stage 2 --offload_optimizer cpu --timeline   # ZeRO-Offload
 
 Prints one line `RESULT {json}` with: median and minimum step time (ms, after
 `--warmup` untimed steps; a step is forward + backward + optimizer step,
@@ -12,6 +13,15 @@ torch.cuda.max_memory_allocated over the whole run, model build included;
 on the CPU the process's peak RSS), the loss of every step, and with
 `--resume` whether a checkpoint round trip resumed with identical losses.
 Exits non-zero when the run fails or the resumed losses differ.
+
+`--timeline` (dsrun runs) adds what an offload run needs to be read: the
+seconds `initialize` took and the peak device memory up to then (the
+construction's own, MiB), and the last step's offload timeline
+(`engine.offload_timeline()`: copies, host gradient work and CPU Adam, per
+kind total ms, MiB and count, printed as a bar chart); with
+offload_optimizer it first checks that dsrun's native CPU Adam op builds
+and exits non-zero when it does not (the PyTorch fallback is not what is
+being measured).
 
 Runs (world size 1; `python` alone, no launcher: the runtime then is one rank):
 - plain: PyTorch alone, fp32 weights, autocast to bf16 (fp16 with a
@@ -133,12 +143,17 @@ class PlainStep:
 
 
 class EngineStep:
-    """dsrun's (or DeepSpeed's) engine: forward, backward, step."""
+    """dsrun's (or DeepSpeed's) engine: forward, backward, step. build_s:
+    seconds `initialize` took; build_peak_mib: the peak device memory up to
+    its end (MiB)."""
 
     def __init__(self, args, device, lib):
         model = build_model(args, device)
+        t0 = time.perf_counter()
         self.engine, *_ = lib.initialize(model=model, model_parameters=model.param_groups(),
                                          config=ds_config(args))
+        self.build_s = time.perf_counter() - t0
+        self.build_peak_mib = peak_mib(device)
 
     def __call__(self, x, y) -> float:
         loss = self.engine(x, y)
@@ -175,6 +190,21 @@ def resume_matches(args, device, step, data) -> bool:
     return first == second
 
 
+def cpu_adam_ready() -> bool:
+    """Build dsrun's native CPU Adam op (printing how long it took); False,
+    with the reason printed, when it does not build."""
+    from dsrun.ops import adam as native_adam
+
+    t0 = time.perf_counter()
+    if not native_adam.native_available():
+        print("FAIL: dsrun's CPU Adam op did not build (see dsrun-report); the offload timeline measures the "
+              "native op", flush=True)
+        return False
+    print(f"CPU Adam op ready in {time.perf_counter() - t0:.1f} s (ISA {native_adam.selected_isa()}, "
+          f"{torch.get_num_threads()} threads)", flush=True)
+    return True
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=sorted(MODELS), default="82m")
@@ -188,6 +218,8 @@ def main() -> int:
     p.add_argument("--resume", action="store_true", help="check a checkpoint round trip instead of timing")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--timeline", action="store_true",
+                   help="dsrun: report initialize's time and peak and the last step's offload timeline")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--nvme_path", default=os.environ.get("DSRUN_GPU_CHECK_NVME", tempfile.gettempdir()))
     args = p.parse_args()
@@ -196,6 +228,10 @@ def main() -> int:
         device = torch.device("cuda", device.index or 0)
         torch.cuda.set_device(device)
     result = {"model": args.model, "run": args.run}
+    if args.timeline and args.run != "dsrun":
+        p.error("--timeline needs --run dsrun")
+    if args.timeline and args.offload_optimizer and not cpu_adam_ready():
+        return 1
     step = make_step(args, device)
     data = list(batches(args, device, args.warmup + args.steps))
     if args.resume:
@@ -211,6 +247,13 @@ def main() -> int:
                 times.append((time.perf_counter() - t0) * 1e3)
         result.update(step_ms_median=statistics.median(times), step_ms_min=min(times), losses=losses)
     result["peak_mib"] = peak_mib(device)
+    if args.timeline:
+        from dsrun.runtime.offload.transfer import format_timeline
+
+        result.update(build_s=step.build_s, build_peak_mib=step.build_peak_mib,
+                      timeline=step.engine.offload_timeline())
+        print(f"initialize: {step.build_s:.1f} s, peak {step.build_peak_mib:,.0f} MiB by then", flush=True)
+        print(format_timeline(result["timeline"]) or "no offload timeline (nothing offloaded)", flush=True)
     print("RESULT " + json.dumps(result), flush=True)
     return 0 if result.get("resume_equal", True) else 1
 

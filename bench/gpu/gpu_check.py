@@ -8,9 +8,11 @@ peak memory is its own and a crash fails only its row: plain PyTorch, ZeRO
 stages 0-3 in bf16, stages 2-3 in fp16, zero.Init, activation
 checkpointing, offload_optimizer cpu/nvme, offload_param cpu/nvme, and a
 checkpoint round trip at stages 2 and 3 (resumed losses bit-equal). With
-DeepSpeed installed, its stage 0/3 and ZeRO-Offload rows are added. Then
-the checks of bench/gpu/*_check.py run (each a script that exits non-zero on
-failure).
+DeepSpeed installed, its stage 0/3 and ZeRO-Offload rows are added. The
+ZeRO-Offload rows run with gpt_case.py's --timeline: their offload
+timelines (copies, host gradient work, CPU Adam of the last step) and
+initialize's time and peak are printed after the table. Then the checks of
+bench/gpu/*_check.py run (each a script that exits non-zero on failure).
 
 The native ops are built first, in parallel (TORCH_CUDA_ARCH_LIST is set to
 the present GPU's unless given). Printed: per configuration the median and
@@ -48,7 +50,7 @@ CASES = {
         ("stage 3 fp16", ["--stage", "3", "--fp16"]),
         ("stage 3 zero.Init", ["--stage", "3", "--zero_init"]),
         ("stage 3 activation checkpointing", ["--stage", "3", "--act_ckpt"]),
-        ("stage 2 offload_optimizer cpu", ["--stage", "2", "--offload_optimizer", "cpu"]),
+        ("stage 2 offload_optimizer cpu", ["--stage", "2", "--offload_optimizer", "cpu", "--timeline"]),
         ("stage 3 offload_optimizer nvme", ["--stage", "3", "--offload_optimizer", "nvme"]),
         ("stage 3 offload_param cpu", ["--stage", "3", "--offload_param", "cpu"]),
         ("stage 3 offload_param nvme", ["--stage", "3", "--offload_param", "nvme", "--offload_optimizer", "nvme"]),
@@ -60,7 +62,7 @@ CASES = {
         ("stage 0", ["--stage", "0"]),
         ("stage 3", ["--stage", "3"]),
         ("stage 3 zero.Init", ["--stage", "3", "--zero_init"]),
-        ("stage 2 offload_optimizer cpu", ["--stage", "2", "--offload_optimizer", "cpu"]),
+        ("stage 2 offload_optimizer cpu", ["--stage", "2", "--offload_optimizer", "cpu", "--timeline"]),
         ("stage 3 offload_param cpu", ["--stage", "3", "--offload_param", "cpu", "--offload_optimizer", "cpu"]),
     ],
 }
@@ -133,6 +135,19 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def timelines(rows: list[dict]) -> str:
+    """The offload timelines of the rows run with --timeline, as indented text ('' when none)."""
+    from dsrun.runtime.offload.transfer import format_timeline
+
+    out = []
+    for r in rows:
+        if "build_s" in r:
+            chart = format_timeline(r.get("timeline") or {}) or "no offload timeline (nothing offloaded)"
+            out.append(f"{r['model']} {r['label']}: initialize {r['build_s']:.1f} s, peak "
+                       f"{r['build_peak_mib']:,.0f} MiB by then\n\n    " + chart.replace("\n", "\n    "))
+    return "".join("\n\n" + t for t in out)
+
+
 def extra_checks(device: str, timeout: float) -> list[tuple[str, int, str]]:
     """Run bench/gpu/*_check.py (other than this file): (name, exit status, last lines)."""
     results = []
@@ -193,7 +208,7 @@ def main() -> int:
             judge(rows)
             if args.out:  # the table so far: a run stopped by a time limit still leaves its rows
                 Path(args.out).write_text(table(rows) + "\n")
-    text = table(rows)
+    text = table(rows) + timelines(rows)
     checks = [] if args.no_extra else extra_checks(device, args.timeout)
     for name, rc, tail in checks:
         text += f"\n\n{name}: {'ok' if rc == 0 else f'FAIL (exit {rc})'}\n\n    " + tail.replace("\n", "\n    ")

@@ -37,6 +37,7 @@ import argparse
 import os
 import re
 import resource
+import signal
 import statistics
 import subprocess
 import sys
@@ -62,6 +63,39 @@ if len(sys.argv) > 1:  # fail mode: sleep; the last rank exits 1 once the trigge
     sys.exit(1)
 """
 UP = re.compile(rb"UP (\d+) (\d+)")
+# The launches under way, each the leader of a session of its own. Whatever ends this bench -- an error,
+# Ctrl-C, SIGTERM, SIGHUP -- kills the process tree and group of each one still running, so no torchrun
+# rank is left sleeping (the fail case's ranks sleep 60 s at a time). The tree is needed: torchrun starts
+# every rank in a session of its own, outside the launch's group. A launch already reaped is left alone
+# (its pid may belong to another process by then; its ranks were waited for).
+_LAUNCHES: list[subprocess.Popen] = []
+
+
+def _kill_launches() -> None:
+    while _LAUNCHES:
+        launch = _LAUNCHES.pop()
+        if launch.poll() is not None:
+            continue
+        try:
+            leader = psutil.Process(launch.pid)
+            tree = [leader, *leader.children(recursive=True)]  # listed before any dies and is reparented
+        except psutil.NoSuchProcess:
+            tree = []
+        for proc in tree:
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:
+                pass
+        try:
+            os.killpg(launch.pid, signal.SIGKILL)
+        except ProcessLookupError:  # the whole group has exited
+            pass
+        launch.wait()
+
+
+def _exit_on_signal(signum: int, _frame) -> None:
+    _kill_launches()
+    raise SystemExit(128 + signum)
 
 
 def _watch_up(proc: subprocess.Popen, world: int, started: threading.Event, seen: list[float]) -> None:
@@ -113,7 +147,17 @@ def run_case(argv: list[str], world: int, trigger: Path | None, sshd_pid: int | 
         trigger.unlink()
     cpu0, node0 = _reaped_cpu(), _sshd_children_cpu(sshd_pid) if sshd_pid else 0.0
     t0 = time.perf_counter()
-    proc = subprocess.Popen(argv, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(argv, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    _LAUNCHES.append(proc)  # see _LAUNCHES
+    try:
+        return _measure(proc, argv, world, trigger, sshd_pid, t0, cpu0, node0)
+    finally:
+        _kill_launches()  # a launch that failed to start or to end is stopped
+
+
+def _measure(proc: subprocess.Popen, argv: list[str], world: int, trigger: Path | None, sshd_pid: int | None,
+             t0: float, cpu0: float, node0: float) -> tuple[float, float, float]:
+    """The measures of `run_case` for the launch `proc` started at t0."""
     started, seen = threading.Event(), []
     reader = threading.Thread(target=_watch_up, args=(proc, world, started, seen), daemon=True)
     err: list[bytes] = []
@@ -150,6 +194,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--no_torchrun", action="store_true")
     args = parser.parse_args()
+    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        signal.signal(signum, _exit_on_signal)
     counts = [int(n) for n in args.hosts.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)

@@ -130,6 +130,18 @@ def _save_rank(root):
     path, _ = fresh.load_checkpoint(root2)
     out["crash_loaded"] = os.path.basename(path)
     out["crash_equal"] = all(torch.equal(a, b) for a, b in zip(good[0].values(), _full_state(fresh)[0].values()))
+    # Failing on either rank, before or after its shard, or after the index: no file of the tag stays.
+    for point, victim in (("before_shard", 0), ("before_latest", 0)):
+        checkpointer.fault_hook = (lambda p, point=point, victim=victim: (_ for _ in ()).throw(OSError("injected"))
+                                   if p == point and rank == victim else None)
+        try:
+            engine.save_checkpoint(root2, tag=f"bad_{point}")
+            raise AssertionError("the failed save did not raise")
+        except (CheckpointError, OSError):
+            pass
+        finally:
+            checkpointer.fault_hook = None
+        out[f"crash_left_{point}"] = os.path.exists(os.path.join(root2, f"bad_{point}"))
     out["api"] = _api_cases(root, data)
     # A checkpoint of another model: precise key errors.
     other = _engine(2, "fp32", {"layers": 3})
@@ -332,12 +344,13 @@ def test_failed_save_keeps_latest(saved):
     crash = os.path.join(root, "crash")
     with open(os.path.join(crash, "latest")) as f:
         assert f.read() == "good"
-    assert not os.path.exists(os.path.join(crash, "bad", "index.json"))
-    assert not [f for f in os.listdir(os.path.join(crash, "bad")) if f.startswith(".")]  # no temp files left
+    # Rank 0's shard landed before rank 1 failed: every file of the tag went, and its directory.
+    assert sorted(os.listdir(crash)) == ["good", "latest"]
+    assert not out["crash_left_before_shard"] and not out["crash_left_before_latest"]
     from dsrun.runtime.checkpoint import resolve_tag
-    assert resolve_tag(crash, None) == ("good", ["bad"])
-    os.unlink(os.path.join(crash, "latest"))  # no `latest`: the newest complete tag, "bad" reported
-    assert resolve_tag(crash, None) == ("good", ["bad"])
+    assert resolve_tag(crash, None) == ("good", [])
+    os.unlink(os.path.join(crash, "latest"))  # no `latest`: the newest complete tag
+    assert resolve_tag(crash, None) == ("good", [])
 
 
 def test_other_model_names_the_key(saved):
@@ -471,9 +484,13 @@ def test_cli_inspect_verify_export(saved, tmp_path):
     from dsrun.runtime.checkpoint.cli import main
     root, out = saved
     runner = CliRunner()
-    res = runner.invoke(main, ["inspect", os.path.join(root, "crash")])
+    crash = tmp_path / "crash"  # with a tag a killed save left: a shard, no index
+    shutil.copytree(os.path.join(root, "crash"), crash)
+    (crash / "half").mkdir()
+    shutil.copy(crash / "good" / "rank00000-of-00002.safetensors", crash / "half")
+    res = runner.invoke(main, ["inspect", str(crash)])
     assert res.exit_code == 0, res.output
-    assert "good" in res.output and "bad" in res.output
+    assert "good" in res.output and "half" in res.output
     res = runner.invoke(main, ["verify", os.path.join(root, "s2_fp32")])
     assert res.exit_code == 0 and "2 files OK" in res.output, res.output
     copy = tmp_path / "s2"

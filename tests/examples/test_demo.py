@@ -101,6 +101,23 @@ def test_yaml_config_is_a_twin_of_the_json_config():
 
 # ---- model ------------------------------------------------------------------
 
+@pytest.mark.parametrize("name", ["gpt_demo.json", "gpt_demo.yaml"])
+def test_the_schedule_and_the_progress_total_follow_steps(name):
+    """--steps 3 with a config made for 400 steps: the LR schedule is fitted
+    to 3 steps, and the progress records the launcher prints from say 3."""
+    from train_gpt import parse_args, run_config
+
+    from dsrun.launcher.progress import format_record
+    from dsrun.runtime.config import load_config
+    from dsrun.runtime.engine.telemetry import _scheduler_total
+    config = run_config(parse_args(["--config", str(EXAMPLES / "configs" / name), "--steps", "3"]))
+    assert config["scheduler"]["params"]["total_num_steps"] == 3
+    assert config["scheduler"]["params"]["warmup_num_steps"] == 1  # 40 of 400 in the file: scaled, >= 1
+    total = _scheduler_total(load_config(config, world_size=1))
+    assert format_record({"step": 1, "total": total}) == "step 1/3 (33%)"
+    assert run_config(parse_args([])) is None  # no --config: nothing to fit
+
+
 def test_model_shapes_tied_head_and_param_groups():
     torch.manual_seed(0)
     model = GPT(GPTConfig(seq_len=16, n_layer=2, n_head=2, n_embd=32))

@@ -15,7 +15,8 @@ install of a clean copy of this tree, without extras; then, from that venv:
   the step is skipped, the loss scale halves, the warning names the parameter,
   and the next step is applied (tests/install/fp16_overflow.py), and no rank
   prints torch's NumPy warning;
-- `dsrun-report`: exit 0, and no NumPy warning from torch;
+- `dsrun-report`: exit 0, and no NumPy warning from torch; `dsrun-ckpt`: no
+  NumPy warning either;
 - the aio Python fallback (AioHandle's engine when liburing is missing);
 - a checkpoint save and load on 2 ranks.
 
@@ -112,6 +113,14 @@ def test_plain_install_dsrun_report_prints_no_numpy_warning(plain_venv):
     assert proc.returncode == 0, log
     assert "dsrun native ops" in proc.stdout and "torch " in proc.stdout, log
     assert "numpy" not in (proc.stdout + proc.stderr).lower(), log
+
+
+@pytest.mark.slow
+def test_plain_install_dsrun_ckpt_prints_no_numpy_warning(plain_venv, tmp_path):
+    venv, env, run_dir = plain_venv
+    proc, log = _run([venv / "bin" / "dsrun-ckpt", "inspect", tmp_path], env=env, cwd=run_dir, timeout=300)
+    assert "numpy" not in (proc.stdout + proc.stderr).lower(), log
+    assert str(tmp_path) in proc.stdout + proc.stderr, log  # it ran and looked into the directory
 
 
 @pytest.mark.slow

@@ -63,8 +63,9 @@ def train(out_dir: str, extra: dict, steps: int, gas: int, ballast_rank: int | N
         losses.append(sum(micro) / gas)
         norms.append(engine.get_global_grad_norm())
     del ballast
+    monitors = len(engine.monitor.monitors)  # before close(), which lets go of them
     engine.monitor.close()
-    return {"losses": losses, "norms": norms, "monitors": len(engine.monitor.monitors),
+    return {"losses": losses, "norms": norms, "monitors": monitors,
             "params": sum(p.numel() for p in model.parameters()), "rss_before_last": rss_before_last,
             "hwm_after": _vm("VmHWM"), "samples_per_step": engine.train_batch_size()}
 
@@ -144,6 +145,28 @@ def test_write_events_is_deepspeeds_api(tmp_path):
     (files,) = run_ranks(write_custom, 1, str(tmp_path), timeout=120)
     assert "Eval_accuracy.csv" in files
     assert read_csv(tmp_path / "api", "Eval/accuracy") == ([10, 20], [0.5, 0.75])
+
+
+def destroyed(out_dir: str) -> dict:
+    import dsrun
+
+    engine, *_ = dsrun.initialize(model=TokenModel(), config={
+        "train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "tensorboard": {"enabled": True, "output_path": out_dir, "job_name": "tb"}})
+    engine.backward(engine(torch.randint(0, VOCAB, (1, SEQ))))
+    engine.step()
+    writer = engine.monitor.monitors[0].summary_writer
+    before = writer.all_writers is not None
+    engine.destroy()
+    engine.monitor.write_events([("Eval/accuracy", 0.5, 10)])  # after close: nothing, no error
+    return {"before": before, "closed": writer.all_writers is None, "monitors": len(engine.monitor.monitors)}
+
+
+def test_destroy_closes_the_monitors(tmp_path):
+    """engine.destroy() closes the TensorBoard writer (SummaryWriter.close
+    drops its file writers) and leaves no monitor to write to."""
+    (out,) = run_ranks(destroyed, 1, str(tmp_path), timeout=180)
+    assert out["before"] and out["closed"] and out["monitors"] == 0
 
 
 def fp16_loss_scale(out_dir: str) -> list[float]:

@@ -26,7 +26,13 @@ def _reference(logits: torch.Tensor, k: int, cf: float, min_cap: int, drop: bool
     cap = max(math.ceil(S / E * cf * k), min_cap) if drop else max(counts)
     kept: dict[tuple[int, int], int] = {}
     fill = [0] * E
-    if k <= 2:  # first choices in token order, then second choices (GShard)
+    if k == 1:  # the rows torch.topk picks from the 0/1 choice mask (DeepSpeed's top1gating)
+        mask = F.one_hot(torch.tensor([c[0] for c in choices]), E)
+        picked = torch.topk(mask, min(cap, S), dim=0).indices
+        for e in range(E):
+            mine = sorted(s for s in set(picked[:, e].tolist()) if choices[s][0] == e)
+            kept.update({(s, e): slot for slot, s in enumerate(mine)})
+    elif k == 2:  # first choices in token order, then second choices (GShard)
         for rank in range(k):
             for s in range(S):
                 e = choices[s][rank]
@@ -71,6 +77,33 @@ def test_gating_matches_reference(k, cf, min_cap):
         out = topk_gating(logits, k, cf, min_cap)
     routed = _check_gate(out, logits, k, cf, min_cap)
     assert routed < 24 * k  # some tokens were dropped
+
+
+def test_top1_without_rts_keeps_the_tokens_torch_topk_of_the_mask_keeps():
+    """An over-capacity expert keeps the token indices torch.topk of the 0/1
+    mask returns (DeepSpeed's top1gating), which here are not the first
+    tokens in order, so the test tells the two policies apart."""
+    logits = torch.tensor([[2.0, 0.0]] * 20 + [[0.0, 2.0]] * 4)
+    out = top1_gating(logits, 0.5, 1, use_rts=False)  # capacity ceil(24 / 2 x 0.5) = 6 of 20
+    mask = F.one_hot(logits.argmax(dim=1), 2)
+    expected = sorted(torch.topk(mask, 6, dim=0).indices[:, 0].tolist())
+    assert expected != list(range(6))  # torch.topk's tie order is not token order here
+    kept = out.dispatch_mask[:, 0].nonzero().tolist()
+    assert [s for s, _ in kept] == expected
+    assert [c for _, c in kept] == list(range(6))  # slots in token order
+    assert out.dispatch_mask[20:, 1].any(dim=1).all()  # expert 1 is under capacity: all 4 kept
+
+
+def test_topk_probs_policy_keeps_torch_topk_of_the_gates_on_ties():
+    """drop_policy "probs" with every token's gates equal: the kept tokens
+    are torch.topk(sorted=False)'s of the masked gates, as DeepSpeed's."""
+    logits = torch.tensor([[3.0, 2.0, 1.0, -5.0]] * 16)
+    out = topk_gating(logits, 3, 0.25, 1)  # capacity ceil(16 / 4 x 0.25 x 3) = 3 of 16
+    gates = logits.softmax(dim=1)
+    mask = torch.zeros(16, 4).scatter_(1, gates.topk(3, dim=1).indices, 1)
+    picked = torch.topk(gates * mask, 3, dim=0, sorted=False).indices
+    for e in range(3):
+        assert out.dispatch_mask[:, e].any(dim=1).nonzero()[:, 0].tolist() == sorted(picked[:, e].tolist())
 
 
 def test_capacity_and_min_capacity():

@@ -32,12 +32,20 @@ def _direct(logits, choices, cap, policy, k, score=None):
 
     policy "order": first choices in token order, then second choices
     (GShard); "score": each expert keeps the `cap` tokens with the largest
-    score[s, e], slots in token order (RTS: random scores; top-k: probs).
+    score[s, e], slots in token order (RTS: random scores; top-k: probs);
+    "mask": each expert keeps the rows torch.topk of the 0/1 choice mask
+    picks (top-1 without RTS), slots in token order.
     Returns (combine [S, E, cap], l_aux, exp_counts)."""
     S, E = logits.shape
     probs = logits.softmax(dim=1)
     kept: dict[tuple[int, int], int] = {}
-    if policy == "order":
+    if policy == "mask":
+        mask = torch.tensor([[int(e in c) for e in range(E)] for c in choices])
+        picked = torch.topk(mask, min(cap, S), dim=0).indices
+        for e in range(E):
+            mine = sorted(s for s in set(picked[:, e].tolist()) if mask[s, e])
+            kept.update({(s, e): slot for slot, s in enumerate(mine)})
+    elif policy == "order":
         fill = [0] * E
         for rank in range(max(len(c) for c in choices)):
             for s in range(S):
@@ -79,11 +87,11 @@ def _ranked(logits: torch.Tensor, k: int) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("cf,min_cap", [(1.0, 2), (0.5, 1), (1.0, 8)])
-def test_top1gating_first_come(cf, min_cap):
+def test_top1gating_without_rts_keeps_torch_topk_of_the_mask(cf, min_cap):
     logits = _logits(1)
     cap = max(math.ceil(TOKENS / EXPERTS * cf), min_cap)
     out = top1gating(logits, cf, min_cap, None, None, True, False)  # DeepSpeed's positional order
-    _assert_matches(out, _direct(logits, _ranked(logits, 1), cap, "order", 1))
+    _assert_matches(out, _direct(logits, _ranked(logits, 1), cap, "mask", 1))
     assert int(out[2].sum()) < TOKENS or min_cap == 8  # the skew drops tokens unless the capacity is large
 
 
@@ -100,7 +108,7 @@ def test_top1gating_random_token_selection_and_rsample_with_a_seed():
     torch.manual_seed(6)
     noisy = logits + _gumbel(torch.rand(TOKENS, EXPERTS))  # the choice on Gumbel-noised logits
     choices = [[int(noisy[s].argmax())] for s in range(TOKENS)]
-    _assert_matches(out, _direct(logits, choices, math.ceil(TOKENS / EXPERTS), "order", 1))
+    _assert_matches(out, _direct(logits, choices, math.ceil(TOKENS / EXPERTS), "mask", 1))
     assert choices != _ranked(logits, 1)  # the noise changed some choices
 
 
@@ -109,7 +117,7 @@ def test_top1gating_used_token_leaves_tokens_out():
     used = (torch.arange(TOKENS) % 3 != 0).float()
     out = top1gating(logits, 1.0, 1, used, use_rts=False)
     choices = [c if used[s] else [] for s, c in enumerate(_ranked(logits, 1))]
-    _assert_matches(out, _direct(logits, choices, math.ceil(TOKENS / EXPERTS), "order", 1))
+    _assert_matches(out, _direct(logits, choices, math.ceil(TOKENS / EXPERTS), "mask", 1))
     assert int(out[3].sum()) == int(used.sum())
 
 

@@ -31,6 +31,26 @@ def test_fp32_default_grads_and_padding():
         estimate_zero_memory(10, 2, 1, "int8")
 
 
+@pytest.mark.parametrize("device", ["cpu", "nvme"])
+def test_optimizer_offload_moves_stage_2_3_gradients_to_the_host(device):
+    psi, n = 1024 * 64, 4
+    for stage in (0, 1, 2, 3):
+        est = estimate_zero_memory(psi, n, stage, "bf16", offload_optimizer=device)
+        cats = {k: sum(v.values()) for k, v in est.categories.items()}
+        tiers = est.tiers()
+        buffers = cats.get("offload_buffers", 0)  # NVMe's host streaming buffers
+        if stage >= 2:  # reduced gradient partitions live where the optimizer steps
+            assert est.placement["grads"] == "host"
+            assert tiers["device"] == cats["params"]
+            assert tiers["host"] == cats["grads"] + buffers + (cats["master"] + cats["optimizer_states"]
+                                                              if device == "cpu" else 0)
+        else:  # the full gradient buffer accumulates beside the parameters
+            assert "grads" not in est.placement
+            assert tiers["device"] == cats["params"] + cats["grads"]
+        no_offload = estimate_zero_memory(psi, n, stage, "bf16")
+        assert est.total - buffers == no_offload.total  # the same bytes, on other tiers
+
+
 def test_tensor_breakdown_counts_storage_once():
     flat = torch.zeros(10, dtype=torch.bfloat16)
     views = [flat[:3], flat[3:7]]

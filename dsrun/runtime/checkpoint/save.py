@@ -87,7 +87,8 @@ def prepare_save(parts: TrainingParts, rdv: Rendezvous, save_dir: str, tag: str,
     in node_local.py).
 
     Raises CheckpointError (on every rank) when the tag is invalid, a rank
-    failed to prepare, or state is not JSON-able (LR scheduler, client_state).
+    failed to prepare, or state is not JSON-able (LR scheduler, client_state);
+    a tag directory this call created is then removed again.
     """
     if not tag or "/" in tag or tag in (".", "..", LATEST):
         raise CheckpointError(f"invalid checkpoint tag {tag!r}")
@@ -95,6 +96,7 @@ def prepare_save(parts: TrainingParts, rdv: Rendezvous, save_dir: str, tag: str,
     tag_dir = os.path.join(save_dir, tag)
     error, tensors, meta, stepped, fields = None, {}, {}, set(), None
     nodes, keeper = None, rank == 0  # keeper: prepares the tag directory, writes the index and `latest`
+    created = False  # the keeper made the tag directory (a failed save removes it again)
     names = model_names(parts)  # collective over a split model's parts: before anything may raise
     assembled = _assembled_splits(parts, exclude_frozen_parameters)  # collective too (tensor parallelism)
     try:
@@ -102,6 +104,7 @@ def prepare_save(parts: TrainingParts, rdv: Rendezvous, save_dir: str, tag: str,
             nodes = node_local.node_map(parts.topology)
             keeper = node_local.is_node_leader(nodes, rank)
         if keeper:
+            created = not os.path.isdir(tag_dir)
             os.makedirs(tag_dir, exist_ok=True)
             if os.path.exists(os.path.join(tag_dir, INDEX)):
                 os.unlink(os.path.join(tag_dir, INDEX))  # overwriting: incomplete first, never mixed
@@ -121,12 +124,20 @@ def prepare_save(parts: TrainingParts, rdv: Rendezvous, save_dir: str, tag: str,
             fields = _index_fields(parts, names, scheduler, param_groups, dataloader, exclude_frozen_parameters)
     except Exception as e:  # reported to every rank, then raised here
         error = e
-    raise_unless_all(rdv.agree("prepared", error is None), error, f"preparing checkpoint {tag_dir}")
+    try:
+        raise_unless_all(rdv.agree("prepared", error is None), error, f"preparing checkpoint {tag_dir}")
+    except BaseException:
+        if created:  # nothing was written into it yet
+            try:
+                _remove_dir(tag_dir)
+            except OSError as e:
+                log.warning("after the failed save of %s, removing its directory failed: %s", tag_dir, e)
+        raise
     background = parts.config.checkpoint.async_save
     writer = ShardWriter(os.path.join(tag_dir, shard_name(rank, parts.topology.world_size)), tensors,
                          {"dsrun": json.dumps(meta)}, stepped if background else set(tensors), parts.config.aio)
     return SaveJob(rdv, save_dir, tag, writer, fields, save_latest, parts.config.checkpoint.keep_last, fault,
-                   keeper, nodes, json.dumps(meta) if nodes is not None else None)
+                   keeper, nodes, json.dumps(meta) if nodes is not None else None, created)
 
 
 def _assembled_splits(parts: TrainingParts, exclude_frozen: bool) -> Assembled | None:
@@ -220,13 +231,16 @@ class SaveJob:
     storage, each node's local rank 0). nodes: the job's nodes with
     node-local storage, else None; meta: then this rank's description (the
     shard header's JSON), sent to rank 0 (see [Note: node-local checkpoints]
-    in node_local.py)."""
+    in node_local.py). created: the keeper made the tag directory for this
+    save (see [Note: a failed save leaves no files])."""
 
     def __init__(self, rdv: Rendezvous, save_dir: str, tag: str, writer: ShardWriter, fields: dict | None,
                  save_latest: bool, keep_last: int | None, fault: Callable[[str], None], keeper: bool,
-                 nodes: NodeMap | None = None, meta: str | None = None):
+                 nodes: NodeMap | None = None, meta: str | None = None, created: bool = False):
         self.rdv, self.save_dir, self.tag = rdv, save_dir, tag
-        self.keeper, self.nodes, self.meta = keeper, nodes, meta
+        self.keeper, self.nodes, self.meta, self.created = keeper, nodes, meta, created
+        self._together = False  # every rank returned from the last agreement (see _agree)
+        self._named = False  # `latest` names this tag: a later failure must not remove it
         self.tag_dir = os.path.join(save_dir, tag)
         self.writer, self.fields, self.fault = writer, fields, fault
         self.staging: StagingBuffer | None = None
@@ -266,7 +280,79 @@ class SaveJob:
             raise CheckpointError(f"the asynchronous save of {self.tag_dir} failed: {error}") from error
 
     def run(self) -> None:
-        rank, world = self.rdv.rank, self.rdv.world
+        """Write this rank's shard and commit the tag (collective over the
+        rendezvous). Raises CheckpointError or the OSError of this rank's
+        write (naming the file) when any rank failed, on every rank; the
+        tag's files are then removed: see [Note: a failed save leaves no
+        files]. A failure to prune old tags (checkpoint.keep_last) after
+        the commit raises too but leaves the new tag in place."""
+        try:
+            self._write_and_commit()
+        except BaseException:
+            if not self._named:
+                self._abandon()
+            raise
+        if self.keep_last is not None:
+            error = None
+            if self.keeper:
+                try:
+                    _prune(self.save_dir, self.keep_last, self.tag)
+                except Exception as e:
+                    error = e
+            raise_unless_all(self.rdv.agree("pruned", error is None), error,
+                             f"deleting old checkpoints beside {self.tag_dir} (checkpoint.keep_last)")
+        if self.rdv.rank == 0:
+            log.info("saved checkpoint %s (%d rank files%s)", self.tag_dir, self.rdv.world,
+                     "" if self.nodes is None else f", node-local on {self.nodes.num_nodes} node(s)")
+
+    def _agree(self, step: str, error: BaseException | None, report: str = "") -> list[tuple[bool, str]]:
+        """`rdv.agree`, noting whether every rank got there (a timeout, when
+        a rank died or hangs, raises with `_together` False)."""
+        self._together = False
+        results = self.rdv.agree(step, error is None, report)
+        self._together = True
+        return results
+
+    def _abandon(self) -> None:
+        """After a failed save: remove this rank's files of the tag, and with
+        every rank here the keeper's index and the directory it created.
+        Errors are logged, never raised over the save's own error.
+
+        [Note: a failed save leaves no files]
+        A rank whose shard landed before another rank failed (a disk that
+        filled up under the other) would leave a half checkpoint behind that
+        `load_checkpoint(tag=...)`, a listing of tags or the next save meets.
+        So on any failure every rank deletes its own shard; the keeper first
+        deletes the index if it wrote one (a failure at `latest`: the tag
+        turns incomplete before any shard goes, and `latest` still names
+        the previous tag; once `latest` names the new tag, the save is
+        committed and nothing is removed), and, once every rank reports its shard gone,
+        removes the tag directory if this save created it. When a rank did
+        not report (dead or hung) the others delete only their own files and
+        leave the directory: the silent rank may still be writing into it.
+        """
+        together = self._together
+
+        def attempt(remove: Callable[[str], None], path: str) -> None:
+            try:
+                remove(path)
+            except OSError as e:  # the save's own error is what the caller gets
+                log.warning("after the failed save of %s, removing %s failed: %s", self.tag_dir, path, e)
+        if self.keeper:
+            attempt(_remove_file, os.path.join(self.tag_dir, INDEX))
+        try:
+            if together:
+                self.rdv.agree("unindexed", True)
+            attempt(_remove_file, self.writer.path)
+            if together:
+                self.rdv.agree("abandoned", True)
+                if self.keeper and self.created:
+                    attempt(_remove_dir, self.tag_dir)
+        except CheckpointError as e:  # a rank stopped answering while cleaning up
+            log.warning("after the failed save of %s: %s", self.tag_dir, e)
+
+    def _write_and_commit(self) -> None:
+        rank = self.rdv.rank
         error, written = None, ""
         try:
             os.makedirs(self.tag_dir, exist_ok=True)
@@ -277,7 +363,7 @@ class SaveJob:
             self.fault("after_shard")
         except Exception as e:
             error = e
-        results = self.rdv.agree("written", error is None, written)
+        results = self._agree("written", error, written)
         raise_unless_all(results, error, f"saving checkpoint {self.tag_dir}")
         error, index = None, b""
         if rank == 0:
@@ -286,9 +372,10 @@ class SaveJob:
             except Exception as e:
                 error = e
         if self.nodes is not None:  # every node's keeper writes rank 0's index
-            shared = self.rdv.agree("index", error is None, index.decode())
+            shared = self._agree("index", error, index.decode())
             raise_unless_all(shared, error, f"building the index of checkpoint {self.tag_dir}")
             index = shared[0][1].encode()
+        named = ""  # "latest" once `latest` names this tag (the save is then committed)
         if self.keeper and error is None:
             try:
                 fsync_dir(self.tag_dir)
@@ -298,16 +385,13 @@ class SaveJob:
                 if self.save_latest:
                     self.fault("before_latest")
                     atomic_write(os.path.join(self.save_dir, LATEST), [self.tag.encode()])
+                    named = LATEST
                     fsync_dir(self.save_dir)
-                if self.keep_last is not None:
-                    _prune(self.save_dir, self.keep_last, self.tag)
             except Exception as e:
                 error = e
-        raise_unless_all(self.rdv.agree("committed", error is None), error,
-                          f"committing checkpoint {self.tag_dir}")
-        if rank == 0:
-            log.info("saved checkpoint %s (%d rank files%s)", self.tag_dir, world,
-                     "" if self.nodes is None else f", node-local on {self.nodes.num_nodes} node(s)")
+        results = self._agree("committed", error, named)
+        self._named = any(report == LATEST for _, report in results)
+        raise_unless_all(results, error, f"committing checkpoint {self.tag_dir}")
 
     def _index(self, reports: list[str]) -> bytes:
         """Rank 0: the index's bytes from every rank's "written" report."""
@@ -322,6 +406,24 @@ class SaveJob:
                              [FileEntry.model_validate(rec["file"]) for rec in records],
                              [json.loads(rec["meta"]) for rec in records])
         return _index_bytes(index.model_copy(update={"nodes": nodes, "written_on": written_on}))
+
+
+def _remove_file(path: str) -> None:
+    """Unlink `path` if it exists and fsync its directory."""
+    if os.path.exists(path):
+        os.unlink(path)
+        fsync_dir(os.path.dirname(path))
+
+
+def _remove_dir(path: str) -> None:
+    """Remove the directory `path`, which must be empty (OSError naming
+    what it still holds otherwise: files that are not this save's)."""
+    try:
+        os.rmdir(path)
+    except OSError as e:
+        left = sorted(os.listdir(path)) if os.path.isdir(path) else []
+        raise OSError(e.errno, f"{e.strerror}; it holds {', '.join(left)}" if left else e.strerror, path) from e
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
 def _index_bytes(index: Index) -> bytes:

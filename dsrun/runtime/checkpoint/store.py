@@ -30,8 +30,10 @@ rank 0 builds the index from the headers without moving any data.
 2. Every rank writes its shard to a temporary name in the tag directory,
    fsyncs and renames it, hashing it as it goes (writer.py).
 3. All ranks publish (success, the file's checksum); if any rank failed, every rank
-   raises and nothing else happens: the tag stays without an index and
-   `latest` unchanged.
+   raises, `latest` stays unchanged and the tag's files go: every rank
+   deletes its shard, and rank 0 the tag directory if this save created it
+   (see [Note: a failed save leaves no files] in save.py; a failure at
+   step 4 or 5 does the same, the index deleted first).
 4. Rank 0 reads the shard headers, writes index.json (temporary name,
    fsync, rename, directory fsync), then replaces `latest` the same way
    (and prunes old tags for checkpoint.keep_last: index first, then the

@@ -719,7 +719,9 @@ class Engine(DeepSpeedEngineCompat, torch.nn.Module):
         save (raising its CheckpointError, as `wait_checkpoint`), then remove
         every hook the strategy registered and stop its threads and swap
         files (`GradientStrategy.close`; [Note: strategy hooks] in
-        dsrun/runtime/strategy/hooks.py). The engine cannot train afterwards. At
+        dsrun/runtime/strategy/hooks.py), and close the monitors (TensorBoard
+        files flushed and closed, the wandb run finished). The engine cannot
+        train afterwards. At
         stages 0-2 the module then runs as a plain module with the trained
         weights; at stage 3 its parameters stay partitioned (DeepSpeed's
         `destroy` leaves them so too): gather what you need first
@@ -731,7 +733,10 @@ class Engine(DeepSpeedEngineCompat, torch.nn.Module):
         try:
             self.checkpointer.wait_pending()
         finally:
-            self.strategy.close()
+            try:
+                self.strategy.close()
+            finally:
+                self.monitor.close()
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "model.safetensors",
                          exclude_frozen_parameters: bool = False) -> bool:

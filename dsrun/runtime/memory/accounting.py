@@ -14,7 +14,10 @@ variance), one rank holds
 
 With offload (Ren et al., ZeRO-Offload, ATC 2021; Rajbhandari et al.,
 ZeRO-Infinity, SC21) the same bytes move to another tier: offload_optimizer
-cpu puts master and optimizer states in host memory, nvme in swap files;
+cpu puts master and optimizer states in host memory, nvme in swap files,
+and at stage 2 and 3 the averaged gradient partitions in host memory (the
+step reads them there; stage 0 and 1 accumulate into a full gradient buffer
+beside the parameters, which stays on the device);
 offload_param (stage 3) does the same with the 16-bit partitions. NVMe
 offload adds host streaming buffers (buffer_count x 3 x 4 bytes x
 sub_group_size for the optimizer). `MemoryEstimate.tiers()` splits the
@@ -173,6 +176,8 @@ def estimate_zero_memory(model_or_num_params, world_size: int, stage: int, dtype
     placement = {}
     if offload_optimizer != "none":
         placement.update(master=tier_of[offload_optimizer], optimizer_states=tier_of[offload_optimizer])
+        if stage >= 2:  # the gradient partitions go where the step runs (OptimizerTier.grad_device)
+            placement["grads"] = "host"
         if offload_optimizer == "nvme" and optimizer_states:
             per_buffer = 3 * 4 * min(int(sub_group_size), shard)
             cats["offload_buffers"] = {"fp32": int(buffer_count) * per_buffer}

@@ -55,5 +55,8 @@ class MonitorMaster(Monitor):
             monitor.update_config(config_dict)
 
     def close(self) -> None:
-        for monitor in self.monitors:
+        """Close every backend (flush and release files, finish the wandb
+        run); later calls, and events written afterwards, do nothing."""
+        monitors, self.monitors = self.monitors, []
+        for monitor in monitors:
             monitor.close()

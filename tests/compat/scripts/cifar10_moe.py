@@ -8,6 +8,9 @@ k=1, min_capacity=..., noisy_gate_policy="RSample")` layers called as
 parameters through `split_params_into_different_moe_groups_for_optimizer(
 {"params": ..., "name": "parameters"})`, and initialize(training_data=...).
 
+--capacity-factor, --no-rts (use_rts=False) and --images are ours, for the
+comparison with DeepSpeed's losses over capacity.
+
 Prints one line "RESULT {json}" per rank.
 """
 import argparse
@@ -36,6 +39,10 @@ def add_argument():
                         help="(moe) minimum capacity of an expert regardless of the capacity_factor")
     parser.add_argument("--noisy-gate-policy", default=None, type=str,
                         help="(moe) noisy gating (only supported with top-1). Valid values are None, RSample, Jitter")
+    parser.add_argument("--capacity-factor", default=1.0, type=float, help="(moe) capacity factor in training")
+    parser.add_argument("--no-rts", default=False, action="store_true",
+                        help="(moe) no random token selection: keep torch.topk of the choice mask")
+    parser.add_argument("--images", default=64, type=int, help="synthetic training images")
     parser.add_argument("--moe-param-group", default=False, action="store_true",
                         help="(moe) create separate moe param groups, required when using ZeRO w. MoE")
     parser.add_argument("--stage", default=0, type=int, help="ZeRO stage")
@@ -63,7 +70,8 @@ class Net(nn.Module):
                 self.moe_layer_list.append(
                     deepspeed.moe.layer.MoE(hidden_size=84, expert=fc3, num_experts=n_e, ep_size=args.ep_world_size,
                                             use_residual=args.mlp_type == "residual", k=args.top_k,
-                                            min_capacity=args.min_capacity, noisy_gate_policy=args.noisy_gate_policy))
+                                            min_capacity=args.min_capacity, noisy_gate_policy=args.noisy_gate_policy,
+                                            capacity_factor=args.capacity_factor, use_rts=not args.no_rts))
             self.moe_layer_list = nn.ModuleList(self.moe_layer_list)
             self.fc4 = nn.Linear(84, 10)
         else:
@@ -96,7 +104,7 @@ if args.moe_param_group:
     parameters = create_moe_param_groups(net)
 
 gen = torch.Generator().manual_seed(1)
-images = torch.randn(64, 3, 32, 32, generator=gen)
+images = torch.randn(args.images, 3, 32, 32, generator=gen)
 labels = (images[:, 0].mean(dim=(1, 2)) > 0).long() + 2 * (images[:, 1].mean(dim=(1, 2)) > 0).long()
 trainset = torch.utils.data.TensorDataset(images, labels)
 

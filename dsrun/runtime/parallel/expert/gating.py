@@ -20,14 +20,32 @@ largest number of tokens any expert got on any rank of the expert-parallel
 group (an all-reduce MAX over it), so no token is dropped and every rank
 still exchanges blocks of one size.
 
-Which tokens keep their place when an expert is full:
-- top-1 with use_rts (Random Token Selection, DeepSpeed-MoE): a uniformly
-  random subset of the tokens that chose it; without it, the first in
-  token order (GShard's policy);
+Which tokens keep their place when an expert is full (as DeepSpeed's
+deepspeed/moe/sharded_moe.py selects them, so the same batch drops the same
+tokens):
+- top-1: the `capacity` rows that `torch.topk(score, capacity, dim=0)`
+  returns for the expert's column, where score is the 0/1 choice mask times
+  uniform noise with use_rts (Random Token Selection, DeepSpeed-MoE: a
+  uniformly random subset of the tokens that chose it), and the bare 0/1
+  mask without it. Without use_rts every chosen token ties at 1, so which
+  of them stay is torch.topk's order on ties: an implementation detail of
+  the device's kernel, NOT the first in token order (on CPU it is often a
+  later run of tokens). See [Note: kept tokens follow torch.topk];
 - top-2: first choices before second choices, each in token order (GShard,
-  Lepikhin et al. 2020, Algorithm 1);
-- top-k (k > 2): the tokens with the largest gate probability for it
-  (drop_policy "probs"), or the first in token order ("position").
+  Lepikhin et al. 2020, Algorithm 1; DeepSpeed's top2gating too);
+- top-k (k > 2): drop_policy "probs" keeps the `capacity` rows of
+  `torch.topk(..., sorted=False)` over the gate probabilities of the
+  tokens that chose the expert (zero elsewhere): the most probable ones,
+  ties in torch.topk's order; "position" keeps the first in token order.
+Kept tokens take their slots in token order either way.
+
+[Note: kept tokens follow torch.topk]
+A rule of our own ("the first tokens in token order", say) drops other
+tokens than DeepSpeed's torch.topk once an expert overflows, and a
+DeepSpeed client's losses then drift from the first over-capacity step on
+(2% after 8 steps on the CIFAR MoE client). So the selection calls
+torch.topk on exactly DeepSpeed's scores, with its arguments; the kept set
+is then the same on the same device and torch version.
 
 The load-balancing loss is E x sum_e(me_e x ce_e) with me_e the mean gate
 probability of expert e over the tokens and ce_e the fraction of tokens
@@ -91,6 +109,13 @@ def _slots(mask: torch.Tensor, locations: torch.Tensor, weights: torch.Tensor, c
     return (weights * mask).unsqueeze(-1) * slot
 
 
+def _top_rows(score: torch.Tensor, cap: int, sorted: bool = True) -> torch.Tensor:
+    """A 0/1 int64 mask [S, E] of the min(cap, S) rows `torch.topk` picks in
+    each column of `score` [S, E] (ties in torch.topk's order)."""
+    rows = score.topk(min(cap, score.shape[0]), dim=0, sorted=sorted).indices
+    return torch.zeros(score.shape, dtype=torch.int64, device=score.device).scatter_(0, rows, 1)
+
+
 def top1_gating(logits: torch.Tensor, capacity_factor: float, min_capacity: int, *,
                 noisy_gate_policy: str | None = None, drop_tokens: bool = True, use_rts: bool = True,
                 ep_group=None, used_token: torch.Tensor | None = None) -> GateOutput:
@@ -117,12 +142,10 @@ def top1_gating(logits: torch.Tensor, capacity_factor: float, min_capacity: int,
             raise ValueError(f"MoE gate: {num_tokens} tokens is fewer than min_capacity={min_capacity}; "
                              "feed more tokens per batch or lower min_capacity")
         cap = capacity(num_tokens, num_experts, capacity_factor, min_capacity)
-        if use_rts:
-            score = mask * torch.rand(mask.shape, device=mask.device)
-            kept = torch.zeros_like(mask).scatter_(0, score.topk(min(cap, num_tokens), dim=0).indices, 1)
-            mask = mask * kept
-        else:
-            mask = mask * ((mask.cumsum(dim=0) - 1) < cap)
+        # See [Note: kept tokens follow torch.topk]; noise in [0, 1) keeps
+        # the unchosen (score 0) below every chosen token.
+        score = mask * torch.rand(mask.shape, device=mask.device) if use_rts else mask
+        mask = mask * _top_rows(score, cap)
     else:
         cap = _dropless_capacity(counts, ep_group)
     locations = mask.cumsum(dim=0) - 1
@@ -183,10 +206,8 @@ def topk_gating(logits: torch.Tensor, k: int, capacity_factor: float, min_capaci
     l_aux = (gates.mean(dim=0) * mask.float().mean(dim=0)).sum() * num_experts / k
     if drop_tokens:
         cap = capacity(num_tokens, num_experts, capacity_factor * k, min_capacity)
-        if drop_policy == "probs":
-            score = gates.detach().masked_fill(mask == 0, float("-inf"))
-            kept = torch.zeros_like(mask).scatter_(0, score.topk(min(cap, num_tokens), dim=0).indices, 1)
-            mask = mask * kept
+        if drop_policy == "probs":  # see [Note: kept tokens follow torch.topk]
+            mask = mask * _top_rows(gates.detach() * mask, cap, sorted=False)
         else:
             mask = mask * ((mask.cumsum(dim=0) - 1) < cap)
     else:
