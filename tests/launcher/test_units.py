@@ -8,12 +8,11 @@ import sys
 import warnings
 
 import pytest
-from pydantic import ValidationError
 
 from dsrun import numpy_warning
 from dsrun.launcher.env import rank_argv, rank_process_env
 from dsrun.launcher.failure import TAIL_LINES, TRACEBACK_MAX_LINES, RankFailure, StderrTail, exit_status, signal_name
-from dsrun.launcher.job import NodeJob
+from dsrun.launcher.job import InvalidNodeJob, NodeJob
 from dsrun.launcher.ports import PortError, choose_master_port, is_local_address
 
 
@@ -41,7 +40,7 @@ def test_node_job_round_trips_through_one_json_line():
     ],
 )
 def test_node_job_rejects_contradictions(changes, message):
-    with pytest.raises(ValidationError, match=message):
+    with pytest.raises(InvalidNodeJob, match=message):
         _job(**changes)
 
 
