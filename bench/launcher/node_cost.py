@@ -127,10 +127,9 @@ def main() -> None:
                     cd = f"cd {shlex.quote(str(tree))} && exec {py}"
                     add(f"imports {label}", _sessions_cpu(hosts, config, sshd,
                                                           f"{cd} -c 'import dsrun.launcher.agent'"))
-                    os.environ["PYTHONPATH"] = str(tree)
                     argv = [py, "-m", "dsrun.launcher.cli", "--no_local_rank", "--grace_period", "5",
                             "--hostfile", str(hostfile), "--ssh_config", str(cfg), str(rank)]
-                    _, _, node = run_case(argv, 2 * args.hosts, None, sshd, tree)
+                    _, _, node = run_case(argv, 2 * args.hosts, None, sshd, tree, dict(os.environ, PYTHONPATH=str(tree)))
                     add(f"node {label}", node / args.hosts)
                 print(f"rep {rep} done", file=sys.stderr, flush=True)
 
