@@ -26,6 +26,10 @@ each row is the difference of two cumulative stages:
   above: the bootstrap's probes, the watchdog fork, spawning and watching
   the ranks, sshd relaying their output.
 - `whole node`: fanout.py's `dsrun start`, node CPU / hosts.
+- `agent alone (local)`: `PYTHON -m dsrun.launcher.agent` given a 2-rank
+  job of the same rank script on stdin, no sshd, minus its imports
+  (`-c 'import dsrun.launcher.agent'`) and minus `2 ranks`: the agent's own
+  run measured directly, not as a difference of sshd stages.
 
 With `--base TREE` (a worktree of another commit, e.g. main), the rows that
 depend on dsrun's code (agent imports, rest, whole node) are measured for
@@ -54,13 +58,29 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fanout import RANK_SCRIPT, _sshd_children_cpu, _wait_sessions_gone, run_case  # noqa: E402
 from tests.multinode.sshd import loopback_sshd  # noqa: E402
 
+from dsrun.launcher.job import NodeJob  # noqa: E402
 from dsrun.launcher.ssh import DEFAULT_SSH_PARALLELISM, connect_all, load_ssh_config  # noqa: E402
 
 
-def _local_cpu(argv: list[str]) -> float:
-    """CPU seconds of one local run of `argv` (it must exit 0), as rank 0 of 2."""
+def _local_cpu(argv: list[str], tree: Path | None = None) -> float:
+    """CPU seconds of one local run of `argv` (it must exit 0), as rank 0 of 2, in `tree` if given."""
     r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, env=dict(os.environ, RANK="0", WORLD_SIZE="2"))
+    env = dict(os.environ, RANK="0", WORLD_SIZE="2", **({"PYTHONPATH": str(tree)} if tree else {}))
+    subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, cwd=tree, env=env)
+    r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime
+
+
+def _local_agent_cpu(argv: list[str], job: NodeJob, tree: Path) -> float:
+    """CPU seconds of one local agent run of `job` (its ranks included), started in `tree`; stdin stays open."""
+    r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    proc = subprocess.Popen(argv, cwd=tree, env=dict(os.environ, PYTHONPATH=str(tree)), stdin=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc.stdin.write(job.to_json_line().encode())
+    proc.stdin.flush()
+    if proc.wait(120) != 0:
+        raise RuntimeError(f"the agent in {tree} exited {proc.returncode}")
+    proc.stdin.close()
     r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     return r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime
 
@@ -116,6 +136,8 @@ def main() -> None:
             config = load_ssh_config(cfg)
             hosts = [f"host-{i:03d}" for i in range(args.hosts)]
             sshd = cluster.proc.pid
+            job = NodeJob(job_id="node-cost", node_rank=0, nnodes=1, world_size=2, ranks=[0, 1], local_ranks=[0, 1],
+                          master_addr="127.0.0.1", master_port=29400, command=[py, str(rank)], cwd=str(d))
             for rep in range(args.repeat):
                 add("connection", _sessions_cpu(hosts, config, sshd, None))
                 add("shell", _sessions_cpu(hosts, config, sshd, "exit 0"))
@@ -131,6 +153,8 @@ def main() -> None:
                             "--hostfile", str(hostfile), "--ssh_config", str(cfg), str(rank)]
                     _, _, node = run_case(argv, 2 * args.hosts, None, sshd, tree, dict(os.environ, PYTHONPATH=str(tree)))
                     add(f"node {label}", node / args.hosts)
+                    add(f"agent {label}", _local_agent_cpu([py, "-m", "dsrun.launcher.agent"], job, tree))
+                    add(f"agent imports {label}", _local_cpu([py, "-c", "import dsrun.launcher.agent"], tree))
                 print(f"rep {rep} done", file=sys.stderr, flush=True)
 
     def diff(a: str, b: str) -> list[float]:
@@ -150,6 +174,9 @@ def main() -> None:
         print(_row(f"rest of the agent ({label})", rest))
     for label in trees:
         print(_row(f"whole node ({label})", cum[f"node {label}"]))
+    for label in trees:
+        own = [a - i - r for a, i, r in zip(cum[f"agent {label}"], cum[f"agent imports {label}"], cum["ranks"])]
+        print(_row(f"agent alone (local, {label})", own))
     print(f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs at the end)")
 
 
