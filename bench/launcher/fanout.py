@@ -1,6 +1,6 @@
 """SSH fan-out: start-up and fail-fast time of dsrun for 2, 16, 64 hosts x 2 ranks over a real loopback sshd.
 
-    .venv/bin/python bench/launcher/fanout.py [--hosts 2,16,64] [--repeat 3] [--no_torchrun]
+    .venv/bin/python bench/launcher/fanout.py [--hosts 2,16,64] [--repeat 3] [--no_torchrun] [--base TREE]
 
 Every host is an alias (host-000, host-001, ...) of one of this machine's
 loopback addresses, served by one OpenSSH sshd (tests/multinode/sshd.py);
@@ -21,6 +21,11 @@ case, then the next), so machine noise hits all alike:
   per node. dsrun starts one agent per host; torchrun would be started once
   per host by the user (pdsh/srun), so its figure is a per-node cost.
 - `dry_run 1024`: `dsrun --dry_run` of a 1024-host hostfile, 8 slots each.
+- with `--base TREE` (a worktree of another commit, e.g. main), `base start
+  N` and `base fail N`: the same cases with that tree's dsrun (head and
+  agents run with TREE as working directory, which Python puts first on
+  sys.path), interleaved with this tree's, so old and new code meet the same
+  load.
 
 Prints min, median and spread (max - min) of each case, seconds, and the
 median CPU seconds of the whole launch (start to end, teardown included):
@@ -136,7 +141,7 @@ def _wait_sessions_gone(sshd_pid: int) -> None:
 
 
 def run_case(argv: list[str], world: int, trigger: Path | None, sshd_pid: int | None,
-             cwd: Path) -> tuple[float, float, float]:
+             cwd: Path, env: dict[str, str] | None = None) -> tuple[float, float, float]:
     """One launch; returns (seconds measured, head CPU s, node CPU s). See the module doc for what is measured.
 
     Head CPU: the launcher process (dsrun's head; for torchrun, torchrun and
@@ -147,7 +152,7 @@ def run_case(argv: list[str], world: int, trigger: Path | None, sshd_pid: int | 
         trigger.unlink()
     cpu0, node0 = _reaped_cpu(), _sshd_children_cpu(sshd_pid) if sshd_pid else 0.0
     t0 = time.perf_counter()
-    proc = subprocess.Popen(argv, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     _LAUNCHES.append(proc)  # see _LAUNCHES
     try:
         return _measure(proc, argv, world, trigger, sshd_pid, t0, cpu0, node0)
@@ -193,6 +198,7 @@ def main() -> None:
     parser.add_argument("--hosts", default="2,16,64", help="comma-separated host counts (2 ranks each)")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--no_torchrun", action="store_true")
+    parser.add_argument("--base", type=Path, help="a worktree of another commit, run beside this one")
     args = parser.parse_args()
     for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
         signal.signal(signum, _exit_on_signal)
@@ -206,17 +212,19 @@ def main() -> None:
         trigger = d / "fail_now"
         dsrun = [sys.executable, "-m", "dsrun.launcher.cli", "--no_local_rank", "--grace_period", "5"]
         with loopback_sshd(d / "sshd") as cluster:
-            cases: dict[str, tuple[list[str], int, Path | None, int | None]] = {}
+            cases: dict[str, tuple[list[str], int, Path | None, int | None, Path]] = {}
+            trees = {"dsrun": ROOT, **({"base": args.base.resolve()} if args.base else {})}
             for n in counts:
                 cfg, hostfile = cluster.write_many_hosts(n, 2)
                 base = [*dsrun, "--hostfile", str(hostfile), "--ssh_config", str(cfg), str(d / "rank.py")]
-                cases[f"dsrun start {n} hosts"] = (base, 2 * n, None, cluster.proc.pid)
-                cases[f"dsrun fail {n} hosts"] = ([*base, str(trigger)], 2 * n, trigger, cluster.proc.pid)
+                for label, tree in trees.items():
+                    cases[f"{label} start {n} hosts"] = (base, 2 * n, None, cluster.proc.pid, tree)
+                    cases[f"{label} fail {n} hosts"] = ([*base, str(trigger)], 2 * n, trigger, cluster.proc.pid, tree)
             if not args.no_torchrun:
                 torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
                             "--master_port", "0", str(d / "rank.py")]  # 0: a free port each run
-                cases["torchrun start 1 node"] = (torchrun, 2, None, None)
-                cases["torchrun fail 1 node"] = ([*torchrun, str(trigger)], 2, trigger, None)
+                cases["torchrun start 1 node"] = (torchrun, 2, None, None, ROOT)
+                cases["torchrun fail 1 node"] = ([*torchrun, str(trigger)], 2, trigger, None, ROOT)
             times: dict[str, list[float]] = {name: [] for name in cases}
             cpus: dict[str, list[float]] = {name: [] for name in cases}
             nodes: dict[str, list[float]] = {name: [] for name in cases}
@@ -226,9 +234,10 @@ def main() -> None:
             env = dict(os.environ, PYTHONPATH=str(ROOT))
             os.environ.update(env)
             for rep in range(args.repeat):
-                for name, (argv, world, trig, sshd_pid) in cases.items():
+                for name, (argv, world, trig, sshd_pid, tree) in cases.items():
                     try:
-                        seconds, cpu, node = run_case(argv, world, trig, sshd_pid, ROOT)
+                        seconds, cpu, node = run_case(argv, world, trig, sshd_pid, tree,
+                                                      dict(os.environ, PYTHONPATH=str(tree)))
                     except RuntimeError as exc:  # counted and shown, the other cases go on
                         failed[name] = failed.get(name, 0) + 1
                         print(f"rep {rep} {name}: FAILED: {exc}", file=sys.stderr, flush=True)

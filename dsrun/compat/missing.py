@@ -19,7 +19,6 @@ anyway, because the finder is consulted after the normal ones.
 """
 from __future__ import annotations
 
-import importlib.abc
 import sys
 
 _RELEASE = "dsrun 0.1"
@@ -87,10 +86,14 @@ def missing_attr(module_name: str, name: str) -> FeatureNotImplemented:
     return FeatureNotImplemented(message(f"{module_name}.{name}", feature, instead))
 
 
-class MissingModuleFinder(importlib.abc.MetaPathFinder):
+class MissingModuleFinder:
     """Raises FeatureNotImplementedError for `<package>.<missing module>`.
 
     Appended to sys.meta_path, so it only sees names that no file provides.
+    A meta path finder needs only `find_spec`; not subclassing
+    importlib.abc.MetaPathFinder spares every `import dsrun` (the launcher
+    and each node's agent included) importing importlib.abc and
+    importlib.resources.
     """
 
     def __init__(self, package: str) -> None:

@@ -75,13 +75,12 @@ from pathlib import Path
 from typing import BinaryIO
 
 import psutil
-from pydantic import ValidationError
 
 from dsrun.env import HEARTBEAT_FILE
 from dsrun.launcher.env import rank_argv, rank_process_env
 from dsrun.launcher.failure import RankFailure, StderrTail, by_root_cause, exit_status, signal_name
 from dsrun.launcher.hang import HANG_EXIT_CODE, HANG_REASON, HangReport, HangWatch, likely_causes
-from dsrun.launcher.job import NodeJob
+from dsrun.launcher.job import InvalidNodeJob, NodeJob
 from dsrun.runtime.offload import registry
 
 _PR_SET_PDEATHSIG = 1
@@ -625,7 +624,7 @@ def main() -> int:
         return 2
     try:
         job = NodeJob.from_json_line(line)
-    except ValidationError as exc:
+    except InvalidNodeJob as exc:
         print(f"dsrun agent: the NodeJob on stdin is invalid:\n{exc}", file=sys.stderr)
         return 2
     agent = Agent(job, stdin, sys.stdout.buffer, sys.stderr.buffer)

@@ -10,7 +10,9 @@ from __future__ import annotations
 import collections
 import signal
 
-from pydantic import BaseModel, Field
+from dataclasses import dataclass, field
+
+from dsrun.launcher.records import parse_record, record_json
 
 FAILURE_PREFIX = "@@dsrun-failure@@ "
 
@@ -27,33 +29,51 @@ _CHAIN_LINES = (
 )
 
 
-class RankFailure(BaseModel):
-    """One rank that exited non-zero on its own (not because dsrun stopped it), or that its agent found hung."""
+@dataclass(kw_only=True)
+class RankFailure:
+    """One rank that exited non-zero on its own (not because dsrun stopped it), or that its agent found hung.
 
-    host: str = Field(description="Node name the rank ran on.")
+    Attributes:
+        host: node name the rank ran on.
+        node_rank, local_rank: the node's index and the rank's index on it.
+        rank: global rank.
+        pid: process id on its node; None if it never started.
+        exit_code: shell-style status: the exit code, or 128+signum for a signal.
+        signal: signal name (e.g. 'SIGKILL') if a signal ended the rank.
+        stderr_tail: last `TAIL_LINES` lines of the rank's stderr.
+        traceback: last Python traceback the rank printed, whole, if any.
+        time: wall-clock time (time.time(), seconds) the agent saw the exit; orders failures.
+        reason: why the agent failed a rank that had not exited: "hung" (no
+            heartbeat within --hang_timeout, see launcher/hang.py); None for
+            a rank that exited non-zero.
+    """
+
+    host: str
     node_rank: int
-    rank: int = Field(description="Global rank.")
+    rank: int
     local_rank: int
-    pid: int | None = Field(description="Process id on its node; None if it never started.")
-    exit_code: int = Field(description="Shell-style status: the exit code, or 128+signum for a signal.")
-    signal: str | None = Field(None, description="Signal name (e.g. 'SIGKILL') if a signal ended the rank.")
-    stderr_tail: list[str] = Field(default_factory=list, description=f"Last {TAIL_LINES} lines of the rank's stderr.")
-    traceback: str | None = Field(None, description="Last Python traceback the rank printed, whole, if any.")
-    time: float = Field(description="Wall-clock time (time.time(), seconds) the agent saw the exit; orders failures.")
-    reason: str | None = Field(None, description="Why the agent failed a rank that had not exited: \"hung\" "
-                                                 "(no heartbeat within --hang_timeout, see launcher/hang.py); "
-                                                 "None for a rank that exited non-zero.")
+    pid: int | None
+    exit_code: int
+    signal: str | None = None
+    stderr_tail: list[str] = field(default_factory=list)
+    traceback: str | None = None
+    time: float
+    reason: str | None = None
 
     def to_line(self) -> str:
         """The record as one prefixed line (no newline)."""
-        return FAILURE_PREFIX + self.model_dump_json()
+        return FAILURE_PREFIX + record_json(self)
 
     @classmethod
     def from_line(cls, line: str) -> "RankFailure | None":
-        """Parse a line written by `to_line`; None if the line is not a failure record."""
+        """Parse a line written by `to_line`; None if the line is not a failure record.
+
+        Raises:
+            ValueError: the line has the prefix but is not a RankFailure (see `parse_record`).
+        """
         if not line.startswith(FAILURE_PREFIX):
             return None
-        return cls.model_validate_json(line[len(FAILURE_PREFIX):])
+        return parse_record(cls, line[len(FAILURE_PREFIX):])
 
 
 # What a rank prints when it lost a peer (gloo's TCP pair, torch's store,
@@ -163,14 +183,20 @@ class StderrTail:
         return "\n".join(block)
 
 
-class AgentFailure(BaseModel):
+@dataclass(kw_only=True)
+class AgentFailure:
     """A node whose agent exited non-zero without reporting a rank failure.
 
     This is what the head sees when an agent could not start (bad job, no
     Python on the node), crashed, or lost its connection.
+
+    Attributes:
+        host, node_rank: the node.
+        exit_code: shell-style exit status of the agent (or of its transport, e.g. ssh).
+        output_tail: last lines the agent wrote on stderr.
     """
 
     host: str
     node_rank: int
-    exit_code: int = Field(description="Shell-style exit status of the agent (or of its transport, e.g. ssh).")
-    output_tail: list[str] = Field(default_factory=list, description="Last lines the agent wrote on stderr.")
+    exit_code: int
+    output_tail: list[str] = field(default_factory=list)

@@ -39,12 +39,12 @@ import shutil
 import tempfile
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
-
-from pydantic import BaseModel, Field
 
 from dsrun.env import HEARTBEAT_FILE
 from dsrun.launcher.job import NodeJob
+from dsrun.launcher.records import parse_record, record_json
 from dsrun.runtime.observability.heartbeat import (DUMP_SIGNAL, HeartbeatState, create_heartbeat_file,
                                                    read_heartbeat, stacks_path)
 
@@ -59,49 +59,89 @@ _SETTLE_S = 0.1
 _MAX_PERIOD_S = 1.0
 
 
-class CollectiveCall(BaseModel):
-    """The last collective a rank entered (see heartbeat.CollectiveState)."""
+@dataclass(kw_only=True)
+class CollectiveCall:
+    """The last collective a rank entered (see heartbeat.CollectiveState).
 
-    seq: int = Field(description="How many collectives the rank had entered, this one included.")
+    Attributes:
+        seq: how many collectives the rank had entered, this one included.
+        op, group_size: the collective and the size of its group.
+        bytes: message bytes, as dsrun's comms logger counts them.
+        entered: wall time (time.time()) the rank entered it.
+        finished: wall time it returned; None: the rank is still inside.
+    """
+
+    seq: int
     op: str
     group_size: int
-    bytes: int = Field(description="Message bytes, as dsrun's comms logger counts them.")
-    entered: float = Field(description="Wall time (time.time()) the rank entered it.")
-    finished: float | None = Field(description="Wall time it returned; None: the rank is still inside.")
+    bytes: int
+    entered: float
+    finished: float | None
 
 
-class RankSnapshot(BaseModel):
-    """One rank's state when a hang was reported."""
+@dataclass(kw_only=True)
+class RankSnapshot:
+    """One rank's state when a hang was reported.
+
+    Attributes:
+        rank: global rank.
+        pid: the rank's process id; None if it is not running.
+        beats: heartbeats so far; 0: the rank had not begun to beat.
+        step: last engine step it reached, None if none.
+        silent_s: seconds since its last beat (agent's clock); None before the first.
+        collective: the last collective it entered, None if none.
+        stacks: every Python thread's stack (faulthandler); None if it gave none.
+    """
 
     rank: int
-    pid: int | None = Field(description="The rank's process id; None if it is not running.")
-    beats: int = Field(description="Heartbeats so far; 0: the rank had not begun to beat.")
-    step: int | None = Field(description="Last engine step it reached, None if none.")
-    silent_s: float | None = Field(description="Seconds since its last beat (agent's clock); None before the first.")
-    collective: CollectiveCall | None = Field(description="The last collective it entered, None if none.")
-    stacks: str | None = Field(description="Every Python thread's stack (faulthandler); None if it gave none.")
+    pid: int | None
+    beats: int
+    step: int | None
+    silent_s: float | None
+    collective: CollectiveCall | None
+    stacks: str | None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.collective, dict):  # read back from JSON (HangReport.from_line)
+            self.collective = parse_record(CollectiveCall, self.collective)
 
 
-class HangReport(BaseModel):
-    """What an agent saw when a hang was reported: every running rank of its node."""
+@dataclass(kw_only=True)
+class HangReport:
+    """What an agent saw when a hang was reported: every running rank of its node.
+
+    Attributes:
+        host, node_rank: the node.
+        timeout: the job's --hang_timeout, seconds.
+        time: wall time of the report.
+        hung: ranks of this node found hung (empty when the head asked for the report).
+        ranks: a snapshot of every rank of the node.
+    """
 
     host: str
     node_rank: int
-    timeout: float = Field(description="The job's --hang_timeout, seconds.")
-    time: float = Field(description="Wall time of the report.")
-    hung: list[int] = Field(description="Ranks of this node found hung (empty when the head asked for the report).")
+    timeout: float
+    time: float
+    hung: list[int]
     ranks: list[RankSnapshot]
+
+    def __post_init__(self) -> None:
+        self.ranks = [parse_record(RankSnapshot, r) if isinstance(r, dict) else r for r in self.ranks]
 
     def to_line(self) -> str:
         """The report as one prefixed line (no newline)."""
-        return HANG_PREFIX + self.model_dump_json()
+        return HANG_PREFIX + record_json(self)
 
     @classmethod
     def from_line(cls, line: str) -> "HangReport | None":
-        """Parse a line written by `to_line`; None if the line is not a hang report."""
+        """Parse a line written by `to_line`; None if the line is not a hang report.
+
+        Raises:
+            ValueError: the line has the prefix but is not a HangReport (see `parse_record`).
+        """
         if not line.startswith(HANG_PREFIX):
             return None
-        return cls.model_validate_json(line[len(HANG_PREFIX):])
+        return parse_record(cls, line[len(HANG_PREFIX):])
 
 
 def likely_causes(snapshots: list[RankSnapshot]) -> list[int]:

@@ -7,11 +7,13 @@ stdin, locally or over an SSH channel), so it holds only plain data.
 """
 from __future__ import annotations
 
+import math
 import os
 import time
 import uuid
+from dataclasses import dataclass, field
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from dsrun.launcher.records import parse_record, record_json
 
 # Seconds the ranks of a dsrun job wait for each other at start-up (see dsrun.runtime.distributed.rendezvous).
 DEFAULT_RENDEZVOUS_TIMEOUT = 300.0
@@ -28,66 +30,124 @@ def new_job_id() -> str:
     return f"dsrun-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
 
 
-class NodeJob(BaseModel):
+class InvalidNodeJob(ValueError):
+    """A NodeJob whose fields have the wrong type, are out of range, or contradict each other."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeJob:
     """What one node's agent runs: its ranks, the rendezvous and the command.
 
-    Raises pydantic.ValidationError when the fields contradict each other
-    (rank lists of different lengths, a rank outside the world, a node rank
-    outside the node count).
+    Attributes:
+        job_id: unique id of the whole job; exported as DSRUN_JOB_ID.
+        host: name of the node, for messages and the failure summary.
+        node_rank: index of this node among the job's nodes (>= 0).
+        nnodes: number of nodes in the job (>= 1).
+        world_size: number of ranks in the whole job (>= 1).
+        ranks: global rank of each process this node starts (at least one).
+        local_ranks: local rank of each process, same order as `ranks`.
+        master_addr: address of the rendezvous (rank 0's TCP store).
+        master_port: port of the rendezvous (1-65535).
+        command: argv of every rank (python, script, script args).
+        cwd: working directory of every rank.
+        env: variables added to the agent's environment for each rank.
+        grace_period: seconds between SIGTERM and SIGKILL when tearing down (>= 0).
+        rendezvous_timeout: seconds the ranks wait for each other at start-up
+            (> 0); exported as DSRUN_RENDEZVOUS_TIMEOUT.
+        hang_timeout: seconds a rank may go without a heartbeat, once it began
+            to beat, before it is reported hung; 0: no hang detection.
+        pass_local_rank: append --local_rank=N to the rank command (DeepSpeed's convention).
+        log_dir: if set, each rank's output is also written to log_dir/rank_N.log.
+        restart_count: how many times the launcher restarted the job before this
+            attempt (dsrun --max_restarts); exported as DSRUN_RESTART_COUNT and
+            TORCHELASTIC_RESTART_COUNT.
+
+    Raises:
+        InvalidNodeJob (a ValueError): a field of the wrong type or out of
+            range, or fields that contradict each other (rank lists of
+            different lengths, a rank outside the world, a node rank outside
+            the node count). See [Note: no pydantic in the agent] in records.py.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    job_id: str
+    host: str = "localhost"
+    node_rank: int
+    nnodes: int
+    world_size: int
+    ranks: list[int]
+    local_ranks: list[int]
+    master_addr: str
+    master_port: int
+    command: list[str]
+    cwd: str
+    env: dict[str, str] = field(default_factory=dict)
+    grace_period: float = 10.0
+    rendezvous_timeout: float = DEFAULT_RENDEZVOUS_TIMEOUT
+    hang_timeout: float = DEFAULT_HANG_TIMEOUT
+    pass_local_rank: bool = False
+    log_dir: str | None = None
+    restart_count: int = 0
 
-    job_id: str = Field(description="Unique id of the whole job; exported as DSRUN_JOB_ID.")
-    host: str = Field("localhost", description="Name of the node, for messages and the failure summary.")
-    node_rank: int = Field(ge=0, description="Index of this node among the job's nodes.")
-    nnodes: int = Field(ge=1, description="Number of nodes in the job.")
-    world_size: int = Field(ge=1, description="Number of ranks in the whole job.")
-    ranks: list[int] = Field(min_length=1, description="Global rank of each process this node starts.")
-    local_ranks: list[int] = Field(min_length=1, description="Local rank of each process, same order as `ranks`.")
-    master_addr: str = Field(description="Address of the rendezvous (rank 0's TCP store).")
-    master_port: int = Field(ge=1, le=65535, description="Port of the rendezvous.")
-    command: list[str] = Field(min_length=1, description="argv of every rank (python, script, script args).")
-    cwd: str = Field(description="Working directory of every rank.")
-    env: dict[str, str] = Field(default_factory=dict, description="Variables added to the agent's environment for each rank.")
-    grace_period: float = Field(10.0, ge=0, allow_inf_nan=False,
-                                description="Seconds between SIGTERM and SIGKILL when tearing down.")
-    rendezvous_timeout: float = Field(DEFAULT_RENDEZVOUS_TIMEOUT, gt=0, allow_inf_nan=False,
-                                      description="Seconds the ranks wait for each other at start-up; "
-                                                  "exported as DSRUN_RENDEZVOUS_TIMEOUT.")
-    hang_timeout: float = Field(DEFAULT_HANG_TIMEOUT, ge=0, allow_inf_nan=False,
-                                description="Seconds a rank may go without a heartbeat, once it began to beat, "
-                                            "before it is reported hung; 0: no hang detection.")
-    pass_local_rank: bool = Field(False, description="Append --local_rank=N to the rank command (DeepSpeed's convention).")
-    log_dir: str | None = Field(None, description="If set, each rank's output is also written to log_dir/rank_N.log.")
-    restart_count: int = Field(0, ge=0, description="How many times the launcher restarted the job before this "
-                                                    "attempt (dsrun --max_restarts); exported as "
-                                                    "DSRUN_RESTART_COUNT and TORCHELASTIC_RESTART_COUNT.")
-
-    @model_validator(mode="after")
-    def _check_consistency(self) -> "NodeJob":
+    def __post_init__(self) -> None:
+        for name in ("job_id", "host", "master_addr", "cwd"):
+            _check(self, name, isinstance(getattr(self, name), str), "a string")
+        if self.log_dir is not None:
+            _check(self, "log_dir", isinstance(self.log_dir, str), "a string or null")
+        _check(self, "pass_local_rank", isinstance(self.pass_local_rank, bool), "true or false")
+        for name, low, high in (("node_rank", 0, None), ("nnodes", 1, None), ("world_size", 1, None),
+                                ("master_port", 1, 65535), ("restart_count", 0, None)):
+            value = getattr(self, name)
+            _check(self, name, _is_int(value) and value >= low and (high is None or value <= high),
+                   f"an integer >= {low}" + (f" and <= {high}" if high is not None else ""))
+        for name, positive in (("grace_period", False), ("rendezvous_timeout", True), ("hang_timeout", False)):
+            value = getattr(self, name)
+            ok = (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+            _check(self, name, ok and (value > 0 if positive else value >= 0),
+                   f"a finite number {'> 0' if positive else '>= 0'}")
+            object.__setattr__(self, name, float(value))
+        for name, test, what in (("ranks", _is_int, "integers"), ("local_ranks", _is_int, "integers"),
+                                 ("command", lambda v: isinstance(v, str), "strings")):
+            value = getattr(self, name)
+            _check(self, name, isinstance(value, list) and len(value) >= 1 and all(map(test, value)),
+                   f"a non-empty list of {what}")
+        _check(self, "env", isinstance(self.env, dict)
+               and all(isinstance(k, str) and isinstance(v, str) for k, v in self.env.items()),
+               "an object of string values")
         if len(self.ranks) != len(self.local_ranks):
-            raise ValueError(
+            raise InvalidNodeJob(
                 f"ranks ({len(self.ranks)} entries) and local_ranks ({len(self.local_ranks)} entries) "
                 "must have the same length: one local rank per global rank"
             )
         bad = [r for r in self.ranks if not 0 <= r < self.world_size]
         if bad:
-            raise ValueError(f"ranks {bad} are outside the world of size {self.world_size}")
+            raise InvalidNodeJob(f"ranks {bad} are outside the world of size {self.world_size}")
         if len(set(self.ranks)) != len(self.ranks):
-            raise ValueError(f"ranks {self.ranks} contain duplicates")
+            raise InvalidNodeJob(f"ranks {self.ranks} contain duplicates")
         if self.node_rank >= self.nnodes:
-            raise ValueError(f"node_rank {self.node_rank} must be below nnodes {self.nnodes}")
-        return self
+            raise InvalidNodeJob(f"node_rank {self.node_rank} must be below nnodes {self.nnodes}")
 
     def to_json_line(self) -> str:
         """The job as one line of JSON ending in a newline (the agent reads one line)."""
-        return self.model_dump_json() + "\n"
+        return record_json(self) + "\n"
 
     @classmethod
     def from_json_line(cls, line: str | bytes) -> "NodeJob":
-        """Parse a job written by `to_json_line`; raises pydantic.ValidationError if malformed."""
-        return cls.model_validate_json(line)
+        """Parse a job written by `to_json_line`.
+
+        Raises:
+            InvalidNodeJob: not one JSON object, an unknown or missing field,
+                or a field `NodeJob` rejects.
+        """
+        return parse_record(cls, line, InvalidNodeJob)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check(job: NodeJob, name: str, ok: bool, what: str) -> None:
+    if not ok:
+        raise InvalidNodeJob(f"NodeJob.{name} must be {what}, got {getattr(job, name)!r}")
 
 
 def local_node_job(

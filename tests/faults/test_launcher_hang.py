@@ -9,6 +9,7 @@ must not be touched.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import signal
@@ -108,7 +109,7 @@ def test_the_head_collects_the_stacks_of_nodes_whose_ranks_are_not_hung(tmp_path
                      cwd=str(tmp_path), env={"PYTHONPATH": str(ROOT), "DSRUN_TEST_MARKER": launcher.marker},
                      grace_period=2.0, pass_local_rank=False, log_dir=None, visible_devices=False,
                      rendezvous_timeout=60.0, hang_timeout=TIMEOUT_S)
-    jobs[0] = jobs[0].model_copy(update={"hang_timeout": 120.0})
+    jobs[0] = dataclasses.replace(jobs[0], hang_timeout=120.0)
     err = tmp_path / "err"
     with open(err, "w+b") as sink, open(tmp_path / "out", "w+b") as out:
         console = Console(file=open(tmp_path / "summary", "w"), width=200)

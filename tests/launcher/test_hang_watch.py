@@ -1,6 +1,7 @@
 """dsrun/launcher/hang.py and the hang part of summary.py: the stall rule, stack dumps, the report."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -33,8 +34,8 @@ def watch(tmp_path: Path):
 
 
 def _job(hang_timeout: float):
-    return local_node_job(["python"], 2, "127.0.0.1", 29500, grace_period=1.0, pass_local_rank=False,
-                          log_dir=None).model_copy(update={"hang_timeout": hang_timeout})
+    return dataclasses.replace(local_node_job(["python"], 2, "127.0.0.1", 29500, grace_period=1.0,
+                                              pass_local_rank=False, log_dir=None), hang_timeout=hang_timeout)
 
 
 def test_no_watch_with_timeout_zero_and_a_private_directory_otherwise():
@@ -184,7 +185,7 @@ def test_summary_shows_every_ranks_state_stacks_and_the_likely_cause():
     reports = [HangReport(host="n0", node_rank=0, timeout=3.0, time=103.5, hung=[1],
                           ranks=[_snap(0, 5, False), _snap(1, 4, True)]),
                HangReport(host="n1", node_rank=1, timeout=3.0, time=103.5, hung=[],
-                          ranks=[_snap(2, 5, False, beats=0).model_copy(update={"stacks": None})])]
+                          ranks=[dataclasses.replace(_snap(2, 5, False, beats=0), stacks=None)])]
     print_failure_summary(console, "job", [failure], [], reports)
     text = console.export_text()
     assert "root cause: hung" in text and "Root cause: rank" not in text  # no traceback to show for a hang

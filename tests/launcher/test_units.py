@@ -8,12 +8,11 @@ import sys
 import warnings
 
 import pytest
-from pydantic import ValidationError
 
 from dsrun import numpy_warning
 from dsrun.launcher.env import rank_argv, rank_process_env
 from dsrun.launcher.failure import TAIL_LINES, TRACEBACK_MAX_LINES, RankFailure, StderrTail, exit_status, signal_name
-from dsrun.launcher.job import NodeJob
+from dsrun.launcher.job import InvalidNodeJob, NodeJob
 from dsrun.launcher.ports import PortError, choose_master_port, is_local_address
 
 
@@ -38,11 +37,33 @@ def test_node_job_round_trips_through_one_json_line():
         (dict(ranks=[2, 2]), "duplicates"),
         (dict(node_rank=2), "node_rank 2 must be below nnodes 2"),
         (dict(master_port=0), "master_port"),
+        (dict(master_port="1234"), r"NodeJob.master_port must be an integer >= 1 and <= 65535, got '1234'"),
+        (dict(grace_period=float("inf")), "grace_period must be a finite number >= 0"),
+        (dict(ranks=[]), "ranks must be a non-empty list of integers"),
+        (dict(env={"A": 1}), "env must be an object of string values"),
     ],
 )
 def test_node_job_rejects_contradictions(changes, message):
-    with pytest.raises(ValidationError, match=message):
+    with pytest.raises(InvalidNodeJob, match=message):
         _job(**changes)
+
+
+def test_node_job_line_from_another_version_is_rejected_by_name():
+    line = _job().to_json_line().replace('"job_id"', '"new_field":1,"job_id"').replace(',"cwd":"/"', "")
+    with pytest.raises(InvalidNodeJob, match=r"unknown fields \['new_field'\], missing fields \['cwd'\]"):
+        NodeJob.from_json_line(line)
+    with pytest.raises(InvalidNodeJob, match="not a JSON NodeJob"):
+        NodeJob.from_json_line("{not json")
+
+
+def test_the_node_agent_imports_no_heavy_package():
+    """The agent starts once per node and job; see [Note: no pydantic in the agent] in dsrun/launcher/records.py."""
+    heavy = ["torch", "numpy", "pydantic", "rich", "paramiko", "yaml"]
+    code = f"import sys, dsrun.launcher.agent; print([m for m in {heavy!r} if m in sys.modules])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
 
 
 def test_rank_environment_on_a_second_node_and_precedence():
