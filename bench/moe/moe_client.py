@@ -2,7 +2,7 @@
 bench/moe/vs_deepspeed.py under torchrun, once per library).
 
 `import deepspeed` finds DeepSpeed in a venv that has it, else dsrun
-(`import dsrun as deepspeed`). Model: Linear(width, width), then
+(through its `deepspeed` alias). Model: Linear(width, width), then
 `deepspeed.moe.layer.MoE` with `--experts` experts of width -> hidden ->
 width (Linear, GELU, Linear), top-1, capacity factor 1.0, over `--ep`
 expert-parallel ranks. Each rank feeds `--tokens` tokens per step; loss =
@@ -31,8 +31,10 @@ import torch.nn.functional as F
 
 try:
     import deepspeed
-except ImportError:
-    import dsrun as deepspeed
+except ImportError:  # dsrun's venv: `deepspeed` as the alias of dsrun (dsrun/compat/alias.py)
+    from dsrun.compat.alias import install
+    install()
+    import deepspeed
 from deepspeed.moe.layer import MoE
 from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
