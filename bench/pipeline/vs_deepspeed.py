@@ -97,7 +97,7 @@ def main() -> None:
     if args.action_timing:
         for case in cases:
             for v in variants:
-                if v.startswith("dsrun"):
+                if results["last"][(case, v)]["actions"] is not None:  # a dsrun with action_timing
                     print("\n".join(_action_table(f"{case}, {v}", results["last"][(case, v)])))
 
 

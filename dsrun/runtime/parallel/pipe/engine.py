@@ -353,15 +353,17 @@ class PipelineEngine(Engine):
         begun = time.perf_counter() if timer is not None else 0.0
         with self._telemetry.phase("forward"):
             out = self.module(inputs, chunk=action.chunk)
-        if timer is not None:
-            timer.add_compute(time.perf_counter() - begun)
         if self._capturing is not None:
             buffers.captured[key], self._capturing = self._capturing, None
-        if self.module.is_last_stage(action.chunk):
+        last = self.module.is_last_stage(action.chunk)
+        if last:
             if (not train and not compute_loss) or self.module.loss_fn is None:
                 loss = out
             else:
                 loss = self.module.loss_fn(out, buffers.labels.pop(action.micro_batch))
+        if timer is not None:
+            timer.add_compute(time.perf_counter() - begun)
+        if last:
             if not train:
                 buffers.logits.append(out)
             if isinstance(loss, torch.Tensor) and loss.numel() == 1:

@@ -10,7 +10,8 @@ kind (its class name: "Forward", "RecvActivation", ...), a dict of
 - wait_s: the part spent blocked on a neighbour (the stage link's
   `wait_seconds` over the action: receives and send completion);
 - compute_s: for Forward / Backward / BackwardInput / BackwardWeight, the
-  part inside the module's forward or the strategy's backward (autograd);
+  part inside the module's forward (and the loss function on the last
+  stage) or the strategy's backward (autograd, the gradient hooks);
   the rest of total_s - wait_s is the executor's own work (dispatch, buffer
   bookkeeping, headers, tensor allocation: the per-action fixed cost).
 
