@@ -35,10 +35,12 @@
 // timeout, as the collectives' barrier does (see [Note: shm crash safety] in
 // shm_comm.cpp): a peer that dies turns into an error naming it, not a hang.
 #include <fcntl.h>
+#include <linux/futex.h>
 #include <sched.h>
 #include <stdint.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -63,6 +65,8 @@ struct ChanHeader {
   std::atomic<int32_t> closed[2];  // the sender / receiver closed or abandoned the channel
   alignas(64) std::atomic<uint64_t> head;  // chunks published by the sender
   alignas(64) std::atomic<uint64_t> tail;  // chunks consumed by the receiver
+  // Processes asleep on head's / tail's futex word ([Note: sleeping waits]).
+  alignas(64) std::atomic<int32_t> sleepers[2];
 };
 static_assert(sizeof(ChanHeader) <= kHeaderBytes, "header fits its page");
 
@@ -110,12 +114,44 @@ size_t segment_bytes(int64_t slot_bytes, int slots) {
   return static_cast<size_t>(kHeaderBytes + Channel::desc_bytes(slots) + slots * slot_bytes);
 }
 
-// Spins until ready() holds. Returns 0, or -1 with a message when the peer
-// exited, closed the channel, this process aborted it, or time ran out;
-// `doing` says what this rank waited for. See [Note: shm channel set-up and
-// crash safety].
+// [Note: sleeping waits] A wait for data (or for a free slot) spins a few
+// microseconds, yields a little, then sleeps in the kernel on a futex over the
+// low 32 bits of the counter it waits on (head for the receiver, tail for the
+// sender), as gloo's receive sleeps in its socket wait. Spinning or yielding
+// for long steals the core from the ranks that compute when ranks outnumber
+// cores (a pipeline stage waits most of its bubble: 4 ranks on 2 cores ran
+// their layers 2-3x slower beside spinning neighbours). The sleeper counts
+// itself in `sleepers[side]` before its last look at the counter, and the
+// other side wakes the word after advancing it only when someone sleeps;
+// both with sequentially consistent order, so either the waker sees the
+// sleeper or the sleeper sees the new value (and the futex call itself
+// returns at once if the word changed since it was read). A sleep lasts at
+// most 1 ms, so the liveness, abort and timeout checks below keep their
+// millisecond.
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "the futex word is the counter's low half");
+
+uint32_t* futex_word(std::atomic<uint64_t>& counter) { return reinterpret_cast<uint32_t*>(&counter); }
+
+void futex_sleep(std::atomic<uint64_t>& counter, uint32_t seen) {
+  const timespec most{0, 1000000};
+  syscall(SYS_futex, futex_word(counter), FUTEX_WAIT, seen, &most, nullptr, 0);
+}
+
+// Advance `counter` to `value` and wake whoever sleeps on it.
+void publish(std::atomic<uint64_t>& counter, std::atomic<int32_t>& sleepers, uint64_t value) {
+  counter.store(value, std::memory_order_seq_cst);
+  if (sleepers.load(std::memory_order_seq_cst) > 0)
+    syscall(SYS_futex, futex_word(counter), FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
+}
+
+// Waits until ready() holds: spins, then sleeps on `counter`'s futex word
+// when given (see [Note: sleeping waits]), else in 50 us naps. Returns 0, or
+// -1 with a message when the peer exited, closed the channel, this process
+// aborted it, or time ran out; `doing` says what this rank waited for. See
+// [Note: shm channel set-up and crash safety].
 template <typename Ready>
-int wait_for(Channel& c, Ready ready, const char* doing, char* err, int errlen) {
+int wait_for(Channel& c, Ready ready, const char* doing, char* err, int errlen,
+             std::atomic<uint64_t>* counter = nullptr, std::atomic<int32_t>* sleepers = nullptr) {
   const double start = now_s();
   double next_check = start + 1e-3;
   uint64_t spins = 0;
@@ -127,13 +163,19 @@ int wait_for(Channel& c, Ready ready, const char* doing, char* err, int errlen) 
 #endif
       continue;
     }
-    if (spins < 20000) {  // fewer cores than ranks is common: let the others run
+    if (spins < 2064) {  // fewer cores than ranks is common: let the others run
       sched_yield();
+      continue;
+    }
+    if (counter != nullptr) {
+      const uint32_t seen = static_cast<uint32_t>(counter->load(std::memory_order_seq_cst));
+      sleepers->fetch_add(1, std::memory_order_seq_cst);
+      if (!ready()) futex_sleep(*counter, seen);
+      sleepers->fetch_sub(1, std::memory_order_seq_cst);
     } else {
       const timespec nap{0, 50000};
       nanosleep(&nap, nullptr);
     }
-    if (spins % 64 != 0) continue;
     const double t = now_s();
     if (t < next_check) continue;
     next_check = t + 1e-3;
@@ -204,6 +246,8 @@ int create(Channel& c, char* err, int errlen) {
   h->closed[RECEIVER].store(0);
   h->head.store(0);
   h->tail.store(0);
+  h->sleepers[SENDER].store(0);
+  h->sleepers[RECEIVER].store(0);
   h->magic.store(kChanMagic, std::memory_order_release);
   return 0;
 }
@@ -318,12 +362,13 @@ int dsrun_shm_chan_send(void* h, const void* data, int64_t nbytes, int blocking,
     auto space = [&] { return c.next - hdr->tail.load(std::memory_order_acquire) < static_cast<uint64_t>(c.slots); };
     if (!space()) {
       if (!blocking) return 0;
-      if (wait_for(c, space, "for the receiver to free a slot", err, errlen) != 0) return -1;
+      if (wait_for(c, space, "for the receiver to free a slot", err, errlen, &hdr->tail, &hdr->sleepers[SENDER]) != 0)
+        return -1;
     }
     const int64_t n = nbytes - c.send_off < c.slot_bytes ? nbytes - c.send_off : c.slot_bytes;
     memcpy(c.slot(c.next), static_cast<const char*>(data) + c.send_off, n);
     *c.desc(c.next) = Desc{c.msgs, nbytes, c.send_off, n};
-    hdr->head.store(++c.next, std::memory_order_release);
+    publish(hdr->head, hdr->sleepers[RECEIVER], ++c.next);
     c.send_off += n;
     first = false;
   }
@@ -341,7 +386,8 @@ int dsrun_shm_chan_recv(void* h, void* data, int64_t nbytes, char* err, int errl
   bool first = true;
   while (first || off < nbytes) {
     auto arrived = [&] { return hdr->head.load(std::memory_order_acquire) > c.next; };
-    if (!arrived() && wait_for(c, arrived, "for data", err, errlen) != 0) return -1;
+    if (!arrived() && wait_for(c, arrived, "for data", err, errlen, &hdr->head, &hdr->sleepers[RECEIVER]) != 0)
+      return -1;
     const Desc d = *c.desc(c.next);
     if (d.msg != msg || d.total != nbytes || d.offset != off || d.bytes < 0 || d.bytes > c.slot_bytes ||
         off + d.bytes > nbytes) {
@@ -355,7 +401,7 @@ int dsrun_shm_chan_recv(void* h, void* data, int64_t nbytes, char* err, int errl
       return -1;
     }
     memcpy(static_cast<char*>(data) + off, c.slot(c.next), d.bytes);
-    hdr->tail.store(++c.next, std::memory_order_release);
+    publish(hdr->tail, hdr->sleepers[SENDER], ++c.next);
     off += d.bytes;
     first = false;
   }

@@ -35,6 +35,7 @@
 // an error, so a crash turns into an error on the others instead of a hang.
 #include <errno.h>
 #include <fcntl.h>
+#include <linux/futex.h>
 #include <sched.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -43,6 +44,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -81,6 +83,7 @@ struct Call {
 struct alignas(64) RankCtl {
   std::atomic<uint64_t> seq;  // barriers this rank has reached
   std::atomic<int32_t> pid;
+  std::atomic<int32_t> sleepers;  // ranks asleep on seq's futex word (see barrier)
   Call call[2];               // by call parity
 };
 
@@ -107,14 +110,20 @@ size_t segment_bytes(int world, int64_t slot_bytes) {
 }
 
 // Returns 0, or -1 with a message when a rank died, failed, or time ran out.
+// A rank that waits long sleeps on the futex word of the rank it waits for,
+// which wakes it when it arrives: [Note: sleeping waits] in shm_channel.cpp.
 int barrier(Group& g, char* err, int errlen) {
   const uint64_t target = ++g.epoch;
-  g.ctl(g.rank)->seq.store(target, std::memory_order_release);
+  RankCtl* mine = g.ctl(g.rank);
+  mine->seq.store(target, std::memory_order_seq_cst);
+  if (mine->sleepers.load(std::memory_order_seq_cst) > 0)
+    syscall(SYS_futex, reinterpret_cast<uint32_t*>(&mine->seq), FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
   const double start = now_s();
   for (int r = 0; r < g.world; ++r) {
     uint64_t spins = 0;
     double next_check = start + 1e-3;
-    while (g.ctl(r)->seq.load(std::memory_order_acquire) < target) {
+    RankCtl* other = g.ctl(r);
+    while (other->seq.load(std::memory_order_acquire) < target) {
       ++spins;
       if (spins < 2000) {
 #if defined(__x86_64__)
@@ -122,18 +131,21 @@ int barrier(Group& g, char* err, int errlen) {
 #endif
         continue;
       }
-      // Fewer cores than ranks is common (2 cores here): let the others run.
-      if (spins < 20000) {
+      // Fewer cores than ranks is common (2 cores here): let the others run,
+      // then sleep until rank r arrives (at most 1 ms, for the checks below).
+      if (spins < 2064) {
         sched_yield();
-      } else {
-        const timespec nap{0, 50000};
-        nanosleep(&nap, nullptr);
+        continue;
       }
-      // The checks below run at most once a millisecond, by the clock: on a
-      // loaded machine one sched_yield can take milliseconds, and counting
-      // 18000 of them before the first check took over 30 s to notice a
-      // dead rank.
-      if (spins % 64 != 0) continue;
+      const uint64_t seen = other->seq.load(std::memory_order_seq_cst);
+      other->sleepers.fetch_add(1, std::memory_order_seq_cst);
+      if (other->seq.load(std::memory_order_seq_cst) < target) {
+        const timespec most{0, 1000000};
+        syscall(SYS_futex, reinterpret_cast<uint32_t*>(&other->seq), FUTEX_WAIT, static_cast<uint32_t>(seen), &most,
+                nullptr, 0);
+      }
+      other->sleepers.fetch_sub(1, std::memory_order_seq_cst);
+      // The checks below run at most once a millisecond, by the clock.
       const double t = now_s();
       if (t < next_check) continue;
       next_check = t + 1e-3;
@@ -359,6 +371,7 @@ void* dsrun_shm_open(const char* name, int rank, int world, int64_t slot_bytes, 
     for (int r = 0; r < world; ++r) {
       g->ctl(r)->seq.store(0);
       g->ctl(r)->pid.store(0);
+      g->ctl(r)->sleepers.store(0);
     }
     g->hdr()->magic.store(kMagic, std::memory_order_release);
   } else if (g->hdr()->magic.load(std::memory_order_acquire) != kMagic || g->hdr()->world != world) {

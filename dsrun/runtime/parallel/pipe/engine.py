@@ -65,6 +65,7 @@ from dsrun.runtime.parallel.mesh import ParallelMesh
 from dsrun.runtime.parallel.pipe import schedule as sched
 from dsrun.runtime.parallel.pipe.module import PipelineModule
 from dsrun.runtime.parallel.pipe.p2p import StageLink, as_tensors
+from dsrun.runtime.parallel.pipe.timing import ActionTimer
 from dsrun.runtime.zero.groups import RankGroup
 
 
@@ -109,6 +110,9 @@ class PipelineEngine(Engine):
             `train_batch` ("wait_s", seconds blocked in receives and send
             completion) and the schedule's wall time before the optimizer
             step ("schedule_s"); their ratio is the stage's measured bubble.
+        action_timing: set True to time every action of `train_batch`
+            (off by default); the table of the last such step is then in
+            `last_action_times` (see [Note: per-action timing] in timing.py).
     """
 
     def __init__(self, module: PipelineModule, strategy, lr_scheduler, config, topology,
@@ -136,6 +140,12 @@ class PipelineEngine(Engine):
         # The last train_batch's wait on neighbours ("wait_s": receives and send
         # completion) and the schedule's wall time before the step ("schedule_s").
         self.last_bubble: dict[str, float] = {}
+        self.action_timing = False
+        self.last_action_times: dict[str, dict[str, float]] = {}
+        self._timer: ActionTimer | None = None
+        self._plans: dict[tuple[str, int], tuple[list, int]] = {}  # see _training_plan
+        self._peers: dict[tuple[type, int], int] = {}  # see _peer
+        self._params_of_chunk: dict[int, list[torch.nn.Parameter]] = {}  # see _chunk_params
 
     # -- DeepSpeed's pipeline API ---------------------------------------------------------
     def is_first_stage(self) -> bool:
@@ -190,17 +200,21 @@ class PipelineEngine(Engine):
         self.module.train()
         if self.curriculum_scheduler_legacy is not None:
             self._curriculum_seqlen = self.curriculum_scheduler_legacy.update_difficulty(self.global_steps + 1)
-        actions = sched.build_schedule(self.schedule_name, self.num_stages, self.stage_id,
-                                       self.micro_batches, self.virtual_stages)
-        last_backward = max(i for i, a in enumerate(actions)
-                            if isinstance(a, (sched.Backward, sched.BackwardWeight)))
+        actions, last_backward = self._training_plan()
         buffers = _Buffers()
         self._link.reset_wait()
+        self._timer = timer = ActionTimer(self._link) if self.action_timing else None
+        run = self._run
         started = time.perf_counter()
         for i, action in enumerate(actions):
-            if isinstance(action, sched.ReduceTiedGrads):  # the schedule's part ends; the step follows
+            if type(action) is sched.ReduceTiedGrads:  # the schedule's part ends; the step follows
                 self.last_bubble = {"wait_s": self._link.wait_seconds, "schedule_s": time.perf_counter() - started}
-            self._run(action, buffers, train=True, sync=(i == last_backward))
+            if timer is None:
+                run(action, buffers, True, i == last_backward)
+            else:
+                timer.run(action, lambda: run(action, buffers, True, i == last_backward))
+        if timer is not None:
+            self.last_action_times, self._timer = timer.result(), None
         self.micro_steps += self.micro_batches
         return self.agg_train_loss
 
@@ -255,38 +269,61 @@ class PipelineEngine(Engine):
             raise RuntimeError("train_batch() has no data: pass an iterator (engine.train_batch(iter(loader))), "
                                "call engine.set_dataiterator(...), or give initialize(training_data=...)")
 
+    def _training_plan(self) -> tuple[list, int]:
+        """This rank's training actions for the current micro-batch count and
+        the index of its last backward (built once per count: the schedule
+        depends on nothing else)."""
+        key = (self.schedule_name, self.micro_batches)
+        plan = self._plans.get(key)
+        if plan is None:
+            actions = sched.build_schedule(self.schedule_name, self.num_stages, self.stage_id,
+                                           self.micro_batches, self.virtual_stages)
+            last_backward = max(i for i, a in enumerate(actions)
+                                if isinstance(a, (sched.Backward, sched.BackwardWeight)))
+            plan = self._plans[key] = (actions, last_backward)
+        return plan
+
     def _run(self, action, buffers: _Buffers, train: bool, sync: bool = False, compute_loss: bool = True) -> None:
+        """Execute one action (see [Note: the action contract] in schedule.py)."""
         kind = type(action)
-        if kind in (sched.ReduceTiedGrads, sched.ReduceGrads, sched.OptimizerStep):
-            return self._run_step_end(kind, buffers)
-        key = (action.micro_batch, action.chunk)
-        if kind is sched.LoadMicroBatch:
-            self._load(action, buffers)
-        elif kind is sched.RecvActivation:
-            buffers.inputs[key] = self._link.recv_activations(self._peer(action))
-        elif kind is sched.Forward:
+        if kind is sched.Forward:
             self._forward(action, buffers, train, compute_loss)
+        elif kind is sched.RecvActivation:
+            buffers.inputs[(action.micro_batch, action.chunk)] = self._link.recv_activations(self._peer(action))
         elif kind is sched.SendActivation:
-            self._link.send_activations(buffers.outputs[key], self._peer(action))
-            if not train:
-                del buffers.outputs[key]
+            key = (action.micro_batch, action.chunk)
+            self._link.send_activations(buffers.outputs[key] if train else buffers.outputs.pop(key),
+                                        self._peer(action))
         elif kind is sched.RecvGrad:
+            key = (action.micro_batch, action.chunk)
             like = _tensors_requiring_grad(buffers.outputs[key])
             buffers.grads[key] = self._link.recv_gradients(like, self._peer(action))
         elif kind is sched.Backward:
-            self._backward_input(key, buffers, keep_graph=False, weights=True, sync=sync)
-        elif kind is sched.BackwardInput:
-            self._backward_input(key, buffers, keep_graph=True, weights=False, sync=False)
-        elif kind is sched.BackwardWeight:
-            self._backward_weight(key, buffers, sync)
+            self._backward_input((action.micro_batch, action.chunk), buffers, keep_graph=False, weights=True,
+                                 sync=sync)
         elif kind is sched.SendGrad:
-            self._link.send_gradients(buffers.input_grads.pop(key), self._peer(action))
+            self._link.send_gradients(buffers.input_grads.pop((action.micro_batch, action.chunk)),
+                                      self._peer(action))
+        elif kind is sched.LoadMicroBatch:
+            self._load(action, buffers)
+        elif kind is sched.BackwardInput:
+            self._backward_input((action.micro_batch, action.chunk), buffers, keep_graph=True, weights=False,
+                                 sync=False)
+        elif kind is sched.BackwardWeight:
+            self._backward_weight((action.micro_batch, action.chunk), buffers, sync)
+        elif kind in (sched.ReduceTiedGrads, sched.ReduceGrads, sched.OptimizerStep):
+            self._run_step_end(kind, buffers)
         else:
             raise TypeError(f"the pipeline executor has no rule for {action!r}")
 
     def _peer(self, action) -> int:
-        stage, _ = sched.peer(action, self.num_stages, self.stage_id, self.virtual_stages)
-        return self.mesh.stage_to_global(stage)
+        """The global rank a send or receive talks to (cached per kind and chunk)."""
+        key = (type(action), action.chunk)
+        found = self._peers.get(key)
+        if found is None:
+            stage, _ = sched.peer(action, self.num_stages, self.stage_id, self.virtual_stages)
+            found = self._peers[key] = self.mesh.stage_to_global(stage)
+        return found
 
     def _next_batch(self):
         batch = next(self._data_iterator)
@@ -314,15 +351,21 @@ class PipelineEngine(Engine):
         if isinstance(inputs, tuple) and len(inputs) == 1:
             inputs = inputs[0]
         self._capturing = [] if train and self._capture_hooks else None
+        timer = self._timer
+        begun = time.perf_counter() if timer is not None else 0.0
         with self._telemetry.phase("forward"):
             out = self.module(inputs, chunk=action.chunk)
         if self._capturing is not None:
             buffers.captured[key], self._capturing = self._capturing, None
-        if self.module.is_last_stage(action.chunk):
+        last = self.module.is_last_stage(action.chunk)
+        if last:
             if (not train and not compute_loss) or self.module.loss_fn is None:
                 loss = out
             else:
                 loss = self.module.loss_fn(out, buffers.labels.pop(action.micro_batch))
+        if timer is not None:
+            timer.add_compute(time.perf_counter() - begun)
+        if last:
             if not train:
                 buffers.logits.append(out)
             if isinstance(loss, torch.Tensor) and loss.numel() == 1:
@@ -350,6 +393,8 @@ class PipelineEngine(Engine):
         inputs = buffers.inputs.get(key, ())
         leaves = [t for t in (inputs if isinstance(inputs, tuple) else (inputs,))
                   if isinstance(t, torch.Tensor) and t.requires_grad]
+        timer = self._timer
+        begun = time.perf_counter() if timer is not None else 0.0
         with self._telemetry.phase("backward"):
             if weights:
                 self.strategy.backward(self._surrogate(key, buffers), sync=sync, retain_graph=False)
@@ -363,6 +408,8 @@ class PipelineEngine(Engine):
                 grads = list(found[:len(leaves)])
                 work = [(m, o, g) for (m, o), g in zip(outputs, found[len(leaves):]) if g is not None]
                 buffers.weight_work[key] = (root, work)
+        if timer is not None:
+            timer.add_compute(time.perf_counter() - begun)
         if leaves:
             buffers.input_grads[key] = [g if g is not None else torch.zeros_like(t) for g, t in zip(grads, leaves)]
         if weights:
@@ -381,20 +428,28 @@ class PipelineEngine(Engine):
             if uncovered:
                 torch.autograd.backward(root, inputs=uncovered, retain_graph=True)
 
+        begun = time.perf_counter()
         with self._telemetry.phase("backward"):
             self.strategy.run_backward(weight_pass, sync=sync)
+        if self._timer is not None:
+            self._timer.add_compute(time.perf_counter() - begun)
         self._free(key, buffers)
 
     def _chunk_params(self, chunk: int) -> list[torch.nn.Parameter]:
         """The parameters the layers of this rank's `chunk` use (a tied
-        layer's module through its forward_fn partial), each once."""
-        found: dict[int, torch.nn.Parameter] = {}
-        for _, layer in self.module.local_layers(chunk):
-            owners = [layer] if isinstance(layer, torch.nn.Module) else \
-                [a for a in getattr(layer, "args", ()) if isinstance(a, torch.nn.Module)]
-            for owner in owners:
-                found.update((id(p), p) for p in owner.parameters())
-        return list(found.values())
+        layer's module through its forward_fn partial), each once; found on
+        the first call per chunk (the layers and their parameters are fixed
+        once the engine is built)."""
+        found = self._params_of_chunk.get(chunk)
+        if found is None:
+            params: dict[int, torch.nn.Parameter] = {}
+            for _, layer in self.module.local_layers(chunk):
+                owners = [layer] if isinstance(layer, torch.nn.Module) else \
+                    [a for a in getattr(layer, "args", ()) if isinstance(a, torch.nn.Module)]
+                for owner in owners:
+                    params.update((id(p), p) for p in owner.parameters())
+            found = self._params_of_chunk[chunk] = list(params.values())
+        return found
 
     def destroy(self) -> None:
         """As `Engine.destroy`, also removing the zero-bubble forward hooks."""

@@ -118,6 +118,11 @@ class StageLink:
         self._recv_specs: dict[int, list] = {}
         self._pending: list = []  # (handle, tensors kept alive until the send completes)
         self._shm = ShmPeers(device)
+        # The "same shapes" header, sent by reference (never written: an
+        # asynchronous send may still read it), and the length receives reuse
+        # (a receive completes before it returns).
+        self._unchanged = torch.zeros(1, dtype=torch.int64, device=device)
+        self._length = torch.empty(1, dtype=torch.int64, device=device)
 
     def send_activations(self, value, dst: int) -> None:
         """Send a stage output (tensor or tuple) to rank `dst`, announcing its
@@ -125,22 +130,20 @@ class StageLink:
         outputs = as_tensors(value, "a pipeline stage output")
         header = _header(outputs)
         tensors = tuple(t.detach().contiguous() for t in outputs)
-        changed = self._sent_header.get(dst) != header
+        if self._sent_header.get(dst) == header:
+            self._isend([self._unchanged, *tensors], dst, ACTIVATION_TAG)
+            return
         self._sent_header[dst] = header
-        length = torch.tensor([len(header) if changed else 0], dtype=torch.int64, device=self.device)
-        self._isend([length], dst, ACTIVATION_TAG)
-        if changed:
-            self._isend([torch.tensor(header, dtype=torch.int64, device=self.device)], dst, ACTIVATION_TAG)
-        self._isend(list(tensors), dst, ACTIVATION_TAG)
+        self._isend([torch.tensor([len(header)], dtype=torch.int64, device=self.device),
+                     torch.tensor(header, dtype=torch.int64, device=self.device), *tensors], dst, ACTIVATION_TAG)
 
     def recv_activations(self, src: int) -> Tensors:
         """Receive a stage input from rank `src`: fresh tensors, those whose
         sender required grad marked `requires_grad` (leaves of this stage's graph)."""
         started = time.perf_counter()
-        length = torch.empty(1, dtype=torch.int64, device=self.device)
-        self._recv(length, src, ACTIVATION_TAG)
-        if int(length.item()) > 0:
-            header = torch.empty(int(length.item()), dtype=torch.int64, device=self.device)
+        length = self._recv(self._length, src, ACTIVATION_TAG).item()
+        if length > 0:
+            header = torch.empty(length, dtype=torch.int64, device=self.device)
             self._recv(header, src, ACTIVATION_TAG)
             self._recv_specs[src] = _parse(header.tolist())
         out = []
@@ -180,14 +183,15 @@ class StageLink:
             comms_logger.record("isend", t, spent.seconds, transport=SHM, group_size=2)
             self._pending.append((handle, t))
 
-    def _recv(self, tensor: torch.Tensor, src: int, tag: int) -> None:
-        """Receive the next message of stream (src, tag) into `tensor`, blocking."""
+    def _recv(self, tensor: torch.Tensor, src: int, tag: int) -> torch.Tensor:
+        """Receive the next message of stream (src, tag) into `tensor`, blocking; returns it."""
         if not self._shm.reaches(src):
             irecv(tensor, src, tag=tag).wait()
-            return
+            return tensor
         with timed() as spent:
             self._shm.channel(src, self._shm.rank, tag).recv(tensor)
         comms_logger.record("irecv", tensor, spent.seconds, transport=SHM, group_size=2)
+        return tensor
 
     def wait_sends(self) -> None:
         """Block until every send issued so far has completed (before the
