@@ -183,11 +183,11 @@ def _samples():
     return ids[:, :-1], ids[:, 1:], mask
 
 
-def _train(sequence: int, stage: int = 2) -> tuple[list[float], torch.Tensor]:
+def _train(sequence: int, stage: int = 2, mics: int = -1) -> tuple[list[float], torch.Tensor]:
     """STEPS steps on the 4 samples. data=4: one sample per rank. sequence=2
     x data=2: data rank d takes samples 2d and 2d+1 as two micro-batches of
     one (gradient accumulation 2), each sequence rank its half of the
-    tokens. Returns the mean loss of the 4 samples per step and the
+    tokens. `mics`: zero_optimization.mics_shard_size. Returns the mean loss of the 4 samples per step and the
     parameters after training."""
     import torch.distributed as dist
 
@@ -202,12 +202,12 @@ def _train(sequence: int, stage: int = 2) -> tuple[list[float], torch.Tensor]:
     torch.manual_seed(0)
     model = _Block(groups._get_sequence_parallel_group() if sequence > 1 else None)
     cfg = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 1, "sequence_parallel_size": sequence,
-           "optimizer": {"type": "Adam", "params": {"lr": 1e-2}}, "zero_optimization": {"stage": stage},
+           "optimizer": {"type": "Adam", "params": {"lr": 1e-2}}, "zero_optimization": {"stage": stage, "mics_shard_size": mics},
            "gradient_clipping": 0.0, "steps_per_print": 1000}
     engine, *_ = dsrun.initialize(model=model, config=cfg)
     assert engine.gradient_accumulation_steps() == 4 // data
     assert groups._get_sequence_parallel_world_size() == sequence
-    assert groups._get_sequence_data_parallel_world_size() == 4  # ZeRO's group: data x sequence
+    assert groups._get_sequence_data_parallel_world_size() == world  # ZeRO's group: data x sequence
     inputs, labels, mask = _samples()
     positions = torch.arange(N)[None, :]
     data_rank = dist.get_rank() // sequence  # axes data, sequence: sequence innermost

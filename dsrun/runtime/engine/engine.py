@@ -21,7 +21,7 @@ from dsrun.runtime.config import DsConfig
 from dsrun.runtime.data_pipeline.curriculum import TokenStepLR, check_takes_seqlen, legacy_scheduler
 from dsrun.runtime.data_pipeline.data_sampling import CurriculumDataLoader, build_curriculum_loader
 from dsrun.runtime.engine.dataloader import DistributedDataLoader
-from dsrun.runtime.parallel.mesh import current as current_mesh
+from dsrun.runtime.parallel.mesh import ParallelMesh, current as current_mesh
 from dsrun.runtime.data_pipeline.data_routing.basic_layer import RandomLayerTokenDrop
 from dsrun.runtime.data_pipeline.data_routing.helper import bind_random_ltd_layers, random_ltd_scheduler
 from dsrun.runtime.strategy.data_parallel import AllReduceStrategy, GradientStrategy
@@ -40,7 +40,8 @@ from dsrun.runtime.zero import build_zero_strategy
 
 
 def build_strategy(cfg: DsConfig, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                   topology: Topology, data_group=None) -> GradientStrategy:
+                   topology: Topology, data_group=None, mesh: ParallelMesh | None = None,
+                   data_axis: str = "data") -> GradientStrategy:
     """The GradientStrategy for the config: the only switch on ZeRO stage and precision.
 
     Stage 0 in fp32 (fp32 communication) is AllReduceStrategy; everything
@@ -49,7 +50,8 @@ def build_strategy(cfg: DsConfig, module: torch.nn.Module, optimizer: torch.opti
     buffers: `dsrun.runtime.compression.build_compression_strategy`.
     `data_group` is the process group gradients are averaged over (None:
     every rank; a pipeline or a tensor-parallel model passes its mesh's
-    data axis).
+    data axis): `mesh`'s `data_axis` group ("data", or "sequence_data"
+    under sequence parallelism), which ZeRO's MiCS splits into blocks.
 
     Raises:
         ValueError: a data group with a strategy that cannot take one (the
@@ -74,7 +76,8 @@ def build_strategy(cfg: DsConfig, module: torch.nn.Module, optimizer: torch.opti
                              "every rank and cannot run inside a pipeline yet; use Adam/AdamW")
         return build_compression_strategy(cfg, module, optimizer, topology)
     if zero_path:
-        return build_zero_strategy(cfg, module, optimizer, topology, group=data_group)
+        return build_zero_strategy(cfg, module, optimizer, topology, group=data_group, mesh=mesh,
+                                   data_axis=data_axis)
     return AllReduceStrategy(module, optimizer, topology,
                              bucket_size=cfg.zero_optimization.reduce_bucket_size, group=data_group,
                              division=GradientDivision.from_config(cfg), sparse_gradients=cfg.sparse_gradients)

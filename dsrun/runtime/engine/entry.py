@@ -425,7 +425,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
             params = [{"params": []}]
         basic_optimizer = _build_optimizer(optimizer, params, cfg)
         strategy = build_strategy(cfg, model, basic_optimizer, topology,
-                                  data_group=mesh.group(data_axis) if mesh is not None else None)
+                                  data_group=mesh.group(data_axis) if mesh is not None else None,
+                                  mesh=mesh, data_axis=data_axis)
         allocator.trim()  # the model's original storage was just released
         scheduler = _build_scheduler(lr_scheduler, strategy.optimizer, cfg)
         loader = None
