@@ -183,27 +183,33 @@ def _samples():
     return ids[:, :-1], ids[:, 1:], mask
 
 
-def _train(sequence: int, stage: int = 2, mics: int = -1) -> tuple[list[float], torch.Tensor]:
+def _train(sequence: int, stage: int = 2, mics: int = -1,
+           declared: bool = False) -> tuple[list[float], torch.Tensor]:
     """STEPS steps on the 4 samples. data=4: one sample per rank. sequence=2
     x data=2: data rank d takes samples 2d and 2d+1 as two micro-batches of
     one (gradient accumulation 2), each sequence rank its half of the
-    tokens. `mics`: zero_optimization.mics_shard_size. Returns the mean loss of the 4 samples per step and the
-    parameters after training."""
+    tokens. `mics`: zero_optimization.mics_shard_size. `declared`: the mesh
+    comes from dsrun.init_distributed(config=...) instead of set_current.
+    Returns the mean loss of the 4 samples per step and the parameters
+    after training."""
     import torch.distributed as dist
 
     import dsrun
     from dsrun.runtime.parallel.mesh import ParallelMesh, set_current
     from dsrun.sequence import sequence_parallel_loss, shard_sequence
     from dsrun.utils import groups
+    cfg = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 1, "sequence_parallel_size": sequence,
+           "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
+           "zero_optimization": {"stage": stage, "mics_shard_size": mics},
+           "gradient_clipping": 0.0, "steps_per_print": 1000}
+    if declared:  # the mesh first, so that the model's DistributedAttention has its group
+        dsrun.init_distributed(config=cfg)
     world = dist.get_world_size()
     data = world // sequence
-    if sequence > 1:  # the mesh first, so that the model's DistributedAttention has its group
+    if sequence > 1 and not declared:
         set_current(ParallelMesh.build(world, sequence=sequence))
     torch.manual_seed(0)
     model = _Block(groups._get_sequence_parallel_group() if sequence > 1 else None)
-    cfg = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 1, "sequence_parallel_size": sequence,
-           "optimizer": {"type": "Adam", "params": {"lr": 1e-2}}, "zero_optimization": {"stage": stage, "mics_shard_size": mics},
-           "gradient_clipping": 0.0, "steps_per_print": 1000}
     engine, *_ = dsrun.initialize(model=model, config=cfg)
     assert engine.gradient_accumulation_steps() == 4 // data
     assert groups._get_sequence_parallel_world_size() == sequence

@@ -127,9 +127,11 @@ class Engine(DeepSpeedEngineCompat, torch.nn.Module):
         split: how the model is split across ranks (a pipeline engine's
             stages, see ModelSplit), for the checkpointer; None: every rank
             holds the whole model.
+        mesh: the job's ParallelMesh (initialize passes the one it built;
+            None: the process-global `current()`), kept as `engine.mesh`.
 
     Attributes:
-        module, optimizer, lr_scheduler, train_state (the counters, also
+        mesh: the job's ParallelMesh. module, optimizer, lr_scheduler, train_state (the counters, also
         readable as DeepSpeed's attributes: global_steps (optimizer steps
         attempted), global_samples (samples consumed by those steps),
         skipped_steps (steps skipped on overflow), micro_steps),
@@ -154,8 +156,10 @@ class Engine(DeepSpeedEngineCompat, torch.nn.Module):
 
     def __init__(self, module: torch.nn.Module, strategy: GradientStrategy,
                  lr_scheduler: Any, config: DsConfig, topology: Topology,
-                 split: ModelSplit | None = None) -> None:
+                 split: ModelSplit | None = None, mesh: ParallelMesh | None = None) -> None:
         super().__init__()
+        # The job's parallelism mesh, passed on explicitly (the process-global one when none is given).
+        self.mesh = mesh if mesh is not None else current_mesh()
         self.module = module
         self.strategy = strategy
         self.optimizer = strategy.optimizer
@@ -296,7 +300,7 @@ class Engine(DeepSpeedEngineCompat, torch.nn.Module):
         with self._phase("forward"), self._telemetry.phase("forward"):
             output = self.module(*inputs, **kwargs)
         if self.config.sequence_parallel_size > 1:  # [Note: the engine averages a model's loss over tokens]
-            output = token_mean_of_model_loss(output, inputs, kwargs, current_mesh().group("sequence_data"))
+            output = token_mean_of_model_loss(output, inputs, kwargs, self.mesh.group("sequence_data"))
         return output
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False,
@@ -395,7 +399,7 @@ class Engine(DeepSpeedEngineCompat, torch.nn.Module):
         if data_sampler is not None:
             raise ValueError("deepspeed_io(data_sampler=...) is not supported: the loader shards the data over "
                              "the data-parallel ranks itself")
-        mesh = current_mesh()
+        mesh = self.mesh
         if self.config.data_efficiency.curriculum_sampling:
             loader = build_curriculum_loader(dataset, self.config, mesh.rank("data"), mesh.size("data"),
                                              collate_fn, difficulty_metrics)

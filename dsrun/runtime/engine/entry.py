@@ -34,6 +34,8 @@ from dsrun.runtime.observability.logging import log_rank0, logger
 from dsrun.runtime.lr_schedules import build_lr_scheduler
 from dsrun.runtime.optim.optimizers import build_optimizer
 from dsrun.runtime.parallel.expert.groups import expert_group_name_of, expert_groups, is_expert_param
+from dsrun.runtime.parallel.degrees import ParallelDegrees, check_declared, declare_mesh, record_declaration
+from dsrun.runtime.parallel.mpu import mesh_from_mpu
 from dsrun.runtime.parallel.mesh import ParallelMesh, current, set_current
 from dsrun.runtime.parallel.model_parallel import attach_model_parallel
 from dsrun.runtime.parallel.pipe.engine import PipelineEngine, check_pipeline_config, tie_weights
@@ -103,32 +105,42 @@ def _broadcast_module(module: torch.nn.Module, src: int = 0, group=None) -> None
 
 
 def pipeline_mesh(module: PipelineModule) -> ParallelMesh:
-    """The job's mesh for a PipelineModule (its topology, or pipe x data with
-    the module's stages), made the current mesh that `dsrun.utils.groups`
-    answers from. The current mesh is kept when it has the module's topology
-    (its tensor-parallel layers were built on it); otherwise collective:
-    every rank creates every group."""
+    """The job's mesh for a PipelineModule: its topology, or pipe x data
+    with the module's stages, made the current mesh that
+    `dsrun.utils.groups` answers from. The current mesh is kept when it has
+    the module's topology or degrees (its layers were built on it);
+    otherwise collective: every rank creates every group."""
     topology = module.topology()
-    world = comm.get_world_size()
+    if topology is None:
+        return declare_mesh(ParallelDegrees(pipe=module.num_stages))
     mine = current()
-    if topology is not None and (mine.topology.get_axis_names(), mine.topology.dims) == \
-            (topology.get_axis_names(), topology.dims):
+    if (mine.topology.get_axis_names(), mine.topology.dims) == (topology.get_axis_names(), topology.dims):
         return mine
-    mesh = ParallelMesh(topology) if topology is not None else ParallelMesh.build(world, pipe=module.num_stages)
+    mesh = ParallelMesh(topology)
     set_current(mesh)
     return mesh
 
 
-def _replica_size(model: torch.nn.Module, source: ConfigSource) -> int:
-    """How many ranks hold one copy of the model (pipeline stages x
-    tensor-parallel ranks): the data-parallel size is the world size over it.
+def _resolve_degrees(model: torch.nn.Module, source: ConfigSource, world: int,
+                     mesh_param: Any = None) -> ParallelDegrees:
+    """The job's pipe x tensor x sequence degrees, resolved once from the
+    model and the config (see [Note: one declaration of the degrees] in
+    runtime/parallel/degrees.py): a PipelineModule's stages (or its
+    topology's axes), the tensor degree of a model tp_model_init already
+    sharded (or built from tensor-parallel layers on the current mesh) or
+    else `tensor_parallel.autotp_size`, and `sequence_parallel_size` or
+    `mesh_param`. Data parallelism takes the rest of the world.
 
     Raises:
         ConfigError: an invalid `tensor_parallel` section; autotp_size with a
             PipelineModule; autotp_size differing from the degree
-            tp_model_init sharded the model with.
+            tp_model_init sharded the model with; the sequence refusals of
+            _sequence_size; degrees whose product does not divide the world;
+            degrees other than those the script declared with
+            init_distributed(config=...).
     """
     autotp = tensor_parallel_of(source).autotp_size
+    sequence = _sequence_size(model, source, world, mesh_param)
     if isinstance(model, PipelineModule):
         if autotp > 1:
             raise ConfigError(f"tensor_parallel.autotp_size={autotp} with a PipelineModule: automatic tensor "
@@ -136,15 +148,20 @@ def _replica_size(model: torch.nn.Module, source: ConfigSource) -> int:
                               "ColumnParallelLinear/RowParallelLinear on a topology with a model axis "
                               "(ParallelMesh.build(world, pipe=P, model=T).topology), or set it to 1")
         topology = model.topology()
-        return model.num_stages if topology is None else topology.world_size() // topology.get_dim("data")
-    if _is_sharded(model):
+        degrees = (ParallelDegrees(pipe=model.num_stages) if topology is None else
+                   ParallelDegrees(*(max(topology.get_dim(axis), 1) for axis in ("pipe", "model", "sequence"))))
+    elif _is_sharded(model):
         sharded = current().size("model")
         if autotp not in (1, sharded):
             raise ConfigError(f"tensor_parallel.autotp_size={autotp} but the model is already sharded over "
                               f"{sharded} ranks (the current mesh's model axis); make them equal (or leave "
                               "the key out)")
-        return sharded
-    return autotp
+        degrees = ParallelDegrees(model=sharded, sequence=sequence)
+    else:
+        degrees = ParallelDegrees(model=autotp, sequence=sequence)
+    degrees.data(world)
+    check_declared(degrees)
+    return degrees
 
 
 def _mesh_param_size(mesh_param: Any, source: ConfigSource, world: int) -> int:
@@ -194,23 +211,6 @@ def _sequence_size(model: torch.nn.Module, source: ConfigSource, world: int, mes
     return size
 
 
-def _sequence_parallel_mesh(cfg: DsConfig) -> ParallelMesh | None:
-    """The data x sequence mesh for config sequence_parallel_size > 1, made
-    the current mesh, or None without sequence parallelism. The current mesh
-    is kept when it already is that mesh (the model's DistributedAttention
-    layers were built on its sequence group); otherwise collective: every
-    rank creates every group."""
-    size = cfg.sequence_parallel_size
-    if size == 1:
-        return None
-    mine = current()
-    if (mine.size("sequence"), mine.size("pipe"), mine.size("model")) == (size, 1, 1):
-        return mine
-    mesh = ParallelMesh.build(comm.get_world_size(), sequence=cfg.sequence_parallel_size)
-    set_current(mesh)
-    return mesh
-
-
 def _is_sharded(model: torch.nn.Module) -> bool:
     """Whether `model` holds tensor-parallel layers: sharded by tp_model_init,
     or built from ColumnParallelLinear/RowParallelLinear/VocabParallelEmbedding
@@ -219,18 +219,26 @@ def _is_sharded(model: torch.nn.Module) -> bool:
         getattr(p, "tensor_model_parallel", False) for p in model.parameters())
 
 
-def _tensor_parallel_mesh(model: torch.nn.Module, cfg: DsConfig) -> ParallelMesh | None:
-    """The data x model mesh of a tensor-parallel model (sharding it now,
-    as tp_model_init, when the config's autotp_size asks and the model is not
-    sharded yet; collective), or None for a model every rank holds whole."""
+def _build_mesh(model: torch.nn.Module, cfg: DsConfig, degrees: ParallelDegrees) -> ParallelMesh:
+    """The job's one mesh, with `degrees` (the current mesh when it has
+    them: the model's layers were built on it; else built now and made
+    current, collective), after which a model the config asks to shard
+    (`tensor_parallel.autotp_size`) and that is not sharded yet is sharded
+    over its model axis, as tp_model_init does (collective).
+
+    Raises:
+        ConfigError: vocab_parallel asked for a model sharded without it.
+    """
+    if isinstance(model, PipelineModule):
+        return pipeline_mesh(model)
+    mesh = declare_mesh(degrees)
     if not _is_sharded(model):
-        if cfg.tensor_parallel.autotp_size == 1:
-            return None
-        tp_model_init(model, cfg.tensor_parallel.autotp_size, vocab_parallel=cfg.tensor_parallel.vocab_parallel)
+        if cfg.tensor_parallel.autotp_size > 1:
+            tp_model_init(model, cfg.tensor_parallel.autotp_size, vocab_parallel=cfg.tensor_parallel.vocab_parallel)
     elif cfg.tensor_parallel.vocab_parallel and not getattr(model, "ds_autotp_vocab_parallel", False):
         raise ConfigError("tensor_parallel.vocab_parallel=true but the model was sharded without it; call "
                           "dsrun.tp_model_init(..., vocab_parallel=True) or leave the key to initialize()")
-    return current() if current().size("model") > 1 else None
+    return mesh
 
 
 def _check_model(model: torch.nn.Module) -> None:
@@ -344,10 +352,15 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
             or None to build it from the config (this one wins over the
             config's, with a notice).
         distributed_port: MASTER_PORT when the environment sets none.
-        mpu: model-parallel unit; must be None (the groups come from the
-            parallelism mesh: dsrun.tp_model_init or config
-            tensor_parallel.autotp_size, or a mesh made current before
-            building Megatron layers).
+        mpu: a Megatron-style model-parallel unit (get_model_parallel_group
+            or get_tensor_model_parallel_group, get_data_parallel_group,
+            optionally the pipeline and sequence ones): the job's mesh adopts
+            its groups (ZeRO partitions over its data group, the gradient
+            norm spans its model groups); see [Note: adopting an mpu] in
+            runtime/parallel/mpu.py. The config and the model must agree
+            with its degrees (e.g. tensor_parallel.autotp_size = its tensor
+            size for a model to shard). None: the degrees come from the
+            config and the model (see _resolve_degrees).
         dist_init_required: False asserts the process group already exists.
         collate_fn: batch collation for the data loader.
         config, config_params: dict, path (.json/.yaml/.yml) or DsConfig.
@@ -367,17 +380,14 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
             an invalid config, or configs that differ between ranks. An
             uncaught ConfigError prints one message without traceback and
             exits with code 78 (see dsrun.runtime.observability.exit_report).
-        ValueError: model missing, mpu given, parameters on the meta
-            device, no trainable parameters.
+        ValueError: model missing, parameters on the meta device, no
+            trainable parameters; an mpu whose groups do not tile the world
+            (runtime/parallel/mpu.py MpuError, naming the ranks).
         dsrun.runtime.distributed.agreement.RankMismatchError: ranks built different
             models (the first differing parameter is named).
     """
     if model is None:
         raise ValueError("initialize() needs model= (the torch.nn.Module to train)")
-    if mpu is not None:
-        raise ValueError("initialize(mpu=...): dsrun takes the tensor-parallel groups from its parallelism "
-                         "mesh, not from an mpu object; pass mpu=None and shard the model with "
-                         "dsrun.tp_model_init (or layers built on dsrun.runtime.parallel.mesh.current())")
     if dist_init_required is False and not comm.is_initialized():
         raise RuntimeError("dist_init_required=False but torch.distributed is not initialised; "
                            "call dsrun.init_distributed() first or drop the argument")
@@ -387,14 +397,16 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
     started = memory_profile.MemorySnapshot.take()  # reads /proc only; used if the config asks
     topology: Topology = init_distributed(distributed_port=distributed_port)
     exit_report.install()  # again after torch's own hook (init_process_group's): ours runs first
+    if mpu is not None:  # its groups become the mesh's: [Note: adopting an mpu]
+        record_declaration(mesh_from_mpu(mpu), "initialize(mpu=...)")
     pipeline = isinstance(model, PipelineModule)
     cfg, error = None, None
     try:
         # The batch triple counts the data-parallel ranks, not every rank.
-        sequence = _sequence_size(model, source, topology.world_size, mesh_param)
-        cfg = load_config(source, world_size=topology.world_size // _replica_size(model, source) // sequence)
-        if cfg.sequence_parallel_size != sequence:  # from mesh_param
-            cfg = cfg.model_copy(update={"sequence_parallel_size": sequence})
+        degrees = _resolve_degrees(model, source, topology.world_size, mesh_param)
+        cfg = load_config(source, world_size=degrees.data(topology.world_size))
+        if cfg.sequence_parallel_size != degrees.sequence:  # from mesh_param
+            cfg = cfg.model_copy(update={"sequence_parallel_size": degrees.sequence})
         if pipeline:
             check_pipeline_config(cfg, model)
     except ConfigError as exc:
@@ -402,7 +414,9 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
     # The first collective of training; raises on every rank when they disagree.
     check_ranks_agree(model, cfg, error, topology.rank, topology.device,
                       description=model.describe() if pipeline else None)
-    mesh = pipeline_mesh(model) if pipeline else (_sequence_parallel_mesh(cfg) or _tensor_parallel_mesh(model, cfg))
+    job_mesh = _build_mesh(model, cfg, degrees)
+    # A model every rank holds whole trains over the default group (mesh None below).
+    mesh = job_mesh if pipeline or ParallelDegrees.of_mesh(job_mesh).replica > 1 else None
     # The ranks holding the same parameters: ZeRO's group. Under sequence parallelism
     # it spans data x sequence, as in DeepSpeed (gradients averaged over both).
     data_axis = "sequence_data" if cfg.sequence_parallel_size > 1 else "data"
@@ -445,7 +459,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
             if loader is not None:
                 engine.set_dataiterator(iter(RepeatingLoader(loader)))
         else:
-            engine = Engine(model, strategy, scheduler, cfg, topology)
+            engine = Engine(model, strategy, scheduler, cfg, topology, mesh=job_mesh)
         if mesh is not None:
             attach_model_parallel(model, mesh, strategy, engine.register_pre_step_hook)
         engine.training_dataloader = loader  # its position is checkpointed
