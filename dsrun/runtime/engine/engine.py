@@ -370,7 +370,7 @@ class Engine(DeepSpeedEngineCompat, torch.nn.Module):
     def register_pre_step_hook(self, hook: Callable[[], None]) -> None:
         """Run `hook()` at every accumulation boundary after the gradients are
         reduced and before the strategy's step (e.g. tensor parallelism's
-        gradient sums, dsrun/runtime/parallel/model_parallel.py). Every rank
+        gradient sums, dsrun/runtime/engine/model_parallel.py). Every rank
         registers the same hooks in the same order (they may communicate)."""
         self._pre_step_hooks.append(hook)
 
