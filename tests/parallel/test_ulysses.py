@@ -159,7 +159,7 @@ def test_bad_sizes_are_refused():
 
 def test_sequence_parallel_size_must_divide_the_job():
     from dsrun.runtime.config import ConfigError
-    from dsrun.runtime.engine.entry import _sequence_size
+    from dsrun.runtime.engine.compose import _sequence_size
     model = torch.nn.Linear(2, 2)
     assert _sequence_size(model, {"sequence_parallel_size": 2}, 4) == 2
     with pytest.raises(ConfigError, match="does not divide the 6 ranks"):
@@ -227,27 +227,31 @@ def _samples():
 
 
 def _train(sequence: int, stage: int = 2, heads: int = HEADS, kv_heads: int = KV_HEADS,
-           optimizer: dict = ADAM) -> tuple[list[float], torch.Tensor]:
+           optimizer: dict = ADAM, mics: int = -1, declared: bool = False) -> tuple[list[float], torch.Tensor]:
     """STEPS steps on the 4 samples. data=4: one sample per rank. sequence=2
     x data=2: data rank d takes samples 2d and 2d+1 as two micro-batches of
     one (gradient accumulation 2), each sequence rank its half of the
-    tokens. Returns the mean loss of the 4 samples per step and the
-    parameters after training."""
+    tokens. `mics`: zero_optimization.mics_shard_size. `declared`: the mesh
+    comes from dsrun.init_distributed(config=...) instead of set_current.
+    Returns the mean loss of the 4 samples per step and the parameters
+    after training."""
     import torch.distributed as dist
 
     import dsrun
     from dsrun.runtime.parallel.mesh import ParallelMesh, set_current
     from dsrun.sequence import sequence_parallel_loss, shard_sequence
     from dsrun.utils import groups
+    cfg = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 1, "sequence_parallel_size": sequence,
+           "optimizer": optimizer, "zero_optimization": {"stage": stage, "mics_shard_size": mics},
+           "gradient_clipping": 0.0, "steps_per_print": 1000}
+    if declared:  # the mesh first, so that the model's DistributedAttention has its group
+        dsrun.init_distributed(config=cfg)
     world = dist.get_world_size()
     data = world // sequence
-    if sequence > 1:  # the mesh first, so that the model's DistributedAttention has its group
+    if sequence > 1 and not declared:
         set_current(ParallelMesh.build(world, sequence=sequence))
     torch.manual_seed(0)
     model = _Block(groups._get_sequence_parallel_group() if sequence > 1 else None, heads, kv_heads)
-    cfg = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 1, "sequence_parallel_size": sequence,
-           "optimizer": optimizer, "zero_optimization": {"stage": stage},
-           "gradient_clipping": 0.0, "steps_per_print": 1000}
     engine, *_ = dsrun.initialize(model=model, config=cfg)
     assert engine.gradient_accumulation_steps() == 4 // data
     assert groups._get_sequence_parallel_world_size() == sequence

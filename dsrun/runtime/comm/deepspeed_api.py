@@ -25,6 +25,7 @@ from dsrun.runtime.comm.list_collectives import (all_gather, all_to_all, all_to_
 from dsrun.runtime.comm.logger import CommsLogger, OpStats, comms_logger, log_summary
 from dsrun.runtime.distributed.dist import DEFAULT_TIMEOUT, Topology
 from dsrun.runtime.distributed.dist import init_distributed as _init_process_group
+from dsrun.runtime.parallel.degrees import ParallelDegrees, declare_mesh, record_declaration
 
 __all__ = [
     "ReduceOp", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_reduce", "all_to_all",
@@ -60,8 +61,13 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
             "tcp://HOST:PORT" (rank 0's address).
         dist_init_required: False: do not create a group (one must exist
             already or none is wanted); None/True: create it unless it exists.
-        config: a ds_config dict; its "comms_logger" section configures the
-            comms logger.
+        config: a ds_config (dict or path); its "comms_logger" section
+            configures the comms logger, and its parallel degrees
+            (`pipeline.stages`, `tensor_parallel.autotp_size`,
+            `sequence_parallel_size`) build the job's parallelism mesh now,
+            on every rank, before the model (see [Note: one declaration of
+            the degrees] in runtime/parallel/degrees.py): `dsrun.utils.groups`
+            answers from it.
         rank, world_size: this process's rank and the job size when the
             environment does not give them (-1: from the environment).
 
@@ -72,9 +78,11 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     Raises:
         ValueError: an init_method other than env:// or tcp://, or rank
             given without world_size.
+        dsrun.runtime.config.ConfigError: the config's degrees are invalid
+            or their product does not divide the world size.
         dsrun.runtime.distributed.dist.DistributedSetupError: inconsistent rank variables.
     """
-    if config is not None and isinstance(config.get("comms_logger"), dict):
+    if isinstance(config, dict) and isinstance(config.get("comms_logger"), dict):
         configure(deepspeed_config=config)
     if init_method not in (None, "env://"):
         url = urlparse(init_method)
@@ -84,7 +92,8 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     if (rank >= 0) != (world_size >= 0):
         raise ValueError(f"init_distributed(rank={rank}, world_size={world_size}): give both or neither")
     if dist.is_initialized() or dist_init_required is False:
-        return _init_process_group() if dist.is_initialized() else None  # describes the existing group
+        # describes the existing group
+        return _declare(config, _init_process_group() if dist.is_initialized() else None)
     if init_method not in (None, "env://"):
         os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = url.hostname, str(url.port)
     if rank >= 0:
@@ -93,6 +102,14 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
                                    auto_mpi_discovery=auto_mpi_discovery)
     if verbose and topology.is_rank_zero:
         print(f"dsrun: process group ready: {topology.world_size} ranks, backend {topology.backend}", flush=True)
+    return _declare(config, topology)
+
+
+def _declare(config, topology: Topology | None) -> Topology | None:
+    """Build the mesh of `config`'s degrees (collective) when there is a
+    config and a process group; returns `topology`."""
+    if config is not None and topology is not None:
+        record_declaration(declare_mesh(ParallelDegrees.from_config(config)), "init_distributed(config=...)")
     return topology
 
 

@@ -107,6 +107,7 @@ from dsrun.runtime.config.legacy import (  # noqa: F401 - the package's names
 from dsrun.runtime.config.loading import (  # noqa: F401 - the package's names
     load_config,
     offload_param_of,
+    pipeline_of,
     sequence_parallel_size_of,
     tensor_parallel_of,
 )

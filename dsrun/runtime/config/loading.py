@@ -22,7 +22,7 @@ from dsrun.runtime.config.messages import _translate
 from dsrun.runtime.config.reading import _read_file
 from dsrun.runtime.config.registries import _unsupported, _unsupported_raw, _warn_no_effect
 from dsrun.runtime.config.schema import _BatchTriple, DsConfig, _set_values
-from dsrun.runtime.config.sections import _fill, OffloadParamConfig, PosInt, TensorParallelConfig
+from dsrun.runtime.config.sections import _fill, OffloadParamConfig, PipelineConfig, PosInt, TensorParallelConfig
 
 _SEQUENCE_SIZE = TypeAdapter(PosInt)
 
@@ -53,6 +53,20 @@ def offload_param_of(source: Mapping | str | os.PathLike | DsConfig) -> OffloadP
                             for e in exc.errors()), source=name) from None
 
 
+def _section_of(source: Mapping | str | os.PathLike, key: str, section_type):
+    """The `key` section of a raw ds_config (dict or file), validated on its
+    own as `section_type`; the defaults when absent. Raises ConfigError when
+    the file cannot be read or the section is invalid."""
+    name = "dict" if isinstance(source, Mapping) else str(source)
+    raw = source if isinstance(source, Mapping) else _read_file(Path(source))
+    section = raw.get(key) if isinstance(raw, Mapping) else None
+    try:
+        return section_type.model_validate(section if isinstance(section, Mapping) else {})
+    except ValidationError as exc:
+        raise ConfigError(*(f"{key}.{'.'.join(map(str, e['loc']))}: {e['msg']}"
+                            for e in exc.errors()), source=name) from None
+
+
 def tensor_parallel_of(source: Mapping | str | os.PathLike | DsConfig) -> TensorParallelConfig:
     """The `tensor_parallel` section of a ds_config, validated on its own.
 
@@ -62,14 +76,18 @@ def tensor_parallel_of(source: Mapping | str | os.PathLike | DsConfig) -> Tensor
     """
     if isinstance(source, DsConfig):
         return source.tensor_parallel
-    name = "dict" if isinstance(source, Mapping) else str(source)
-    raw = source if isinstance(source, Mapping) else _read_file(Path(source))
-    section = raw.get("tensor_parallel") if isinstance(raw, Mapping) else None
-    try:
-        return TensorParallelConfig.model_validate(section if isinstance(section, Mapping) else {})
-    except ValidationError as exc:
-        raise ConfigError(*(f"tensor_parallel.{'.'.join(map(str, e['loc']))}: {e['msg']}"
-                            for e in exc.errors()), source=name) from None
+    return _section_of(source, "tensor_parallel", TensorParallelConfig)
+
+
+def pipeline_of(source: Mapping | str | os.PathLike | DsConfig) -> PipelineConfig:
+    """The `pipeline` section of a ds_config, validated on its own: its
+    `stages` is the pipeline degree that `init_distributed(config=...)`
+    builds the mesh with, before the model and before `load_config`.
+    Raises ConfigError as tensor_parallel_of does.
+    """
+    if isinstance(source, DsConfig):
+        return source.pipeline
+    return _section_of(source, "pipeline", PipelineConfig)
 
 
 def sequence_parallel_size_of(source: Mapping | str | os.PathLike | DsConfig) -> int:

@@ -21,7 +21,7 @@ from dsrun.runtime.config import DsConfig
 from dsrun.runtime.data_pipeline.curriculum import TokenStepLR, check_takes_seqlen, legacy_scheduler
 from dsrun.runtime.data_pipeline.data_sampling import CurriculumDataLoader, build_curriculum_loader
 from dsrun.runtime.engine.dataloader import DistributedDataLoader
-from dsrun.runtime.parallel.mesh import current as current_mesh
+from dsrun.runtime.parallel.mesh import ParallelMesh, current as current_mesh
 from dsrun.runtime.data_pipeline.data_routing.basic_layer import RandomLayerTokenDrop
 from dsrun.runtime.data_pipeline.data_routing.helper import bind_random_ltd_layers, random_ltd_scheduler
 from dsrun.runtime.strategy.data_parallel import AllReduceStrategy, GradientStrategy
@@ -41,7 +41,8 @@ from dsrun.runtime.zero import build_zero_strategy
 
 
 def build_strategy(cfg: DsConfig, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                   topology: Topology, data_group=None) -> GradientStrategy:
+                   topology: Topology, data_group=None, *, mesh: ParallelMesh,
+                   data_axis: str = "data") -> GradientStrategy:
     """The GradientStrategy for the config: the only switch on ZeRO stage and precision.
 
     Stage 0 in fp32 (fp32 communication) is AllReduceStrategy; everything
@@ -50,7 +51,8 @@ def build_strategy(cfg: DsConfig, module: torch.nn.Module, optimizer: torch.opti
     buffers: `dsrun.runtime.compression.build_compression_strategy`.
     `data_group` is the process group gradients are averaged over (None:
     every rank; a pipeline or a tensor-parallel model passes its mesh's
-    data axis).
+    data axis): `mesh`'s `data_axis` group ("data", or "sequence_data"
+    under sequence parallelism), which ZeRO's MiCS splits into blocks.
 
     Raises:
         ValueError: a data group with a strategy that cannot take one (the
@@ -75,7 +77,8 @@ def build_strategy(cfg: DsConfig, module: torch.nn.Module, optimizer: torch.opti
                              "every rank and cannot run inside a pipeline yet; use Adam/AdamW")
         return build_compression_strategy(cfg, module, optimizer, topology)
     if zero_path:
-        return build_zero_strategy(cfg, module, optimizer, topology, group=data_group)
+        return build_zero_strategy(cfg, module, optimizer, topology, group=data_group, mesh=mesh,
+                                   data_axis=data_axis)
     return AllReduceStrategy(module, optimizer, topology,
                              bucket_size=cfg.zero_optimization.reduce_bucket_size, group=data_group,
                              division=GradientDivision.from_config(cfg), sparse_gradients=cfg.sparse_gradients)
@@ -125,9 +128,11 @@ class Engine(DeepSpeedEngineCompat, torch.nn.Module):
         split: how the model is split across ranks (a pipeline engine's
             stages, see ModelSplit), for the checkpointer; None: every rank
             holds the whole model.
+        mesh: the job's ParallelMesh (initialize passes the one it built;
+            None: the process-global `current()`), kept as `engine.mesh`.
 
     Attributes:
-        module, optimizer, lr_scheduler, train_state (the counters, also
+        mesh: the job's ParallelMesh. module, optimizer, lr_scheduler, train_state (the counters, also
         readable as DeepSpeed's attributes: global_steps (optimizer steps
         attempted), global_samples (samples consumed by those steps),
         skipped_steps (steps skipped on overflow), micro_steps),
@@ -152,8 +157,10 @@ class Engine(DeepSpeedEngineCompat, torch.nn.Module):
 
     def __init__(self, module: torch.nn.Module, strategy: GradientStrategy,
                  lr_scheduler: Any, config: DsConfig, topology: Topology,
-                 split: ModelSplit | None = None) -> None:
+                 split: ModelSplit | None = None, mesh: ParallelMesh | None = None) -> None:
         super().__init__()
+        # The job's parallelism mesh, passed on explicitly (the process-global one when none is given).
+        self.mesh = mesh if mesh is not None else current_mesh()
         self.module = module
         self.strategy = strategy
         self.optimizer = strategy.optimizer
@@ -164,7 +171,7 @@ class Engine(DeepSpeedEngineCompat, torch.nn.Module):
         self.training_dataloader = None  # set by initialize(training_data=...); checkpointed
         self.resumed_checkpoint: str | None = None  # set by initialize under checkpoint.auto_resume
         self.resumed_client_state: dict | None = None
-        parts = TrainingParts(module, strategy, topology, config, self.train_state, split)
+        parts = TrainingParts(module, strategy, topology, config, self.train_state, self.mesh, split)
         self.checkpointer = Checkpointer(parts)
         self.curriculum_scheduler_legacy = legacy_scheduler(config)
         if self.curriculum_scheduler_legacy is not None:
@@ -295,7 +302,7 @@ class Engine(DeepSpeedEngineCompat, torch.nn.Module):
         with self._phase("forward"), self._telemetry.phase("forward"):
             output = self.module(*inputs, **kwargs)
         if self.config.sequence_parallel_size > 1:  # [Note: the engine averages a model's loss over tokens]
-            output = token_mean_of_model_loss(output, inputs, kwargs, current_mesh().group("sequence_data"))
+            output = token_mean_of_model_loss(output, inputs, kwargs, self.mesh.group("sequence_data"))
         return output
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False,
@@ -365,7 +372,7 @@ class Engine(DeepSpeedEngineCompat, torch.nn.Module):
     def register_pre_step_hook(self, hook: Callable[[], None]) -> None:
         """Run `hook()` at every accumulation boundary after the gradients are
         reduced and before the strategy's step (e.g. tensor parallelism's
-        gradient sums, dsrun/runtime/parallel/model_parallel.py). Every rank
+        gradient sums, dsrun/runtime/engine/model_parallel.py). Every rank
         registers the same hooks in the same order (they may communicate)."""
         self._pre_step_hooks.append(hook)
 
@@ -394,7 +401,7 @@ class Engine(DeepSpeedEngineCompat, torch.nn.Module):
         if data_sampler is not None:
             raise ValueError("deepspeed_io(data_sampler=...) is not supported: the loader shards the data over "
                              "the data-parallel ranks itself")
-        mesh = current_mesh()
+        mesh = self.mesh
         if self.config.data_efficiency.curriculum_sampling:
             loader = build_curriculum_loader(dataset, self.config, mesh.rank("data"), mesh.size("data"),
                                              collate_fn, difficulty_metrics)

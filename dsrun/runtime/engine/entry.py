@@ -1,10 +1,12 @@
 """`initialize()` and `add_config_arguments()`: DeepSpeed's entry points.
 
-`initialize` assembles the pieces in a fixed order -- process group, config,
-model placement and weight broadcast, optimizer, gradient strategy, LR
-scheduler, data loader -- and hands them to an Engine. Each piece is built
-by its own module; this file only decides where each comes from (an object,
-a factory, or the config).
+`initialize` reads its arguments and the config in a fixed order --
+process group, an mpu's groups, the parallel degrees (compose.py
+`resolve_degrees`), config, the ranks' agreement -- then applies every
+parallelism and builds the gradient strategy in one step (compose.py
+`compose`), and adds the LR scheduler and the data loader for an Engine.
+Each piece is built by its own module; this file only decides where each
+comes from (an object, a factory, or the config).
 """
 from __future__ import annotations
 
@@ -22,23 +24,22 @@ from dsrun.runtime.observability import heartbeat
 from dsrun.runtime.observability import exit_report
 from dsrun.runtime.distributed.agreement import check_ranks_agree
 from dsrun.runtime.activation_checkpointing import checkpointing
-from dsrun.runtime.config import ConfigError, DsConfig, load_config, sequence_parallel_size_of, tensor_parallel_of
+from dsrun.runtime.config import ConfigError, DsConfig, load_config
 from dsrun.runtime.data_pipeline.data_sampling import CurriculumDataLoader, build_curriculum_loader
 from dsrun.runtime.engine.dataloader import DistributedDataLoader, RepeatingLoader
 from dsrun.runtime.distributed.dist import Topology, init_distributed
-from dsrun.runtime.engine.engine import Engine, build_strategy
+from dsrun.runtime.engine.compose import compose, resolve_degrees
+from dsrun.runtime.engine.engine import Engine
 from dsrun.runtime.engine.state_dump import describe_engine
 from dsrun.runtime.observability.logging import log_rank0, logger
 # Through DeepSpeed's path, so that after initialize `deepspeed.runtime.lr_schedules`
 # is an attribute of `deepspeed.runtime` (Accelerate reads it so, without importing it).
 from dsrun.runtime.lr_schedules import build_lr_scheduler
 from dsrun.runtime.optim.optimizers import build_optimizer
-from dsrun.runtime.parallel.expert.groups import expert_group_name_of, expert_groups, is_expert_param
-from dsrun.runtime.parallel.mesh import ParallelMesh, current, set_current
-from dsrun.runtime.parallel.model_parallel import attach_model_parallel
-from dsrun.runtime.parallel.pipe.engine import PipelineEngine, check_pipeline_config, tie_weights
+from dsrun.runtime.parallel.degrees import record_declaration
+from dsrun.runtime.parallel.mpu import mesh_from_mpu
+from dsrun.runtime.parallel.pipe.engine import PipelineEngine, check_pipeline_config
 from dsrun.runtime.parallel.pipe.module import PipelineModule
-from dsrun.runtime.parallel.tensor.autotp import tp_model_init
 
 ConfigSource = dict | str | Path | DsConfig
 
@@ -85,152 +86,6 @@ def _config_source(args: Any, config: ConfigSource | None,
         return next(iter(from_args.values()))
     raise ConfigError("no config: pass initialize(config=...) (dict or path) or "
                       "--deepspeed_config PATH (see add_config_arguments)")
-
-
-def _broadcast_module(module: torch.nn.Module, src: int = 0, group=None) -> None:
-    """Give every rank of `group` (default: all) global rank `src`'s parameters
-    and buffers (different seeds must not diverge). An expert parameter of an
-    MoE layer comes instead from the first rank of its expert-data-parallel
-    group (the ranks of an expert-parallel group hold different experts)."""
-    with torch.no_grad():
-        for tensor in list(module.parameters()) + list(module.buffers()):
-            if is_expert_param(tensor):
-                experts = expert_groups(expert_group_name_of(tensor))
-                comm.broadcast(tensor.data, src=experts.expert_data_parallel.ranks[0],
-                               group=experts.expert_data_group)
-            else:
-                comm.broadcast(tensor.data, src=src, group=group)
-
-
-def pipeline_mesh(module: PipelineModule) -> ParallelMesh:
-    """The job's mesh for a PipelineModule (its topology, or pipe x data with
-    the module's stages), made the current mesh that `dsrun.utils.groups`
-    answers from. The current mesh is kept when it has the module's topology
-    (its tensor-parallel layers were built on it); otherwise collective:
-    every rank creates every group."""
-    topology = module.topology()
-    world = comm.get_world_size()
-    mine = current()
-    if topology is not None and (mine.topology.get_axis_names(), mine.topology.dims) == \
-            (topology.get_axis_names(), topology.dims):
-        return mine
-    mesh = ParallelMesh(topology) if topology is not None else ParallelMesh.build(world, pipe=module.num_stages)
-    set_current(mesh)
-    return mesh
-
-
-def _replica_size(model: torch.nn.Module, source: ConfigSource) -> int:
-    """How many ranks hold one copy of the model (pipeline stages x
-    tensor-parallel ranks): the data-parallel size is the world size over it.
-
-    Raises:
-        ConfigError: an invalid `tensor_parallel` section; autotp_size with a
-            PipelineModule; autotp_size differing from the degree
-            tp_model_init sharded the model with.
-    """
-    autotp = tensor_parallel_of(source).autotp_size
-    if isinstance(model, PipelineModule):
-        if autotp > 1:
-            raise ConfigError(f"tensor_parallel.autotp_size={autotp} with a PipelineModule: automatic tensor "
-                              "parallelism shards ordinary models only; build the pipeline's layers from "
-                              "ColumnParallelLinear/RowParallelLinear on a topology with a model axis "
-                              "(ParallelMesh.build(world, pipe=P, model=T).topology), or set it to 1")
-        topology = model.topology()
-        return model.num_stages if topology is None else topology.world_size() // topology.get_dim("data")
-    if _is_sharded(model):
-        sharded = current().size("model")
-        if autotp not in (1, sharded):
-            raise ConfigError(f"tensor_parallel.autotp_size={autotp} but the model is already sharded over "
-                              f"{sharded} ranks (the current mesh's model axis); make them equal (or leave "
-                              "the key out)")
-        return sharded
-    return autotp
-
-
-def _mesh_param_size(mesh_param: Any, source: ConfigSource, world: int) -> int:
-    """The sequence-parallel degree of DeepSpeed's `mesh_param=(dp, sp)`.
-
-    Raises:
-        ConfigError: not two positive integers, dp * sp differing from the
-            world size, or a config `sequence_parallel_size` other than sp.
-    """
-    if (not isinstance(mesh_param, (tuple, list)) or len(mesh_param) != 2
-            or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in mesh_param)):
-        raise ConfigError(f"initialize(mesh_param={mesh_param!r}): give (data_parallel_size, "
-                          "sequence_parallel_size), two integers >= 1, as DeepSpeed does")
-    data, sequence = mesh_param
-    if data * sequence != world:
-        raise ConfigError(f"initialize(mesh_param=({data}, {sequence})): {data} x {sequence} = {data * sequence} "
-                          f"ranks, but the job has {world}; the data and sequence degrees must multiply to "
-                          "the world size")
-    configured = sequence_parallel_size_of(source)
-    if configured not in (1, sequence):
-        raise ConfigError(f"initialize(mesh_param=({data}, {sequence})) asks for {sequence} sequence-parallel "
-                          f"ranks but the config's sequence_parallel_size is {configured}; remove one of "
-                          "them or make them equal")
-    return sequence
-
-
-def _sequence_size(model: torch.nn.Module, source: ConfigSource, world: int, mesh_param: Any = None) -> int:
-    """The config's sequence_parallel_size (or mesh_param's, see
-    _mesh_param_size), checked against the job.
-
-    Raises:
-        ConfigError: it does not divide the world size, or it is combined
-            with a PipelineModule or a tensor-parallel model (not supported
-            yet); a bad or conflicting mesh_param.
-    """
-    size = (sequence_parallel_size_of(source) if mesh_param is None
-            else _mesh_param_size(mesh_param, source, world))
-    if size == 1:
-        return 1
-    if isinstance(model, PipelineModule) or _is_sharded(model) or tensor_parallel_of(source).autotp_size > 1:
-        raise ConfigError(f"sequence_parallel_size={size} with a pipeline or tensor-parallel model: Ulysses "
-                          "sequence parallelism runs with data parallelism (and ZeRO) only in this release; "
-                          "set sequence_parallel_size to 1 or train the model unsharded")
-    if world % size:
-        raise ConfigError(f"sequence_parallel_size={size} does not divide the {world} ranks of the job; "
-                          f"choose a divisor of {world} (data parallelism takes the rest)")
-    return size
-
-
-def _sequence_parallel_mesh(cfg: DsConfig) -> ParallelMesh | None:
-    """The data x sequence mesh for config sequence_parallel_size > 1, made
-    the current mesh, or None without sequence parallelism. The current mesh
-    is kept when it already is that mesh (the model's DistributedAttention
-    layers were built on its sequence group); otherwise collective: every
-    rank creates every group."""
-    size = cfg.sequence_parallel_size
-    if size == 1:
-        return None
-    mine = current()
-    if (mine.size("sequence"), mine.size("pipe"), mine.size("model")) == (size, 1, 1):
-        return mine
-    mesh = ParallelMesh.build(comm.get_world_size(), sequence=cfg.sequence_parallel_size)
-    set_current(mesh)
-    return mesh
-
-
-def _is_sharded(model: torch.nn.Module) -> bool:
-    """Whether `model` holds tensor-parallel layers: sharded by tp_model_init,
-    or built from ColumnParallelLinear/RowParallelLinear/VocabParallelEmbedding
-    (on the current mesh, whose model axis then splits it)."""
-    return getattr(model, "ds_autotp_parsed", False) or any(
-        getattr(p, "tensor_model_parallel", False) for p in model.parameters())
-
-
-def _tensor_parallel_mesh(model: torch.nn.Module, cfg: DsConfig) -> ParallelMesh | None:
-    """The data x model mesh of a tensor-parallel model (sharding it now,
-    as tp_model_init, when the config's autotp_size asks and the model is not
-    sharded yet; collective), or None for a model every rank holds whole."""
-    if not _is_sharded(model):
-        if cfg.tensor_parallel.autotp_size == 1:
-            return None
-        tp_model_init(model, cfg.tensor_parallel.autotp_size, vocab_parallel=cfg.tensor_parallel.vocab_parallel)
-    elif cfg.tensor_parallel.vocab_parallel and not getattr(model, "ds_autotp_vocab_parallel", False):
-        raise ConfigError("tensor_parallel.vocab_parallel=true but the model was sharded without it; call "
-                          "dsrun.tp_model_init(..., vocab_parallel=True) or leave the key to initialize()")
-    return current() if current().size("model") > 1 else None
 
 
 def _check_model(model: torch.nn.Module) -> None:
@@ -344,10 +199,15 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
             or None to build it from the config (this one wins over the
             config's, with a notice).
         distributed_port: MASTER_PORT when the environment sets none.
-        mpu: model-parallel unit; must be None (the groups come from the
-            parallelism mesh: dsrun.tp_model_init or config
-            tensor_parallel.autotp_size, or a mesh made current before
-            building Megatron layers).
+        mpu: a Megatron-style model-parallel unit (get_model_parallel_group
+            or get_tensor_model_parallel_group, get_data_parallel_group,
+            optionally the pipeline and sequence ones): the job's mesh adopts
+            its groups (ZeRO partitions over its data group, the gradient
+            norm spans its model groups); see [Note: adopting an mpu] in
+            runtime/parallel/mpu.py. The config and the model must agree
+            with its degrees (e.g. tensor_parallel.autotp_size = its tensor
+            size for a model to shard). None: the degrees come from the
+            config and the model (see compose.resolve_degrees).
         dist_init_required: False asserts the process group already exists.
         collate_fn: batch collation for the data loader.
         config, config_params: dict, path (.json/.yaml/.yml) or DsConfig.
@@ -367,17 +227,14 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
             an invalid config, or configs that differ between ranks. An
             uncaught ConfigError prints one message without traceback and
             exits with code 78 (see dsrun.runtime.observability.exit_report).
-        ValueError: model missing, mpu given, parameters on the meta
-            device, no trainable parameters.
+        ValueError: model missing, parameters on the meta device, no
+            trainable parameters; an mpu whose groups do not tile the world
+            (runtime/parallel/mpu.py MpuError, naming the ranks).
         dsrun.runtime.distributed.agreement.RankMismatchError: ranks built different
             models (the first differing parameter is named).
     """
     if model is None:
         raise ValueError("initialize() needs model= (the torch.nn.Module to train)")
-    if mpu is not None:
-        raise ValueError("initialize(mpu=...): dsrun takes the tensor-parallel groups from its parallelism "
-                         "mesh, not from an mpu object; pass mpu=None and shard the model with "
-                         "dsrun.tp_model_init (or layers built on dsrun.runtime.parallel.mesh.current())")
     if dist_init_required is False and not comm.is_initialized():
         raise RuntimeError("dist_init_required=False but torch.distributed is not initialised; "
                            "call dsrun.init_distributed() first or drop the argument")
@@ -387,14 +244,16 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
     started = memory_profile.MemorySnapshot.take()  # reads /proc only; used if the config asks
     topology: Topology = init_distributed(distributed_port=distributed_port)
     exit_report.install()  # again after torch's own hook (init_process_group's): ours runs first
+    if mpu is not None:  # its groups become the mesh's: [Note: adopting an mpu]
+        record_declaration(mesh_from_mpu(mpu), "initialize(mpu=...)")
     pipeline = isinstance(model, PipelineModule)
     cfg, error = None, None
     try:
         # The batch triple counts the data-parallel ranks, not every rank.
-        sequence = _sequence_size(model, source, topology.world_size, mesh_param)
-        cfg = load_config(source, world_size=topology.world_size // _replica_size(model, source) // sequence)
-        if cfg.sequence_parallel_size != sequence:  # from mesh_param
-            cfg = cfg.model_copy(update={"sequence_parallel_size": sequence})
+        degrees = resolve_degrees(model, source, topology.world_size, mesh_param)
+        cfg = load_config(source, world_size=degrees.data(topology.world_size))
+        if cfg.sequence_parallel_size != degrees.sequence:  # from mesh_param
+            cfg = cfg.model_copy(update={"sequence_parallel_size": degrees.sequence})
         if pipeline:
             check_pipeline_config(cfg, model)
     except ConfigError as exc:
@@ -402,10 +261,6 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
     # The first collective of training; raises on every rank when they disagree.
     check_ranks_agree(model, cfg, error, topology.rank, topology.device,
                       description=model.describe() if pipeline else None)
-    mesh = pipeline_mesh(model) if pipeline else (_sequence_parallel_mesh(cfg) or _tensor_parallel_mesh(model, cfg))
-    # The ranks holding the same parameters: ZeRO's group. Under sequence parallelism
-    # it spans data x sequence, as in DeepSpeed (gradients averaged over both).
-    data_axis = "sequence_data" if cfg.sequence_parallel_size > 1 else "data"
     if "activation_checkpointing" in cfg.model_fields_set and not checkpointing.is_configured():
         checkpointing.configure(None, deepspeed_config=cfg)  # DeepSpeed scripts may call configure() themselves
     comm.comms_logger.configure(cfg.comms_logger.enabled, cfg.comms_logger.verbose,
@@ -413,40 +268,30 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
 
     with (memory_profile.phase("initialize", since=started) if cfg.memory_breakdown
           else contextlib.nullcontext()):
-        model.to(topology.device)
-        if mesh is not None:  # the ranks of one stage and model rank hold the same slices: its data group
-            _broadcast_module(model, src=mesh.ranks(data_axis)[0], group=mesh.group(data_axis))
-            tied = tie_weights(model, mesh) if pipeline else []
-        else:
-            _broadcast_module(model)
-        params = (list(model_parameters) if model_parameters is not None
-                  else [p for p in model.parameters() if p.requires_grad])
-        if pipeline and not params:  # a stage of parameterless layers: an optimizer of one empty group
-            params = [{"params": []}]
-        basic_optimizer = _build_optimizer(optimizer, params, cfg)
-        strategy = build_strategy(cfg, model, basic_optimizer, topology,
-                                  data_group=mesh.group(data_axis) if mesh is not None else None)
+        # Every parallelism, in one order: [Note: the order of composition] in compose.py.
+        parts = compose(model, cfg, degrees, topology, lambda params: _build_optimizer(optimizer, params, cfg),
+                        model_parameters)
+        mesh, strategy = parts.mesh, parts.strategy
         allocator.trim()  # the model's original storage was just released
         scheduler = _build_scheduler(lr_scheduler, strategy.optimizer, cfg)
         loader = None
         if training_data is not None:
             # Shard the data over the data axis: the stages, model ranks and sequence ranks of one
             # replica read the same samples (each sequence rank keeps its tokens: shard_sequence).
-            shard = (dataclasses.replace(topology, rank=mesh.rank("data"), world_size=mesh.size("data"))
-                     if mesh is not None else topology)
+            shard = dataclasses.replace(topology, rank=mesh.rank("data"), world_size=mesh.size("data"))
             if cfg.data_efficiency.curriculum_sampling:  # metrics from the config's metric_fn
                 loader = build_curriculum_loader(training_data, cfg, shard.rank, shard.world_size, collate_fn)
             else:
                 loader = DistributedDataLoader(training_data, cfg.train_micro_batch_size_per_gpu,
                                                shard, collate_fn=collate_fn)
         if pipeline:
-            engine = PipelineEngine(model, strategy, scheduler, cfg, topology, mesh, tied)
+            engine = PipelineEngine(model, strategy, scheduler, cfg, topology, mesh, parts.tied)
             if loader is not None:
                 engine.set_dataiterator(iter(RepeatingLoader(loader)))
         else:
-            engine = Engine(model, strategy, scheduler, cfg, topology)
-        if mesh is not None:
-            attach_model_parallel(model, mesh, strategy, engine.register_pre_step_hook)
+            engine = Engine(model, strategy, scheduler, cfg, topology, mesh=mesh)
+        for hook in parts.pre_step_hooks:
+            engine.register_pre_step_hook(hook)
         engine.training_dataloader = loader  # its position is checkpointed
         if isinstance(loader, CurriculumDataLoader):
             engine.register_checkpoint_state("data_sampling", loader.sampler)

@@ -118,13 +118,19 @@ class ParallelMesh:
 
     Args:
         topology: the rank layout; its world size must be the job's.
+        adopt: process groups that exist already (an mpu's, see
+            runtime/parallel/mpu.py), by their ranks: the mesh uses them
+            instead of creating groups of those ranks. Every rank must pass
+            the same keys (value None for a group this rank is not in), so
+            that every rank skips the same new_group calls.
 
     Raises:
         ValueError: the topology's world size is not the number of ranks,
             or an axis is named like a combined group.
     """
 
-    def __init__(self, topology: ProcessTopology) -> None:
+    def __init__(self, topology: ProcessTopology,
+                 adopt: dict[tuple[int, ...], ProcessGroup | None] | None = None) -> None:
         world = comm.get_world_size()
         if topology.world_size() != world:
             raise ValueError(f"ParallelMesh: the topology {topology.get_axis_names()} x {topology.dims} "
@@ -138,7 +144,7 @@ class ParallelMesh:
         self.world_size = world
         self.global_rank = comm.get_rank()
         self._world = _world_token()
-        self._made: dict[tuple[int, ...], ProcessGroup] = {}
+        self._made: dict[tuple[int, ...], ProcessGroup | None] = dict(adopt or {})
         self._parts: dict[str, list[tuple[int, ...]]] = {}
         self._groups: dict[str, MeshGroup] = {}
         self._blocks: dict[tuple[str, int], DataBlocks] = {}

@@ -43,6 +43,7 @@ the same group as `node_groups().intra`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from torch.distributed import ProcessGroup
 
@@ -50,6 +51,9 @@ from dsrun.runtime import comm
 from dsrun.runtime.config import ConfigError
 from dsrun.runtime.distributed import nodes
 from dsrun.runtime.parallel import mesh
+
+if TYPE_CHECKING:
+    from dsrun.runtime.parallel.mesh import ParallelMesh
 
 
 @dataclass(frozen=True)
@@ -94,21 +98,26 @@ class ZeroGroups:
         return cls(RankGroup.alone(), RankGroup.of(group))
 
     @classmethod
-    def mics(cls, shard_size: int) -> "ZeroGroups":
-        """MiCS over the current mesh's data axis (dsrun.runtime.parallel.mesh):
-        shards within blocks of `shard_size` consecutive data ranks,
-        replicas across blocks. Collective over every rank the first time
-        for a size (the groups are created then, see mesh.data_blocks).
+    def mics(cls, shard_size: int, mesh: "ParallelMesh", axis: str = "data") -> "ZeroGroups":
+        """MiCS over ZeRO's group of `mesh`: shards within blocks of
+        `shard_size` consecutive ranks of the `axis` group, replicas across
+        the blocks. `axis` is the group ZeRO partitions over: "data", or
+        "sequence_data" under sequence parallelism (the blocks must split
+        the ranks holding the same parameters; blocking the data axis alone
+        would leave the sequence ranks' gradients unsummed). Collective over
+        every rank the first time for a size (the groups are created then,
+        see ParallelMesh.data_blocks).
 
         Raises:
-            ConfigError: `shard_size` does not divide the data-parallel size.
+            ConfigError: `shard_size` does not divide the size of that group.
         """
-        axis = mesh.current()
-        if shard_size < 1 or axis.size("data") % shard_size:
+        size = mesh.size(axis)
+        if shard_size < 1 or size % shard_size:
+            what = "data-parallel" if axis == "data" else f"{axis} (ZeRO's group)"
             raise ConfigError(f"zero_optimization.mics_shard_size={shard_size} does not divide the "
-                              f"data-parallel size {axis.size('data')}; set it to a divisor of it (the ranks "
+                              f"{what} size {size}; set it to a divisor of it (the ranks "
                               "per node, usually), or to -1 for plain ZeRO")
-        blocks = axis.data_blocks(shard_size)
+        blocks = mesh.data_blocks(shard_size, axis)
         return cls(RankGroup(blocks.block.group, blocks.block.rank, blocks.block.size),
                    RankGroup(blocks.replicate.group, blocks.replicate.rank, blocks.replicate.size))
 
