@@ -389,8 +389,9 @@ def _check_config_errors() -> list[str]:
 
 
 def test_config_conflicts_are_errors():
-    """autotp_size with a PipelineModule, and an autotp_size other than the
-    degree tp_model_init used, stop initialize with a ConfigError."""
+    """autotp_size with a PipelineModule whose layers no rule places, and an
+    autotp_size other than the degree tp_model_init used, stop initialize
+    with a ConfigError."""
     pipe, mismatch = run_ranks(_check_config_errors, 2, timeout=120)[0]
-    assert "tensor_parallel.autotp_size=2 with a PipelineModule" in pipe
+    assert "tensor_parallel.autotp_size=2: tensor parallelism cannot place layer" in pipe
     assert "tensor_parallel.autotp_size=4 but the model is already sharded over 2 ranks" in mismatch
