@@ -503,7 +503,7 @@ def pipeline_degrees(module: PipelineModule, tensor_parallel, sequence: int) -> 
         raise ConfigError("tensor_parallel.vocab_parallel=true with a PipelineModule: the vocabulary-parallel "
                           "embedding and output layer are not supported inside a pipeline; set it to false "
                           "(each stage's q/k/v/o and MLP projections are still sharded)")
-    if autotp > 1:
+    if autotp > 1 and not getattr(module, "ds_autotp_parsed", False):
         check_shardable(module, autotp)  # this rank's stage; the agreement check tells the others
     topology = module.topology()
     if topology is None:
