@@ -13,7 +13,8 @@ The model is a tiny Llama-like LM (q_proj/k_proj/v_proj/o_proj, a SwiGLU
 MLP of gate_proj/up_proj/down_proj, grouped-query attention through
 DistributedAttention on `groups._get_sequence_parallel_group()`), built
 after `init_distributed(config=...)` as a DeepSpeed script would. 4 gloo
-ranks; an 8-rank pipe 2 x tensor 2 x sequence 2 run is marked slow."""
+ranks; the 8-rank runs (pipe 2 x tensor 2 x sequence 2, and tensor 2 x
+sequence 2 x data 2 at ZeRO-2) are marked slow."""
 from __future__ import annotations
 
 import pytest
@@ -140,6 +141,8 @@ def _batches(sequence: int, data: int, data_rank: int) -> list:
 def _train(pipe: int = 1, tensor: int = 1, sequence: int = 1, stage: int = 1) -> list[tuple[float, float]]:
     """STEPS steps of the model on `pipe x tensor x sequence` ranks (data
     parallelism takes the rest); returns (loss, global gradient norm) per step."""
+    import torch.distributed as dist
+
     import dsrun
     from dsrun.pipe import LayerSpec, PipelineModule
     from dsrun.utils import groups
@@ -170,6 +173,10 @@ def _train(pipe: int = 1, tensor: int = 1, sequence: int = 1, stage: int = 1) ->
                 engine.backward(micro_loss)
                 engine.step()
                 loss += float(micro_loss.detach()) / engine.gradient_accumulation_steps()
+            if data > 1:  # the data ranks train on different samples: the step's loss is their mean
+                total = torch.tensor(loss)
+                dist.all_reduce(total, group=groups._get_data_parallel_group())
+                loss = float(total) / data
         out.append((loss, float(engine.get_global_grad_norm())))
     engine.destroy()
     return out
@@ -209,3 +216,9 @@ def test_autotp_pipeline_equals_one_process(one_process):
 def test_pipeline_x_tensor_x_sequence_equals_one_process(one_process):
     """pipe 2 x tensor 2 x sequence 2 on 8 ranks, ZeRO-1."""
     _check(run_ranks(_train, 8, 2, 2, 2, 1, timeout=480), one_process)
+
+
+@pytest.mark.slow
+def test_tensor_x_sequence_x_data_equals_one_process(one_process):
+    """tensor 2 x sequence 2 x data 2 on 8 ranks, ZeRO-2 over data x sequence."""
+    _check(run_ranks(_train, 8, 1, 2, 2, 2, timeout=480), one_process)
