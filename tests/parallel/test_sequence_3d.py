@@ -160,6 +160,10 @@ def _train(pipe: int = 1, tensor: int = 1, sequence: int = 1, stage: int = 1) ->
     else:
         model = torch.nn.Sequential(*(cls(seed) for cls, seed in LAYERS))
     engine, *_ = dsrun.initialize(model=model, config=cfg)
+    assert (groups._get_sequence_parallel_world_size(), groups.get_tensor_model_parallel_world_size()) == \
+        (sequence, tensor)
+    queries = [m for name, m in engine.module.named_modules() if name.endswith("q_proj")]
+    assert queries and all(q.weight.shape[0] == WIDTH // tensor for q in queries)  # this rank's heads only
     assert engine.gradient_accumulation_steps() == SAMPLES // MICRO // data
     out, loader = [], iter(batches)
     for _ in range(STEPS):
