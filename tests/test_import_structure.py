@@ -116,6 +116,52 @@ def test_no_new_import_cycles():
     assert not gone, f"{gone} is no longer a cycle: remove it from KNOWN_CYCLES"
 
 
+# The runtime's layers: among these packages a dependency should run one way.
+LAYERS = ["dsrun.runtime.parallel", "dsrun.runtime.zero", "dsrun.runtime.engine", "dsrun.runtime.strategy"]
+# Pairs that still import each other (the list only shrinks, as KNOWN_CYCLES):
+# - parallel <-> engine: PipelineEngine (parallel/pipe/engine.py) subclasses the Engine;
+# - parallel <-> zero: ZeRO's groups come from the mesh, while AutoTP shards
+#   zero.Init-built parameters (parallel/tensor/partitioned.py) and the pipeline
+#   engine reads ZeRO's rank-group record.
+KNOWN_LAYER_PAIRS: list[set[str]] = [{"dsrun.runtime.parallel", "dsrun.runtime.engine"},
+                                     {"dsrun.runtime.parallel", "dsrun.runtime.zero"}]
+
+
+def layer_edges(graph: dict[str, set[str]]) -> dict[tuple[str, str], list[tuple[str, str]]]:
+    """(package, package) -> the (module, module) imports from one of LAYERS into another."""
+    def layer(module: str) -> str | None:
+        return next((p for p in LAYERS if module == p or module.startswith(p + ".")), None)
+
+    edges: dict[tuple[str, str], list[tuple[str, str]]] = {}
+    for module, targets in graph.items():
+        for target in targets:
+            a, b = layer(module), layer(target)
+            if a and b and a != b:
+                edges.setdefault((a, b), []).append((module, target))
+    return edges
+
+
+def test_layer_pairs_finder_finds_a_planted_pair():
+    graph = {"dsrun.runtime.zero.a": {"dsrun.runtime.parallel.mesh"}, "dsrun.runtime.parallel.mesh": set(),
+             "dsrun.runtime.parallel.b": {"dsrun.runtime.zero.c"}, "dsrun.runtime.zero.c": set()}
+    edges = layer_edges(graph)
+    assert edges[("dsrun.runtime.zero", "dsrun.runtime.parallel")] == [("dsrun.runtime.zero.a",
+                                                                        "dsrun.runtime.parallel.mesh")]
+    assert ("dsrun.runtime.parallel", "dsrun.runtime.zero") in edges
+
+
+def test_no_new_package_cycles_among_the_runtime_layers():
+    """No two of runtime/parallel, zero, engine and strategy import each
+    other (a module-level cycle is caught above; this is the package level)."""
+    edges = layer_edges(import_graph())
+    pairs = [{a, b} for (a, b) in edges if (b, a) in edges and a < b]
+    new = [(sorted(p), edges[tuple(sorted(p))], edges[tuple(sorted(p))[::-1]])
+           for p in pairs if p not in KNOWN_LAYER_PAIRS]
+    gone = [sorted(p) for p in KNOWN_LAYER_PAIRS if p not in pairs]
+    assert not new, f"packages importing each other (pair, imports one way, the other way): {new}"
+    assert not gone, f"{gone} no longer import each other: remove the pair from KNOWN_LAYER_PAIRS"
+
+
 # Import paths the README, the docs or DeepSpeed's users name ("module:attribute"
 # for names reached as attributes, as `deepspeed.zero.Init` is in DeepSpeed too).
 DOCUMENTED = [

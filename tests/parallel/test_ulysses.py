@@ -121,7 +121,7 @@ def test_bad_sizes_are_refused():
 
 def test_sequence_parallel_size_must_divide_the_job():
     from dsrun.runtime.config import ConfigError
-    from dsrun.runtime.engine.entry import _sequence_size
+    from dsrun.runtime.engine.compose import _sequence_size
     model = torch.nn.Linear(2, 2)
     assert _sequence_size(model, {"sequence_parallel_size": 2}, 4) == 2
     with pytest.raises(ConfigError, match="does not divide the 6 ranks"):

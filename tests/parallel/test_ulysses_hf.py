@@ -199,7 +199,7 @@ def test_adapter_gathers_each_ranks_batch():
 
 def test_mesh_param_is_checked():
     from dsrun.runtime.config import ConfigError
-    from dsrun.runtime.engine.entry import _sequence_size
+    from dsrun.runtime.engine.compose import _sequence_size
     model = torch.nn.Linear(2, 2)
     assert _sequence_size(model, {}, 4, (2, 2)) == 2
     assert _sequence_size(model, {"sequence_parallel_size": 2}, 4, (2, 2)) == 2

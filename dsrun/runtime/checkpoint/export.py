@@ -13,7 +13,6 @@ from dsrun.runtime.checkpoint.store import atomic_write, fsync_dir, stream_safet
 from dsrun.runtime.checkpoint.tensor_split import assemble, contributes
 from dsrun.runtime.parallel.expert.groups import expert_group_name_of, expert_groups
 from dsrun.runtime.parallel.expert.names import all_expert_names
-from dsrun.runtime.parallel.mesh import current as current_mesh
 from dsrun.runtime.parallel.tensor.split import split_of
 from dsrun.runtime.zero.params import record_of
 from dsrun.runtime.engine.train_state import TrainingParts
@@ -63,7 +62,7 @@ def full_16bit_values(parts: TrainingParts, entries: list[tuple]):
     tensor-parallel or expert entry (a tensor-parallel slice is assembled
     over its pipeline stage, see tensor_split.py; an expert is gathered
     over its expert-parallel group), so every rank must exhaust it."""
-    mesh = current_mesh()
+    mesh = parts.mesh
     for names, t, shape, dtype, managed in entries:
         full = parts.strategy.full_fp32_param(t) if managed else t.detach()  # collective when managed
         split = split_of(t)

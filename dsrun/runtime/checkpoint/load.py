@@ -23,7 +23,6 @@ from dsrun.runtime.checkpoint.store import INDEX, CheckpointError, Index, dtype_
 from dsrun.runtime.distributed.dist import Topology
 from dsrun.runtime.fp16.onebit.base import CompressedCommOptimizer
 from dsrun.runtime.engine.train_state import TrainingParts
-from dsrun.runtime.parallel.mesh import current as current_mesh
 
 log = logging.getLogger("dsrun.checkpoint")
 
@@ -186,7 +185,7 @@ def _same_layout(parts: TrainingParts, index: Index) -> bool:
     and data position, then belong to the same rank)."""
     stages = parts.split.parts if parts.split is not None else 1
     return (index.world_size == parts.topology.world_size and index.pipeline_stages == stages
-            and index.tensor_parallel == current_mesh().size("model"))
+            and index.tensor_parallel == parts.mesh.size("model"))
 
 
 def _full_reads(parts: TrainingParts, index: Index, optim: bool, module_only: bool) -> list[str]:

@@ -29,7 +29,6 @@ from dsrun.runtime.checkpoint.pieces import HeldPiece, plain_pieces
 from dsrun.runtime.fp16.onebit.base import CompressedCommOptimizer
 from dsrun.runtime.parallel.expert.names import all_expert_names
 from dsrun.runtime.engine.train_state import TrainingParts
-from dsrun.runtime.parallel.mesh import current as current_mesh
 from dsrun.runtime.parallel.tensor.split import split_of
 from dsrun.runtime.zero.groups import RankGroup
 from dsrun.runtime.zero.params import record_of
@@ -41,7 +40,7 @@ def held_pieces(parts: TrainingParts) -> list[HeldPiece]:
     tensor-parallel parameters carry their split and the full shape (see
     [Note: tensor-parallel checkpoints] in tensor_split.py)."""
     managed = {id(p) for p in parts.strategy.managed_params()}
-    mesh = current_mesh()
+    mesh = parts.mesh
     if parts.split is not None:  # see [Note: a model split across ranks]
         world = parts.split.replicas
     elif mesh.size("model") > 1:  # each model rank's data axis holds its copy of the replicated tensors
@@ -61,7 +60,7 @@ def held_pieces(parts: TrainingParts) -> list[HeldPiece]:
 def written_by_model_rank_zero(parts: TrainingParts) -> bool:
     """Whether this rank writes the tensors every model rank holds alike
     (replicated ones: all but tensor-parallel slices): model rank 0 only."""
-    return current_mesh().rank("model") == 0
+    return parts.mesh.rank("model") == 0
 
 
 def global_names(parts: TrainingParts) -> dict[str, tuple[tuple[int, ...], bool]]:

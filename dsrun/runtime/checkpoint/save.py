@@ -24,7 +24,6 @@ from dsrun.runtime.checkpoint.store import (INDEX, LATEST, CheckpointError, File
 from dsrun.runtime.distributed.nodes import NodeMap
 from dsrun.runtime.checkpoint.tensor_split import Assembled, assemble_split_tensors, contributes
 from dsrun.runtime.checkpoint.writer import ShardWriter, StagingBuffer
-from dsrun.runtime.parallel.mesh import current as current_mesh
 from dsrun.runtime.parallel.tensor.split import split_of
 from dsrun.runtime.engine.train_state import TrainingParts
 
@@ -133,7 +132,7 @@ def _assembled_splits(parts: TrainingParts, exclude_frozen: bool) -> Assembled |
     """The tensor-parallel parameters' full tensors, this rank's even part
     of each (collective over the job; see [Note: tensor-parallel
     checkpoints] in tensor_split.py); None when the mesh has no model axis."""
-    mesh = current_mesh()
+    mesh = parts.mesh
     if mesh.size("model") == 1:
         return None
     elsewhere = written_elsewhere(parts)
@@ -358,7 +357,7 @@ def _index_fields(parts: TrainingParts, names: dict, scheduler, param_groups, da
     return dict(dsrun_version=dsrun.__version__, torch_version=torch.__version__,
                 world_size=parts.topology.world_size,
                 pipeline_stages=parts.split.parts if parts.split is not None else 1,
-                tensor_parallel=current_mesh().size("model"), stage=parts.config.zero_optimization.stage,
+                tensor_parallel=parts.mesh.size("model"), stage=parts.config.zero_optimization.stage,
                 precision=strategy.precision_name(), config=parts.config.model_dump(mode="json"),
                 param_groups=param_groups, scaler=strategy.scaler_state(), counters=parts.state.state_dict(),
                 lr_scheduler=scheduler, dataloader=loader, frozen=frozen,

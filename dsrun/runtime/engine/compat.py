@@ -13,7 +13,6 @@ from collections import OrderedDict
 
 import torch
 
-from dsrun.runtime.parallel.mesh import current as current_mesh
 
 
 
@@ -148,18 +147,18 @@ class DeepSpeedEngineCompat:
         """Data-parallel ranks: the size of the job's mesh's data axis (as
         DeepSpeed's, without the sequence-parallel ranks, over which
         gradients are averaged too: `seq_dp_world_size`)."""
-        return current_mesh().size("data")
+        return self.mesh.size("data")
 
     @property
     def seq_dp_world_size(self) -> int:
         """Data x sequence-parallel ranks: those gradients are averaged over."""
-        mesh = current_mesh()
+        mesh = self.mesh
         return mesh.size("data") * mesh.size("sequence")
 
     @property
     def mp_world_size(self) -> int:
         """Tensor-parallel ranks (the mesh's model axis)."""
-        return current_mesh().size("model")
+        return self.mesh.size("model")
 
     def module_state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False,
                           exclude_frozen_parameters: bool = False):

@@ -40,7 +40,7 @@ from dsrun.runtime.zero import build_zero_strategy
 
 
 def build_strategy(cfg: DsConfig, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                   topology: Topology, data_group=None, mesh: ParallelMesh | None = None,
+                   topology: Topology, data_group=None, *, mesh: ParallelMesh,
                    data_axis: str = "data") -> GradientStrategy:
     """The GradientStrategy for the config: the only switch on ZeRO stage and precision.
 
@@ -170,7 +170,7 @@ class Engine(DeepSpeedEngineCompat, torch.nn.Module):
         self.training_dataloader = None  # set by initialize(training_data=...); checkpointed
         self.resumed_checkpoint: str | None = None  # set by initialize under checkpoint.auto_resume
         self.resumed_client_state: dict | None = None
-        parts = TrainingParts(module, strategy, topology, config, self.train_state, split)
+        parts = TrainingParts(module, strategy, topology, config, self.train_state, self.mesh, split)
         self.checkpointer = Checkpointer(parts)
         self.curriculum_scheduler_legacy = legacy_scheduler(config)
         if self.curriculum_scheduler_legacy is not None:
@@ -370,7 +370,7 @@ class Engine(DeepSpeedEngineCompat, torch.nn.Module):
     def register_pre_step_hook(self, hook: Callable[[], None]) -> None:
         """Run `hook()` at every accumulation boundary after the gradients are
         reduced and before the strategy's step (e.g. tensor parallelism's
-        gradient sums, dsrun/runtime/parallel/model_parallel.py). Every rank
+        gradient sums, dsrun/runtime/engine/model_parallel.py). Every rank
         registers the same hooks in the same order (they may communicate)."""
         self._pre_step_hooks.append(hook)
 

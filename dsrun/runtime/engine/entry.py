@@ -1,10 +1,12 @@
 """`initialize()` and `add_config_arguments()`: DeepSpeed's entry points.
 
-`initialize` assembles the pieces in a fixed order -- process group, config,
-model placement and weight broadcast, optimizer, gradient strategy, LR
-scheduler, data loader -- and hands them to an Engine. Each piece is built
-by its own module; this file only decides where each comes from (an object,
-a factory, or the config).
+`initialize` reads its arguments and the config in a fixed order --
+process group, an mpu's groups, the parallel degrees (compose.py
+`resolve_degrees`), config, the ranks' agreement -- then applies every
+parallelism and builds the gradient strategy in one step (compose.py
+`compose`), and adds the LR scheduler and the data loader for an Engine.
+Each piece is built by its own module; this file only decides where each
+comes from (an object, a factory, or the config).
 """
 from __future__ import annotations
 
@@ -22,25 +24,22 @@ from dsrun.runtime.observability import heartbeat
 from dsrun.runtime.observability import exit_report
 from dsrun.runtime.distributed.agreement import check_ranks_agree
 from dsrun.runtime.activation_checkpointing import checkpointing
-from dsrun.runtime.config import ConfigError, DsConfig, load_config, sequence_parallel_size_of, tensor_parallel_of
+from dsrun.runtime.config import ConfigError, DsConfig, load_config
 from dsrun.runtime.data_pipeline.data_sampling import CurriculumDataLoader, build_curriculum_loader
 from dsrun.runtime.engine.dataloader import DistributedDataLoader, RepeatingLoader
 from dsrun.runtime.distributed.dist import Topology, init_distributed
-from dsrun.runtime.engine.engine import Engine, build_strategy
+from dsrun.runtime.engine.compose import compose, resolve_degrees
+from dsrun.runtime.engine.engine import Engine
 from dsrun.runtime.engine.state_dump import describe_engine
 from dsrun.runtime.observability.logging import log_rank0, logger
 # Through DeepSpeed's path, so that after initialize `deepspeed.runtime.lr_schedules`
 # is an attribute of `deepspeed.runtime` (Accelerate reads it so, without importing it).
 from dsrun.runtime.lr_schedules import build_lr_scheduler
 from dsrun.runtime.optim.optimizers import build_optimizer
-from dsrun.runtime.parallel.expert.groups import expert_group_name_of, expert_groups, is_expert_param
-from dsrun.runtime.parallel.degrees import ParallelDegrees, check_declared, declare_mesh, record_declaration
+from dsrun.runtime.parallel.degrees import record_declaration
 from dsrun.runtime.parallel.mpu import mesh_from_mpu
-from dsrun.runtime.parallel.mesh import ParallelMesh, current, set_current
-from dsrun.runtime.parallel.model_parallel import attach_model_parallel
-from dsrun.runtime.parallel.pipe.engine import PipelineEngine, check_pipeline_config, tie_weights
-from dsrun.runtime.parallel.pipe.module import PipelineModule, pipeline_degrees
-from dsrun.runtime.parallel.tensor.autotp import shard_stage, tp_model_init
+from dsrun.runtime.parallel.pipe.engine import PipelineEngine, check_pipeline_config
+from dsrun.runtime.parallel.pipe.module import PipelineModule
 
 ConfigSource = dict | str | Path | DsConfig
 
@@ -87,151 +86,6 @@ def _config_source(args: Any, config: ConfigSource | None,
         return next(iter(from_args.values()))
     raise ConfigError("no config: pass initialize(config=...) (dict or path) or "
                       "--deepspeed_config PATH (see add_config_arguments)")
-
-
-def _broadcast_module(module: torch.nn.Module, src: int = 0, group=None) -> None:
-    """Give every rank of `group` (default: all) global rank `src`'s parameters
-    and buffers (different seeds must not diverge). An expert parameter of an
-    MoE layer comes instead from the first rank of its expert-data-parallel
-    group (the ranks of an expert-parallel group hold different experts)."""
-    with torch.no_grad():
-        for tensor in list(module.parameters()) + list(module.buffers()):
-            if is_expert_param(tensor):
-                experts = expert_groups(expert_group_name_of(tensor))
-                comm.broadcast(tensor.data, src=experts.expert_data_parallel.ranks[0],
-                               group=experts.expert_data_group)
-            else:
-                comm.broadcast(tensor.data, src=src, group=group)
-
-
-def pipeline_mesh(module: PipelineModule, degrees: ParallelDegrees | None = None) -> ParallelMesh:
-    """The job's mesh for a PipelineModule: its topology, or the module's
-    stages x `degrees`' tensor and sequence axes (default none) x data,
-    made the current mesh that `dsrun.utils.groups` answers from. The
-    current mesh is kept when it has the module's topology or degrees (its
-    layers were built on it); otherwise collective: every rank creates
-    every group."""
-    topology = module.topology()
-    if topology is None:
-        degrees = degrees or ParallelDegrees()
-        return declare_mesh(ParallelDegrees(pipe=module.num_stages, model=degrees.model, sequence=degrees.sequence))
-    mine = current()
-    if (mine.topology.get_axis_names(), mine.topology.dims) == (topology.get_axis_names(), topology.dims):
-        return mine
-    mesh = ParallelMesh(topology)
-    set_current(mesh)
-    return mesh
-
-
-def _resolve_degrees(model: torch.nn.Module, source: ConfigSource, world: int,
-                     mesh_param: Any = None) -> ParallelDegrees:
-    """The job's pipe x tensor x sequence degrees, resolved once from the
-    model and the config (see [Note: one declaration of the degrees] in
-    runtime/parallel/degrees.py): a PipelineModule's stages (or its
-    topology's axes), the tensor degree of a model tp_model_init already
-    sharded (or built from tensor-parallel layers on the current mesh) or
-    else `tensor_parallel.autotp_size`, and `sequence_parallel_size` or
-    `mesh_param`. Data parallelism takes the rest of the world.
-
-    Raises:
-        ConfigError: an invalid `tensor_parallel` section; a PipelineModule's
-            topology differing from the config (pipeline_degrees); autotp_size differing from the degree
-            tp_model_init sharded the model with; the sequence refusals of
-            _sequence_size; degrees whose product does not divide the world;
-            degrees other than those the script declared with
-            init_distributed(config=...).
-    """
-    autotp = tensor_parallel_of(source).autotp_size
-    sequence = _sequence_size(model, source, world, mesh_param)
-    if isinstance(model, PipelineModule):
-        degrees = pipeline_degrees(model, tensor_parallel_of(source), sequence)
-    elif _is_sharded(model):
-        sharded = current().size("model")
-        if autotp not in (1, sharded):
-            raise ConfigError(f"tensor_parallel.autotp_size={autotp} but the model is already sharded over "
-                              f"{sharded} ranks (the current mesh's model axis); make them equal (or leave "
-                              "the key out)")
-        degrees = ParallelDegrees(model=sharded, sequence=sequence)
-    else:
-        degrees = ParallelDegrees(model=autotp, sequence=sequence)
-    degrees.data(world)
-    check_declared(degrees)
-    return degrees
-
-
-def _mesh_param_size(mesh_param: Any, source: ConfigSource, world: int) -> int:
-    """The sequence-parallel degree of DeepSpeed's `mesh_param=(dp, sp)`.
-
-    Raises:
-        ConfigError: not two positive integers, dp * sp differing from the
-            world size, or a config `sequence_parallel_size` other than sp.
-    """
-    if (not isinstance(mesh_param, (tuple, list)) or len(mesh_param) != 2
-            or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in mesh_param)):
-        raise ConfigError(f"initialize(mesh_param={mesh_param!r}): give (data_parallel_size, "
-                          "sequence_parallel_size), two integers >= 1, as DeepSpeed does")
-    data, sequence = mesh_param
-    if data * sequence != world:
-        raise ConfigError(f"initialize(mesh_param=({data}, {sequence})): {data} x {sequence} = {data * sequence} "
-                          f"ranks, but the job has {world}; the data and sequence degrees must multiply to "
-                          "the world size")
-    configured = sequence_parallel_size_of(source)
-    if configured not in (1, sequence):
-        raise ConfigError(f"initialize(mesh_param=({data}, {sequence})) asks for {sequence} sequence-parallel "
-                          f"ranks but the config's sequence_parallel_size is {configured}; remove one of "
-                          "them or make them equal")
-    return sequence
-
-
-def _sequence_size(model: torch.nn.Module, source: ConfigSource, world: int, mesh_param: Any = None) -> int:
-    """The config's sequence_parallel_size (or mesh_param's, see
-    _mesh_param_size), checked against the job.
-
-    Raises:
-        ConfigError: it does not divide the world size; a bad or
-            conflicting mesh_param.
-    """
-    size = (sequence_parallel_size_of(source) if mesh_param is None
-            else _mesh_param_size(mesh_param, source, world))
-    if size == 1:
-        return 1
-    if world % size:
-        raise ConfigError(f"sequence_parallel_size={size} does not divide the {world} ranks of the job; "
-                          f"choose a divisor of {world} (data parallelism takes the rest)")
-    return size
-
-
-def _is_sharded(model: torch.nn.Module) -> bool:
-    """Whether `model` holds tensor-parallel layers: sharded by tp_model_init,
-    or built from ColumnParallelLinear/RowParallelLinear/VocabParallelEmbedding
-    (on the current mesh, whose model axis then splits it)."""
-    return getattr(model, "ds_autotp_parsed", False) or any(
-        getattr(p, "tensor_model_parallel", False) for p in model.parameters())
-
-
-def _build_mesh(model: torch.nn.Module, cfg: DsConfig, degrees: ParallelDegrees) -> ParallelMesh:
-    """The job's one mesh, with `degrees` (the current mesh when it has
-    them: the model's layers were built on it; else built now and made
-    current, collective), after which a model the config asks to shard
-    (`tensor_parallel.autotp_size`) and that is not sharded yet is sharded
-    over its model axis, as tp_model_init does (collective).
-
-    Raises:
-        ConfigError: vocab_parallel asked for a model sharded without it.
-    """
-    if isinstance(model, PipelineModule):
-        mesh = pipeline_mesh(model, degrees)
-        if cfg.tensor_parallel.autotp_size > 1 and not _is_sharded(model):
-            shard_stage(model, mesh)
-        return mesh
-    mesh = declare_mesh(degrees)
-    if not _is_sharded(model):
-        if cfg.tensor_parallel.autotp_size > 1:
-            tp_model_init(model, cfg.tensor_parallel.autotp_size, vocab_parallel=cfg.tensor_parallel.vocab_parallel)
-    elif cfg.tensor_parallel.vocab_parallel and not getattr(model, "ds_autotp_vocab_parallel", False):
-        raise ConfigError("tensor_parallel.vocab_parallel=true but the model was sharded without it; call "
-                          "dsrun.tp_model_init(..., vocab_parallel=True) or leave the key to initialize()")
-    return mesh
 
 
 def _check_model(model: torch.nn.Module) -> None:
@@ -353,7 +207,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
             runtime/parallel/mpu.py. The config and the model must agree
             with its degrees (e.g. tensor_parallel.autotp_size = its tensor
             size for a model to shard). None: the degrees come from the
-            config and the model (see _resolve_degrees).
+            config and the model (see compose.resolve_degrees).
         dist_init_required: False asserts the process group already exists.
         collate_fn: batch collation for the data loader.
         config, config_params: dict, path (.json/.yaml/.yml) or DsConfig.
@@ -396,7 +250,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
     cfg, error = None, None
     try:
         # The batch triple counts the data-parallel ranks, not every rank.
-        degrees = _resolve_degrees(model, source, topology.world_size, mesh_param)
+        degrees = resolve_degrees(model, source, topology.world_size, mesh_param)
         cfg = load_config(source, world_size=degrees.data(topology.world_size))
         if cfg.sequence_parallel_size != degrees.sequence:  # from mesh_param
             cfg = cfg.model_copy(update={"sequence_parallel_size": degrees.sequence})
@@ -407,12 +261,6 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
     # The first collective of training; raises on every rank when they disagree.
     check_ranks_agree(model, cfg, error, topology.rank, topology.device,
                       description=model.describe() if pipeline else None)
-    job_mesh = _build_mesh(model, cfg, degrees)
-    # A model every rank holds whole trains over the default group (mesh None below).
-    mesh = job_mesh if pipeline or ParallelDegrees.of_mesh(job_mesh).replica > 1 else None
-    # The ranks holding the same parameters: ZeRO's group. Under sequence parallelism
-    # it spans data x sequence, as in DeepSpeed (gradients averaged over both).
-    data_axis = "sequence_data" if cfg.sequence_parallel_size > 1 else "data"
     if "activation_checkpointing" in cfg.model_fields_set and not checkpointing.is_configured():
         checkpointing.configure(None, deepspeed_config=cfg)  # DeepSpeed scripts may call configure() themselves
     comm.comms_logger.configure(cfg.comms_logger.enabled, cfg.comms_logger.verbose,
@@ -420,41 +268,30 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
 
     with (memory_profile.phase("initialize", since=started) if cfg.memory_breakdown
           else contextlib.nullcontext()):
-        model.to(topology.device)
-        if mesh is not None:  # the ranks of one stage and model rank hold the same slices: its data group
-            _broadcast_module(model, src=mesh.ranks(data_axis)[0], group=mesh.group(data_axis))
-            tied = tie_weights(model, mesh) if pipeline else []
-        else:
-            _broadcast_module(model)
-        params = (list(model_parameters) if model_parameters is not None
-                  else [p for p in model.parameters() if p.requires_grad])
-        if pipeline and not params:  # a stage of parameterless layers: an optimizer of one empty group
-            params = [{"params": []}]
-        basic_optimizer = _build_optimizer(optimizer, params, cfg)
-        strategy = build_strategy(cfg, model, basic_optimizer, topology,
-                                  data_group=mesh.group(data_axis) if mesh is not None else None,
-                                  mesh=mesh, data_axis=data_axis)
+        # Every parallelism, in one order: [Note: the order of composition] in compose.py.
+        parts = compose(model, cfg, degrees, topology, lambda params: _build_optimizer(optimizer, params, cfg),
+                        model_parameters)
+        mesh, strategy = parts.mesh, parts.strategy
         allocator.trim()  # the model's original storage was just released
         scheduler = _build_scheduler(lr_scheduler, strategy.optimizer, cfg)
         loader = None
         if training_data is not None:
             # Shard the data over the data axis: the stages, model ranks and sequence ranks of one
             # replica read the same samples (each sequence rank keeps its tokens: shard_sequence).
-            shard = (dataclasses.replace(topology, rank=mesh.rank("data"), world_size=mesh.size("data"))
-                     if mesh is not None else topology)
+            shard = dataclasses.replace(topology, rank=mesh.rank("data"), world_size=mesh.size("data"))
             if cfg.data_efficiency.curriculum_sampling:  # metrics from the config's metric_fn
                 loader = build_curriculum_loader(training_data, cfg, shard.rank, shard.world_size, collate_fn)
             else:
                 loader = DistributedDataLoader(training_data, cfg.train_micro_batch_size_per_gpu,
                                                shard, collate_fn=collate_fn)
         if pipeline:
-            engine = PipelineEngine(model, strategy, scheduler, cfg, topology, mesh, tied)
+            engine = PipelineEngine(model, strategy, scheduler, cfg, topology, mesh, parts.tied)
             if loader is not None:
                 engine.set_dataiterator(iter(RepeatingLoader(loader)))
         else:
-            engine = Engine(model, strategy, scheduler, cfg, topology, mesh=job_mesh)
-        if mesh is not None:
-            attach_model_parallel(model, mesh, strategy, engine.register_pre_step_hook)
+            engine = Engine(model, strategy, scheduler, cfg, topology, mesh=mesh)
+        for hook in parts.pre_step_hooks:
+            engine.register_pre_step_hook(hook)
         engine.training_dataloader = loader  # its position is checkpointed
         if isinstance(loader, CurriculumDataLoader):
             engine.register_checkpoint_state("data_sampling", loader.sampler)

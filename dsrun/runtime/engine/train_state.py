@@ -14,6 +14,7 @@ import torch
 from dsrun.runtime.config import DsConfig
 from dsrun.runtime.strategy.data_parallel import GradientStrategy
 from dsrun.runtime.distributed.dist import Topology
+from dsrun.runtime.parallel.mesh import ParallelMesh
 
 
 @dataclasses.dataclass
@@ -91,6 +92,8 @@ class TrainingParts:
         topology: this rank's place in the job.
         config: the resolved DsConfig.
         state: the loop's counters.
+        mesh: the job's ParallelMesh (the engine's; checkpoints read the
+            tensor-parallel and data axes from it).
         split: how the model is split across ranks (a pipeline), or None
             when every rank holds the whole model.
         stateful: name -> object with state_dict()/load_state_dict() of
@@ -104,6 +107,7 @@ class TrainingParts:
     topology: Topology
     config: DsConfig
     state: TrainState
+    mesh: ParallelMesh
     split: ModelSplit | None = None
     stateful: dict[str, Any] = dataclasses.field(default_factory=dict)
 

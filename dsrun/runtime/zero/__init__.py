@@ -13,7 +13,7 @@ from dsrun.runtime.distributed.dist import Topology
 from dsrun.runtime.offload import build_optimizer_tier, build_param_tier
 from dsrun.runtime.optim.precision import PrecisionPolicy
 from dsrun.runtime.config import ConfigError
-from dsrun.runtime.parallel.mesh import ParallelMesh, current
+from dsrun.runtime.parallel.mesh import ParallelMesh
 from dsrun.runtime.zero.experts import check_expert_support
 from dsrun.runtime.zero.groups import ZeroGroups
 from dsrun.runtime.zero.params import record_of
@@ -47,7 +47,7 @@ def _check_no_init_shards(module: torch.nn.Module, shard_size: int) -> None:
 
 
 def build_zero_strategy(cfg, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                        topology: Topology, group=None, mesh: ParallelMesh | None = None,
+                        topology: Topology, group=None, *, mesh: ParallelMesh,
                         data_axis: str = "data") -> ZeroStrategy:
     """The strategy for `cfg.zero_optimization.stage` and `cfg`'s precision.
 
@@ -59,8 +59,8 @@ def build_zero_strategy(cfg, module: torch.nn.Module, optimizer: torch.optim.Opt
 
     `zero_optimization.mics_shard_size` > 0 (MiCS) shards stages 1-3 within
     blocks of that many ranks of `mesh`'s `data_axis` group (the group
-    `group` is: "data", or "sequence_data" under sequence parallelism;
-    None: the job's current mesh) and replicates across the blocks
+    `group` is: "data", or "sequence_data" under sequence parallelism) and
+    replicates across the blocks
     (ZeroGroups.mics; ConfigError when it does not divide that group).
     Stage 0 shards nothing: there it changes nothing,
     as in DeepSpeed, which builds MiCS for stage 3 only.
@@ -81,7 +81,7 @@ def build_zero_strategy(cfg, module: torch.nn.Module, optimizer: torch.optim.Opt
     mics = None
     if zero.mics_shard_size > 0 and zero.stage > 0:
         _check_no_init_shards(module, zero.mics_shard_size)
-        mics = ZeroGroups.mics(zero.mics_shard_size, mesh if mesh is not None else current(), data_axis)
+        mics = ZeroGroups.mics(zero.mics_shard_size, mesh, data_axis)
     if zero.stage in (0, 1, 2):
         return PartitionedOptimizerStrategy(
             module, optimizer, topology, precision, zero.stage, reduce_bucket_size=zero.reduce_bucket_size,

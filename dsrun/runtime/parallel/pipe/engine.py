@@ -23,7 +23,7 @@ schedule's `ReduceTiedGrads` then sums the gradients of weights tied across
 stages (after the data-parallel average, which gives the same sum), and
 `OptimizerStep` is the data-parallel engine's step, whose norm and overflow
 check span every stage and tensor-parallel rank (`StageSpan`, set by
-initialize through dsrun/runtime/parallel/model_parallel.py).
+initialize through dsrun/runtime/engine/model_parallel.py).
 
 [Note: zero bubble's split backward]
 `BackwardInput` (B) must produce the stage input's gradient, which the

@@ -38,7 +38,7 @@ tp/KV ranks of a "replica group" (the model axis split into blocks of tp/KV
 consecutive ranks, mesh.data_blocks(tp/KV, "model")); each rank's gradient
 is only its query heads' share, so the replicas' gradients are summed before
 the step and the norm counts them once (`tp_replica_group` on the
-parameter; see dsrun/runtime/parallel/model_parallel.py).
+parameter; see dsrun/runtime/engine/model_parallel.py).
 
 [Note: sharding from one full model]
 tp_model_init first broadcasts the whole model from global rank 0 (unless
