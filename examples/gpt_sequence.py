@@ -18,6 +18,14 @@ checkpoints and weights are those of the plain GPT):
 The training loop and evaluation of train_gpt.py do not change. The model
 is still the plain GPT class underneath (the classes are subclasses), so
 `isinstance(model, GPT)` holds.
+
+`sequence_parallel_pipeline(pipe)` does the same to gpt_pipe.py's
+PipelineModule on the mesh `dsrun.init_distributed(config=...)` declared
+(pipe x tensor x sequence from one config, train_gpt.py with
+configs/gpt_4d.json): Ulysses attention in every block of the stage, the
+positions of this rank's slice, the token-mean loss over the sequence
+ranks; `shard_window` is the engine's batch function that keeps this
+rank's slice of each (windows, targets) micro-batch.
 """
 from __future__ import annotations
 
@@ -28,7 +36,8 @@ import dsrun
 from dsrun.runtime.parallel.mesh import ParallelMesh, current, set_current
 from dsrun.sequence import sequence_parallel_loss, shard_sequence
 from dsrun.sequence.layer import DistributedAttention
-from gpt_model import GPT, CausalSelfAttention
+from gpt_model import GPT, Block, CausalSelfAttention
+from gpt_pipe import PositionEmbedding
 
 
 def _local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float) -> torch.Tensor:
@@ -49,7 +58,7 @@ class UlyssesSelfAttention(CausalSelfAttention):
         B, T, C = x.shape
         q, k, v = self.qkv(x).view(B, T, 3, self.n_head, self.head_dim).unbind(2)  # (B, T/P, nh, hs)
         y = self.ulysses(q, k, v, 0, self.dropout if self.training else 0.0)
-        return self.resid_drop(self.proj(y.reshape(B, T, C)))
+        return self.resid_drop(self.proj(y.reshape(B, T, -1)))  # -1: this tensor rank's heads
 
 
 class SequenceParallelGPT(GPT):
@@ -100,3 +109,53 @@ def sequence_parallel_gpt(model: GPT, sequence: int) -> GPT:
         block.attn.ulysses = DistributedAttention(_local_attention, group)
     model.__class__ = SequenceParallelGPT
     return model
+
+
+class SlicePositionEmbedding(PositionEmbedding):
+    """PositionEmbedding of this sequence rank's slice: (B, T/P, C) -> (B, T/P, C),
+    positions rank * T/P ... (the tokens' places in the whole window)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[1]
+        start = current().rank("sequence") * n
+        if start + n > self.seq_len:
+            raise ValueError(f"sequence of {start + n} tokens is longer than seq_len={self.seq_len}")
+        return self.drop(x + self.pos(torch.arange(start, start + n, device=x.device)))
+
+
+def sequence_lm_loss(out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The next-token cross-entropy's token mean over the sequence ranks of
+    (B, T/P, vocab) logits against this rank's (B, T/P) int64 targets."""
+    per_token = F.cross_entropy(out.reshape(-1, out.shape[-1]), targets.reshape(-1), reduction="none")
+    return sequence_parallel_loss(per_token)
+
+
+def shard_window(batch):
+    """A pipeline micro-batch (windows, targets), each (B, T), cut to this
+    sequence rank's (B, T/P) slices (PipelineEngine.set_batch_fn)."""
+    windows, targets = batch
+    return shard_sequence(windows, 1), shard_sequence(targets, 1)
+
+
+def sequence_parallel_pipeline(pipe):
+    """Make gpt_pipe.py's PipelineModule train with Ulysses over the current
+    mesh's sequence axis (declared before, e.g. by
+    dsrun.init_distributed(config=...)), in place: see the module's
+    docstring. The engine's batch function must be `shard_window`.
+
+    Raises:
+        ValueError: the sequence axis does not divide the blocks' heads.
+    """
+    mesh = current()
+    group = mesh.group("sequence")
+    for layer in pipe.modules():
+        if isinstance(layer, Block):
+            if layer.attn.n_head % mesh.size("sequence"):
+                raise ValueError(f"{mesh.size('sequence')} sequence-parallel ranks do not divide the "
+                                 f"{layer.attn.n_head} heads of a block")
+            layer.attn.__class__ = UlyssesSelfAttention
+            layer.attn.ulysses = DistributedAttention(_local_attention, group)
+        elif type(layer) is PositionEmbedding:
+            layer.__class__ = SlicePositionEmbedding
+    pipe.loss_fn = sequence_lm_loss
+    return pipe

@@ -35,6 +35,15 @@ data mesh (gpt_pipe.tensor_parallel_gpt_pipeline; P x T must divide the
 world size). That combination uses dsrun's mesh and AutoTP placement
 directly: DeepSpeed's AutoTP does not shard a PipelineModule.
 
+A config that declares ``pipeline.stages`` with
+``tensor_parallel.autotp_size`` or ``sequence_parallel_size``
+(configs/gpt_4d.json: pipe 2 x tensor 2 x sequence 2) needs no flag: the
+degrees are read from it, ``dsrun.init_distributed(config=...)`` builds the
+mesh before the model, each stage's blocks are sharded by AutoTP's
+placement and run Ulysses attention (gpt_sequence.sequence_parallel_pipeline);
+its validation losses equal those of the same config without the tensor
+and sequence keys on 2 ranks (pipe 2), the same global batch.
+
 With ``--curriculum_seqlen MIN`` the config gets a sequence-length
 curriculum (its ``curriculum_learning`` section, DeepSpeed's legacy one):
 windows start MIN bytes long and grow linearly, in multiples of 8, to
@@ -77,7 +86,7 @@ from dsrun.moe.utils import split_params_into_different_moe_groups_for_optimizer
 from gpt_model import GPT, GPTConfig
 from gpt_moe import MoEGPT
 from gpt_pipe import gpt_pipeline, load_gpt_weights, param_groups, tensor_parallel_gpt_pipeline
-from gpt_sequence import sequence_parallel_gpt
+from gpt_sequence import sequence_parallel_gpt, sequence_parallel_pipeline, shard_window
 
 # The validation windows do not depend on --seed, so runs with different
 # seeds are scored on the same text.
@@ -154,6 +163,48 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--curriculum_seqlen does not work with --sequence_parallel yet (each rank holds a fixed slice "
                 "of every window); drop one of them")
     return args
+
+
+def config_degrees(args: argparse.Namespace) -> tuple[int, int, int]:
+    """(pipeline.stages, tensor_parallel.autotp_size, sequence_parallel_size)
+    of the --config JSON file (1 for each key it lacks, or without one)."""
+    if not args.deepspeed_config or not args.deepspeed_config.endswith(".json"):
+        return 1, 1, 1
+    with open(args.deepspeed_config) as f:
+        config = json.load(f)
+    stages = config.get("pipeline", {}).get("stages", 1)
+    return (stages if isinstance(stages, int) else 1, config.get("tensor_parallel", {}).get("autotp_size", 1),
+            config.get("sequence_parallel_size", 1))
+
+
+def declared_pipeline(args: argparse.Namespace, full: GPT, degrees: tuple[int, int, int]):
+    """The GPT as a pipeline whose degrees the config declares (configs/gpt_4d.json:
+    pipe x tensor x sequence): the mesh from `dsrun.init_distributed(config=...)`,
+    this rank's stage loaded with `full`'s weights, its blocks' linear layers
+    cut to this tensor rank's slices (AutoTP's placement: dsrun's shard_stage,
+    also what initialize would do, done here so that the optimizer's groups
+    hold the sliced weights), Ulysses attention over the sequence ranks
+    (gpt_sequence.sequence_parallel_pipeline).
+
+    Raises:
+        SystemExit: a degree flag was given as well.
+    """
+    from dsrun.runtime.parallel.mesh import current
+    from dsrun.runtime.parallel.tensor.autotp import shard_stage
+
+    if args.pipeline_stages or args.tensor_parallel > 1 or args.sequence_parallel > 1:
+        raise SystemExit("train_gpt.py: the config declares pipeline.stages with tensor_parallel or "
+                         "sequence_parallel_size; drop --pipeline_stages, --tensor_parallel and "
+                         "--sequence_parallel (the degrees come from the config)")
+    stages, tensor, sequence = degrees
+    dsrun.init_distributed(config=args.deepspeed_config)
+    model = gpt_pipeline(full.cfg, stages)
+    load_gpt_weights(model, full)
+    if tensor > 1:
+        shard_stage(model, current())
+    if sequence > 1:
+        sequence_parallel_pipeline(model)
+    return model
 
 
 def run_config(args: argparse.Namespace) -> dict | None:
@@ -314,8 +365,12 @@ def train(args: argparse.Namespace) -> None:
     else:
         model = GPT(cfg)
     n_params = sum(p.numel() for p in model.parameters())  # the tied head/embedding weight once
-    pipeline = args.pipeline_stages > 0
-    if pipeline:  # each rank keeps its stage's layers, starting from the GPT's weights
+    degrees = config_degrees(args)
+    declared = degrees[0] > 1 and max(degrees[1:]) > 1  # pipe x tensor/sequence from the config alone
+    pipeline = args.pipeline_stages > 0 or declared
+    if declared:
+        model = declared_pipeline(args, model, degrees)
+    elif pipeline:  # each rank keeps its stage's layers, starting from the GPT's weights
         dsrun.init_distributed()  # a PipelineModule reads its stage from the process group
         full = model
         if args.tensor_parallel > 1:  # and its slices of the stage's blocks
@@ -351,6 +406,8 @@ def train(args: argparse.Namespace) -> None:
     accum = engine.gradient_accumulation_steps()
     sampler = WindowSampler(corpus.train, args.seq_len, seed=args.seed * 100_003 + data_rank)
     train_iter = windows_forever(sampler, micro)
+    if declared and degrees[2] > 1:  # each sequence rank keeps its slice of the windows
+        engine.set_batch_fn(shard_window)
     score = evaluate_pipeline if pipeline else evaluate
     if args.moe_experts and (args.eval_batches * micro) % replicas:
         # an expert-parallel group exchanges blocks sized by each rank's tokens: equal shares only
@@ -361,8 +418,10 @@ def train(args: argparse.Namespace) -> None:
     log(f"data: {corpus.describe()}")
     layout = " x ".join([f"MoE {args.moe_experts} experts top-{args.moe_top_k} over "
                          f"{args.moe_ep_size} expert-parallel ranks"] * bool(args.moe_experts) +
-                        [f"{args.pipeline_stages} pipeline stages"] * pipeline +
+                        [f"{degrees[0] if declared else args.pipeline_stages} pipeline stages"] * pipeline +
                         [f"tensor parallel {args.tensor_parallel}"] * (args.tensor_parallel > 1) +
+                        [f"(from the config) tensor parallel {degrees[1]} x sequence parallel {degrees[2]}"]
+                        * declared +
                         [f"{replicas} data-parallel replicas"] * (pipeline or args.tensor_parallel > 1))
     log(f"model: {n_params / 1e6:.2f}M parameters; world size {world}{', ' + layout if layout else ''}, "
         f"torch threads per rank {torch.get_num_threads()}; "

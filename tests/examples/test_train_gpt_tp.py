@@ -34,10 +34,13 @@ def _free_port() -> int:
 
 
 def _launch(tmp_path: Path, num_procs: int, steps: int, *flags: str,
-            config_name: str = "gpt_demo.json") -> tuple[float, float]:
-    """train_gpt.py shortened to `steps` via dsrun; (validation loss before, after) from rank 0."""
+            config_name: str = "gpt_demo.json", drop: tuple[str, ...] = ()) -> tuple[float, float]:
+    """train_gpt.py shortened to `steps` via dsrun, the config's keys `drop`
+    removed; (validation loss before, after) from rank 0."""
     cfg = json.loads((EXAMPLES / "configs" / config_name).read_text())
     cfg["scheduler"]["params"].update(total_num_steps=steps, warmup_num_steps=4)
+    for key in drop:
+        del cfg[key]
     cfg_path = tmp_path / config_name
     cfg_path.write_text(json.dumps(cfg))
     cmd = [sys.executable, "-m", "dsrun.launcher.cli", "--num_procs", str(num_procs),

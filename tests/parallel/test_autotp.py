@@ -381,6 +381,11 @@ def _check_config_errors() -> list[str]:
     with pytest.raises(ConfigError) as info:
         dsrun.initialize(model=pipe, config=_config(1, 1, autotp=2))
     messages.append(str(info.value))
+    vocab = _config(1, 1, autotp=2)
+    vocab["tensor_parallel"]["vocab_parallel"] = True
+    with pytest.raises(ConfigError) as info:
+        dsrun.initialize(model=pipe, config=vocab)
+    messages.append(str(info.value))
     model = dsrun.tp_model_init(_build("gpt"), 2)
     with pytest.raises(ConfigError) as info:
         dsrun.initialize(model=model, config=_config(1, 1, autotp=4))
@@ -389,8 +394,10 @@ def _check_config_errors() -> list[str]:
 
 
 def test_config_conflicts_are_errors():
-    """autotp_size with a PipelineModule, and an autotp_size other than the
-    degree tp_model_init used, stop initialize with a ConfigError."""
-    pipe, mismatch = run_ranks(_check_config_errors, 2, timeout=120)[0]
-    assert "tensor_parallel.autotp_size=2 with a PipelineModule" in pipe
+    """autotp_size with a PipelineModule whose layers no rule places or with
+    vocab_parallel, and an autotp_size other than the degree tp_model_init
+    used, stop initialize with a ConfigError."""
+    pipe, vocab, mismatch = run_ranks(_check_config_errors, 2, timeout=120)[0]
+    assert "tensor_parallel.autotp_size=2: tensor parallelism cannot place layer" in pipe
+    assert "tensor_parallel.vocab_parallel=true with a PipelineModule" in vocab
     assert "tensor_parallel.autotp_size=4 but the model is already sharded over 2 ranks" in mismatch

@@ -45,8 +45,8 @@ from dsrun.runtime.parallel.degrees import ParallelDegrees, check_declared, decl
 from dsrun.runtime.parallel.expert.groups import expert_group_name_of, expert_groups, is_expert_param
 from dsrun.runtime.parallel.mesh import ParallelMesh, current, set_current
 from dsrun.runtime.parallel.pipe.engine import tie_weights
-from dsrun.runtime.parallel.pipe.module import PipelineModule
-from dsrun.runtime.parallel.tensor.autotp import tp_model_init
+from dsrun.runtime.parallel.pipe.module import PipelineModule, pipeline_degrees
+from dsrun.runtime.parallel.tensor.autotp import shard_stage, tp_model_init
 from dsrun.runtime.strategy.data_parallel import GradientStrategy
 
 
@@ -107,15 +107,17 @@ def compose(model: torch.nn.Module, cfg: DsConfig, degrees: ParallelDegrees, top
     return Composition(mesh, data_axis, strategy, tied, hooks)
 
 
-def pipeline_mesh(module: PipelineModule) -> ParallelMesh:
-    """The job's mesh for a PipelineModule: its topology, or pipe x data
-    with the module's stages, made the current mesh that
-    `dsrun.utils.groups` answers from. The current mesh is kept when it has
-    the module's topology or degrees (its layers were built on it);
-    otherwise collective: every rank creates every group."""
+def pipeline_mesh(module: PipelineModule, degrees: ParallelDegrees | None = None) -> ParallelMesh:
+    """The job's mesh for a PipelineModule: its topology, or the module's
+    stages x `degrees`' tensor and sequence axes (default none) x data,
+    made the current mesh that `dsrun.utils.groups` answers from. The
+    current mesh is kept when it has the module's topology or degrees (its
+    layers were built on it); otherwise collective: every rank creates
+    every group."""
     topology = module.topology()
     if topology is None:
-        return declare_mesh(ParallelDegrees(pipe=module.num_stages))
+        degrees = degrees or ParallelDegrees()
+        return declare_mesh(ParallelDegrees(pipe=module.num_stages, model=degrees.model, sequence=degrees.sequence))
     mine = current()
     if (mine.topology.get_axis_names(), mine.topology.dims) == (topology.get_axis_names(), topology.dims):
         return mine
@@ -135,8 +137,8 @@ def resolve_degrees(model: torch.nn.Module, source: Any, world: int,
     `mesh_param`. Data parallelism takes the rest of the world.
 
     Raises:
-        ConfigError: an invalid `tensor_parallel` section; autotp_size with a
-            PipelineModule; autotp_size differing from the degree
+        ConfigError: an invalid `tensor_parallel` section; a PipelineModule's
+            topology differing from the config (pipeline_degrees); autotp_size differing from the degree
             tp_model_init sharded the model with; the sequence refusals of
             _sequence_size; degrees whose product does not divide the world;
             degrees other than those the script declared with
@@ -145,14 +147,7 @@ def resolve_degrees(model: torch.nn.Module, source: Any, world: int,
     autotp = tensor_parallel_of(source).autotp_size
     sequence = _sequence_size(model, source, world, mesh_param)
     if isinstance(model, PipelineModule):
-        if autotp > 1:
-            raise ConfigError(f"tensor_parallel.autotp_size={autotp} with a PipelineModule: automatic tensor "
-                              "parallelism shards ordinary models only; build the pipeline's layers from "
-                              "ColumnParallelLinear/RowParallelLinear on a topology with a model axis "
-                              "(ParallelMesh.build(world, pipe=P, model=T).topology), or set it to 1")
-        topology = model.topology()
-        degrees = (ParallelDegrees(pipe=model.num_stages) if topology is None else
-                   ParallelDegrees(*(max(topology.get_dim(axis), 1) for axis in ("pipe", "model", "sequence"))))
+        degrees = pipeline_degrees(model, tensor_parallel_of(source), sequence)
     elif _is_sharded(model):
         sharded = current().size("model")
         if autotp not in (1, sharded):
@@ -196,18 +191,13 @@ def _sequence_size(model: torch.nn.Module, source: Any, world: int, mesh_param: 
     _mesh_param_size), checked against the job.
 
     Raises:
-        ConfigError: it does not divide the world size, or it is combined
-            with a PipelineModule or a tensor-parallel model (not supported
-            yet); a bad or conflicting mesh_param.
+        ConfigError: it does not divide the world size; a bad or
+            conflicting mesh_param.
     """
     size = (sequence_parallel_size_of(source) if mesh_param is None
             else _mesh_param_size(mesh_param, source, world))
     if size == 1:
         return 1
-    if isinstance(model, PipelineModule) or _is_sharded(model) or tensor_parallel_of(source).autotp_size > 1:
-        raise ConfigError(f"sequence_parallel_size={size} with a pipeline or tensor-parallel model: Ulysses "
-                          "sequence parallelism runs with data parallelism (and ZeRO) only in this release; "
-                          "set sequence_parallel_size to 1 or train the model unsharded")
     if world % size:
         raise ConfigError(f"sequence_parallel_size={size} does not divide the {world} ranks of the job; "
                           f"choose a divisor of {world} (data parallelism takes the rest)")
@@ -233,7 +223,10 @@ def build_mesh(model: torch.nn.Module, cfg: DsConfig, degrees: ParallelDegrees) 
         ConfigError: vocab_parallel asked for a model sharded without it.
     """
     if isinstance(model, PipelineModule):
-        return pipeline_mesh(model)
+        mesh = pipeline_mesh(model, degrees)
+        if cfg.tensor_parallel.autotp_size > 1 and not _is_sharded(model):
+            shard_stage(model, mesh)
+        return mesh
     mesh = declare_mesh(degrees)
     if not _is_sharded(model):
         if cfg.tensor_parallel.autotp_size > 1:

@@ -478,16 +478,22 @@ class PipelineEngine(Engine):
 
     def _aggregate_loss(self, losses: list[torch.Tensor], bcast: bool, reduce: str | None):
         """The last stage's losses averaged (over micro-batches, then over the
-        data axis), sent to every stage when `bcast` (collective over the pipe
-        axis: a broadcast from the last stage)."""
+        data axis and the sequence axis: ZeRO's group, the ranks whose
+        gradients are averaged), sent to every stage when `bcast` (collective
+        over the pipe axis: a broadcast from the last stage). A loss_fn that
+        returns the token mean of the whole sequence group
+        (sequence_parallel_loss) holds the same value on each sequence rank;
+        one returning its own tokens' mean is reported as the mean the
+        gradients follow."""
         if reduce is None:
             return losses
         value = torch.zeros((), dtype=torch.float32, device=self.device)
+        replicas = self.mesh.axis_group("sequence_data")
         if self.is_last_stage() and losses:
             value = torch.stack(losses).mean()
-            if self.mesh.size("data") > 1:
-                comm.all_reduce(value, group=self.mesh.group("data"))
-                value = value / self.mesh.size("data")
+            if replicas.size > 1:
+                comm.all_reduce(value, group=replicas.group)
+                value = value / replicas.size
         if bcast and self.num_stages > 1:
             comm.broadcast(value, src=self.mesh.stage_to_global(self.num_stages - 1), group=self.mesh.group("pipe"))
         return value

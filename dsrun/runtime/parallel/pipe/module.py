@@ -58,8 +58,11 @@ from torch import nn
 
 from dsrun.runtime import comm
 from dsrun.runtime.activation_checkpointing import checkpointing
+from dsrun.runtime.config import ConfigError
 from dsrun.runtime.observability.logging import logger
+from dsrun.runtime.parallel.degrees import ParallelDegrees
 from dsrun.runtime.parallel.pipe.partition import partition_balanced, partition_uniform
+from dsrun.runtime.parallel.tensor.autotp import check_shardable
 from dsrun.runtime.utils import set_random_seed
 
 __all__ = ["LayerSpec", "PipelineModule", "TiedLayerSpec", "TiedWeightGroup"]
@@ -480,3 +483,40 @@ class PipelineModule(nn.Module):
                              if isinstance(layer, TiedLayerSpec) and layer.key == key)
                 plan.append(TiedWeightGroup(key, tuple(stages), stages[0], tuple(attrs)))
         return plan
+
+
+def pipeline_degrees(module: PipelineModule, tensor_parallel, sequence: int) -> ParallelDegrees:
+    """The job's degrees for a PipelineModule: its stages, the config's
+    `tensor_parallel.autotp_size` (each stage's layers sharded by name,
+    tensor/autotp.py shard_stage) and sequence-parallel degree; or, for a
+    module built on a topology, that topology's pipe, model and sequence axes.
+
+    Args:
+        module: the PipelineModule.
+        tensor_parallel: the config's TensorParallelConfig.
+        sequence: the config's sequence_parallel_size (already checked).
+
+    Raises:
+        ConfigError: vocab_parallel with a pipeline (its embedding and output
+            layer sit on different stages; not supported); a topology whose
+            model or sequence axis differs from autotp_size or
+            sequence_parallel_size (>1) of the config.
+    """
+    autotp = tensor_parallel.autotp_size
+    if autotp > 1 and tensor_parallel.vocab_parallel:
+        raise ConfigError("tensor_parallel.vocab_parallel=true with a PipelineModule: the vocabulary-parallel "
+                          "embedding and output layer are not supported inside a pipeline; set it to false "
+                          "(each stage's q/k/v/o and MLP projections are still sharded)")
+    if autotp > 1 and not getattr(module, "ds_autotp_parsed", False):
+        check_shardable(module, autotp)  # this rank's stage; the agreement check tells the others
+    topology = module.topology()
+    if topology is None:
+        return ParallelDegrees(pipe=module.num_stages, model=autotp, sequence=sequence)
+    degrees = ParallelDegrees(*(max(topology.get_dim(axis), 1) for axis in ("pipe", "model", "sequence")))
+    for key, asked, axis, has in (("tensor_parallel.autotp_size", autotp, "model", degrees.model),
+                                  ("sequence_parallel_size", sequence, "sequence", degrees.sequence)):
+        if asked > 1 and asked != has:
+            raise ConfigError(f"{key}={asked} but the PipelineModule's topology has {has} rank(s) on its "
+                              f"{axis!r} axis; build the topology with {axis}={asked} or drop the key (or "
+                              "build the PipelineModule from num_stages and let initialize make the mesh)")
+    return degrees

@@ -57,6 +57,7 @@ import torch
 from torch import nn
 
 from dsrun.runtime import comm
+from dsrun.runtime.config import ConfigError
 from dsrun.runtime.distributed.dist import init_distributed
 from dsrun.runtime.parallel.mesh import MeshGroup, ParallelMesh, current, set_current
 from dsrun.runtime.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
@@ -296,6 +297,48 @@ def shard_model(model: nn.Module, mesh: ParallelMesh, dtype: torch.dtype | None 
     if dtype is not None:
         model.to(dtype=dtype)
     return model
+
+
+def check_shardable(model: nn.Module, tp: int) -> None:
+    """Raise ConfigError when shard_model could not shard `model` over `tp`
+    ranks (a layer no rule places, heads or widths `tp` does not divide),
+    naming the layer and the numbers; changes nothing, communicates nothing
+    (initialize calls it before its first collective, so that a pipeline
+    stage that cannot be sharded stops every rank, not only its own)."""
+    try:
+        _plan_layers(model, tp)
+    except ValueError as exc:
+        raise ConfigError(f"tensor_parallel.autotp_size={tp}: {exc}") from None
+
+
+def shard_stage(stage: nn.Module, mesh: ParallelMesh, dtype: torch.dtype | None = None) -> nn.Module:
+    """AutoTP of one pipeline stage (`tensor_parallel.autotp_size` with a
+    PipelineModule): the stage's layers, which only the ranks of this stage
+    hold, are first made equal over `mesh`'s model axis (a broadcast from
+    its first rank, so that every model rank cuts its slices from the same
+    full weights: [Note: sharding from one full model] within the stage),
+    then sharded by name as shard_model does. The data and sequence ranks
+    of the stage get the first one's values afterwards (initialize's
+    broadcast over ZeRO's group). Marks the stage `ds_autotp_parsed`.
+    Collective over the job (every rank calls it, each on its own stage).
+
+    Returns:
+        `stage` itself, sharded.
+
+    Raises:
+        ValueError: a layer no rule places (named), or heads the model axis
+            cannot split; before any communication (initialize checks this
+            earlier, on every rank: check_shardable).
+    """
+    _plan_layers(stage, mesh.size("model"))
+    model_group = mesh.axis_group("model")
+    if model_group.size > 1:
+        with torch.no_grad():
+            for tensor in list(stage.parameters()) + list(stage.buffers()):
+                comm.broadcast(tensor.data, src=model_group.ranks[0], group=model_group.group)
+    shard_model(stage, mesh, dtype)
+    stage.ds_autotp_parsed = True
+    return stage
 
 
 def tensor_parallel_mesh(tp_size: int) -> ParallelMesh:
