@@ -1,0 +1,103 @@
+"""The combination table (dsrun/runtime/parallel/combinations.py): every pair
+has one entry, each refused pair raises one ConfigError naming both settings
+before any collective of training, and each "works" pair names a test that
+exists."""
+from __future__ import annotations
+
+import itertools
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dsrun.runtime.config import ConfigError
+from dsrun.runtime.parallel import combinations as combos
+from tests.dist_helpers import run_ranks
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_every_pair_of_settings_has_exactly_one_entry():
+    pairs = {frozenset(p) for p in itertools.combinations(combos.SETTINGS, 2)}
+    exclusive = {p for p in pairs if any(p <= group for group in combos.EXCLUSIVE)}
+    assert set(combos.TABLE) == pairs - exclusive
+    assert all(isinstance(e, (combos.Works, combos.Refused)) for e in combos.TABLE.values())
+    for pair, test in combos._TESTED.items():  # a test cannot train a refused pair
+        assert isinstance(combos.TABLE[pair], combos.Works) and combos.TABLE[pair].test == test, sorted(pair)
+
+
+@pytest.mark.parametrize("pair", sorted(sorted(p) for p, e in combos.TABLE.items() if isinstance(e, combos.Refused)),
+                         ids="-x-".join)
+def test_each_refused_pair_raises_naming_both_settings_and_the_fix(pair):
+    entry = combos.TABLE[frozenset(pair)]
+    with pytest.raises(ConfigError) as info:
+        combos.check_combinations(pair + ["gradient_accumulation"])
+    assert info.value.problems == [info.value.args[0]]  # one problem: the pair, nothing else
+    text = str(info.value)
+    assert all(combos.SETTINGS[name] in text for name in pair)
+    assert entry.fix in text and entry.reason in text
+
+
+def test_works_pairs_pass_and_every_refused_pair_of_a_job_is_listed_at_once():
+    for pair, entry in combos.TABLE.items():
+        if isinstance(entry, combos.Works):
+            combos.check_combinations(pair)
+    with pytest.raises(ConfigError) as info:
+        combos.check_combinations(["onebit", "zero:2", "expert", "mics", "bf16"])
+    assert len(info.value.problems) == 4  # onebit x zero:2, x expert, x mics; expert x mics
+    with pytest.raises(KeyError, match="unknown settings"):
+        combos.check_combinations(["zero:4"])
+
+
+def test_every_named_test_exists():
+    """Each "works" pair's test id is collected by pytest (a renamed test
+    or parameter fails here)."""
+    ids = sorted({e.test for e in combos.TABLE.values() if isinstance(e, combos.Works) and e.test})
+    files = sorted({i.split("::")[0] for i in ids})
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *files],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    collected = set(out.stdout.split())
+    missing = [i for i in ids if i not in collected]
+    assert not missing, (missing, out.stdout[-2000:], out.stderr[-2000:])
+
+
+def test_settings_of_reads_config_model_and_degrees():
+    from dsrun.runtime.config import load_config
+    from tests.parallel.test_moe import _Net
+    cfg = load_config({"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2,
+                       "bf16": {"enabled": True}, "optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3}},
+                       "zero_optimization": {"stage": 3, "mics_shard_size": 2, "zero_hpz_partition_size": 2,
+                                             "offload_param": {"device": "cpu"}}}, world_size=1)
+    assert combos.settings_of(cfg, _Net(1), 1, 2, 1) == {
+        "zero:3", "tensor", "expert", "bf16", "onebit", "mics", "hpz", "offload_param:cpu", "gradient_accumulation"}
+    plain = load_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"mics_shard_size": 2}},
+                        world_size=1)
+    assert combos.settings_of(plain, torch.nn.Linear(2, 2), 1, 1, 4) == {"zero:0", "sequence"}  # MiCS: no-op at 0
+
+
+def _initialize_refused() -> str:
+    """initialize with sequence parallelism and hpZ (a refused pair): the
+    composition step (whose first collective broadcasts the weights) must
+    not run."""
+    import dsrun
+    from dsrun.runtime.engine import entry
+
+    def no_compose(*args, **kwargs):
+        raise AssertionError("compose ran: the refusal came after the composition step")
+
+    entry.compose = no_compose
+    try:
+        dsrun.initialize(model=torch.nn.Linear(4, 4), config={
+            "train_micro_batch_size_per_gpu": 1, "sequence_parallel_size": 2,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}})
+    except ConfigError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_initialize_refuses_on_every_rank_before_composing():
+    for text in run_ranks(_initialize_refused, 2, timeout=180):
+        assert combos.SETTINGS["hpz"] in text and combos.SETTINGS["sequence"] in text, text
