@@ -69,7 +69,7 @@ def test_settings_of_reads_config_model_and_degrees():
     cfg = load_config({"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2,
                        "bf16": {"enabled": True}, "optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3}},
                        "zero_optimization": {"stage": 3, "mics_shard_size": 2, "zero_hpz_partition_size": 2,
-                                             "offload_param": {"device": "cpu"}}}, world_size=1)
+                                             "offload_param": {"device": "cpu"}}}, world_size=2)
     assert combos.settings_of(cfg, _Net(1), 1, 2, 1) == {
         "zero:3", "tensor", "expert", "bf16", "onebit", "mics", "hpz", "offload_param:cpu", "gradient_accumulation"}
     plain = load_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"mics_shard_size": 2}},
@@ -78,7 +78,7 @@ def test_settings_of_reads_config_model_and_degrees():
 
 
 def _initialize_refused() -> str:
-    """initialize with sequence parallelism and hpZ (a refused pair): the
+    """initialize with sequence parallelism and qgZ (a refused pair): the
     composition step (whose first collective broadcasts the weights) must
     not run."""
     import dsrun
@@ -92,7 +92,7 @@ def _initialize_refused() -> str:
         dsrun.initialize(model=torch.nn.Linear(4, 4), config={
             "train_micro_batch_size_per_gpu": 1, "sequence_parallel_size": 2,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-            "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}})
+            "zero_optimization": {"stage": 3, "zero_quantized_gradients": True}})
     except ConfigError as exc:
         return str(exc)
     return "no error"
@@ -100,4 +100,4 @@ def _initialize_refused() -> str:
 
 def test_initialize_refuses_on_every_rank_before_composing():
     for text in run_ranks(_initialize_refused, 2, timeout=180):
-        assert combos.SETTINGS["hpz"] in text and combos.SETTINGS["sequence"] in text, text
+        assert combos.SETTINGS["qgz"] in text and combos.SETTINGS["sequence"] in text, text

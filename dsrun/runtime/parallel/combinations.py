@@ -181,11 +181,11 @@ _TESTED_LIST: list[tuple[str, str, str]] = [
       for d in ("cpu", "nvme") for s in (1, 2, 3)],
     *[(f"offload_optimizer:{d}", p, _OFFLOAD + f"test_losses_and_masters_equal_no_offload[2-{p}-{d}]")
       for d in ("cpu", "nvme") for p in ("bf16", "fp16")],
-    *[(f"offload_param:{d}", "zero:3", _OFFLOAD + f"test_param_offload_equals_no_offload[param_{d}-fp32]")
+    *[(f"offload_param:{d}", "zero:3", _OFFLOAD + f"test_param_offload_equals_no_offload[param_{d}-none-{d}-fp32]")
       for d in ("cpu", "nvme")],
-    *[(f"offload_param:{d}", "bf16", _OFFLOAD + f"test_param_offload_equals_no_offload[param_{d}-bf16]")
+    *[(f"offload_param:{d}", "bf16", _OFFLOAD + f"test_param_offload_equals_no_offload[param_{d}-none-{d}-bf16]")
       for d in ("cpu", "nvme")],
-    *[(f"offload_param:{d}", f"offload_optimizer:{d}", _OFFLOAD + f"test_param_offload_equals_no_offload[both_{d}-fp32]")
+    *[(f"offload_param:{d}", f"offload_optimizer:{d}", _OFFLOAD + f"test_param_offload_equals_no_offload[both_{d}-{d}-{d}-fp32]")
       for d in ("cpu", "nvme")],
     ("zero:0", "gradient_accumulation", "tests/runtime/test_stage0_equivalence.py::test_matches_single_process[2-4]"),
 ]
