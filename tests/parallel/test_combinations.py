@@ -101,3 +101,13 @@ def _initialize_refused() -> str:
 def test_initialize_refuses_on_every_rank_before_composing():
     for text in run_ranks(_initialize_refused, 2, timeout=180):
         assert combos.SETTINGS["qgz"] in text and combos.SETTINGS["sequence"] in text, text
+
+
+def test_the_docs_page_is_generated_from_the_table():
+    from tests.docs.test_docs import load_hooks
+    page = load_hooks().on_page_markdown((ROOT / "docs" / "mesh.md").read_text())
+    assert "<!-- generated: combinations -->" not in page
+    for pair, entry in combos.TABLE.items():
+        a, b = sorted(pair)
+        cell = entry.fix if isinstance(entry, combos.Refused) else (f"`{entry.test}`" if entry.test else "untested")
+        assert any(line.startswith(f"| `{a}` | `{b}` |") and cell in line for line in page.splitlines()), (a, b)
