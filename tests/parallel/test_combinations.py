@@ -111,3 +111,19 @@ def test_the_docs_page_is_generated_from_the_table():
         a, b = sorted(pair)
         cell = entry.fix if isinstance(entry, combos.Refused) else (f"`{entry.test}`" if entry.test else "untested")
         assert any(line.startswith(f"| `{a}` | `{b}` |") and cell in line for line in page.splitlines()), (a, b)
+
+
+def test_experts_split_over_the_tensor_ranks_are_refused_up_front():
+    """Plain experts beside tensor parallelism work (test_moe_mesh); experts
+    made of tensor-parallel layers are named at initialize instead of
+    failing inside the first step's gradient norm."""
+    from dsrun.runtime.parallel.expert.groups import is_expert_param
+    from tests.parallel.test_moe import _Net
+    model = _Net(1)
+    assert combos.split_experts(model, 2) == []
+    expert = next(p for p in model.parameters() if is_expert_param(p))
+    expert.tensor_model_parallel = True
+    assert combos.split_experts(model, 1) == []
+    with pytest.raises(ConfigError, match="split over the tensor ranks") as info:
+        combos.check_combinations({"expert", "tensor", "zero:2"}, combos.split_experts(model, 2))
+    assert combos.SETTINGS["expert"] in str(info.value) and combos.SETTINGS["tensor"] in str(info.value)

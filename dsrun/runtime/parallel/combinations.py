@@ -14,6 +14,10 @@ job has; `initialize` calls it while reading the config, before its first
 collective (the ranks' agreement, which re-raises the error on every rank),
 so a refused combination never reaches the composition step.
 
+One case of a working pair is refused from the model rather than the
+settings: experts that are themselves split over the tensor ranks
+(`split_experts`; plain experts beside tensor parallelism work).
+
 Refusals about values (a degree that does not divide the world, hpZ blocks
 spanning two nodes, a MiCS size that does not divide ZeRO's group) stay
 where the values are used; this table holds the pairs only. The config
@@ -254,6 +258,24 @@ def settings_of(cfg: DsConfig, model: torch.nn.Module, pipe: int, model_degree: 
     return on
 
 
+def split_experts(model: torch.nn.Module, model_degree: int) -> list[str]:
+    """The "expert" x "tensor" case the table cannot see from the settings:
+    expert weights split over the tensor ranks (experts built from
+    ColumnParallelLinear/RowParallelLinear). ZeRO's expert partitions and
+    the gradient norm take each expert whole on every tensor rank, so such
+    a model would fail at its first step, inside the norm; [] when the
+    experts are plain (replicated over the tensor ranks, which works)."""
+    if model_degree <= 1:
+        return []
+    split = [n for n, p in model.named_parameters()
+             if is_expert_param(p) and getattr(p, "tensor_model_parallel", False)]
+    if not split:
+        return []
+    return [f"{SETTINGS['expert']} with {SETTINGS['tensor']} is not supported when the experts themselves are "
+            f"split over the tensor ranks ({split[0]}, ...): ZeRO partitions and the gradient norm take each "
+            "expert whole; build the experts from plain nn.Linear (replicated over the tensor ranks)"]
+
+
 def refusals(settings: Iterable[str]) -> list[str]:
     """One sentence per refused pair among `settings` (names of SETTINGS),
     naming both settings, the reason and the fix; [] when all combine."""
@@ -268,13 +290,14 @@ def refusals(settings: Iterable[str]) -> list[str]:
     return out
 
 
-def check_combinations(settings: Iterable[str]) -> None:
-    """Raise one ConfigError listing every refused pair among `settings`.
+def check_combinations(settings: Iterable[str], extra: Iterable[str] = ()) -> None:
+    """Raise one ConfigError listing every refused pair among `settings`,
+    after them the `extra` problems (e.g. `split_experts`'s).
 
     Raises:
-        ConfigError: one problem per refused pair (see `refusals`).
+        ConfigError: one problem per refused pair (see `refusals`) or extra.
         KeyError: a name that is not one of SETTINGS (a bug of the caller).
     """
-    problems = refusals(settings)
+    problems = refusals(settings) + list(extra)
     if problems:
         raise ConfigError(*problems)
