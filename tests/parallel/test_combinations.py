@@ -127,3 +127,27 @@ def test_experts_split_over_the_tensor_ranks_are_refused_up_front():
     with pytest.raises(ConfigError, match="split over the tensor ranks") as info:
         combos.check_combinations({"expert", "tensor", "zero:2"}, combos.split_experts(model, 2))
     assert combos.SETTINGS["expert"] in str(info.value) and combos.SETTINGS["tensor"] in str(info.value)
+
+
+def _experts_accumulating() -> tuple:
+    import dsrun
+    from tests.parallel.test_moe import _train
+    dsrun.init_distributed()
+    want = _train(1, None, {"gradient_accumulation_steps": 2})
+    got = _train(2, want[2], {"gradient_accumulation_steps": 2,
+                              "zero_optimization": {"stage": 2, "reduce_bucket_size": 64}})
+    return want[:2], got[:2]
+
+
+def test_experts_with_gradient_accumulation_equal_all_experts_local():
+    """expert x gradient_accumulation: ep=2 at ZeRO-2 with 2 micro-batches
+    per step (4 micro-batches: 2 steps) against the same model with every
+    expert local (ep=1, stage 0), on 2 ranks: losses and norms to 1e-5."""
+    results = run_ranks(_experts_accumulating, 2, timeout=240)
+    for (want_loss, want_norm), (got_loss, got_norm) in results:
+        assert want_loss[-1] < want_loss[0]
+        assert got_loss == pytest.approx(want_loss, rel=1e-5)
+        # The norm of each step, read after its second micro-batch (None before the first step).
+        assert got_norm[0] is None and want_norm[0] is None
+        assert got_norm[1::2] == pytest.approx(want_norm[1::2], rel=1e-5)
+        assert want_norm[1] != want_norm[3]

@@ -162,6 +162,8 @@ _TESTED_LIST: list[tuple[str, str, str]] = [
      "tests/parallel/test_moe_mesh.py::test_moe_beside_tensor_parallelism_trains_like_data_parallel[2]"),
     ("expert", "zero:0", "tests/parallel/test_moe_mesh.py::test_moe_beside_tensor_parallelism_trains_like_data_parallel[0]"),
     *[("expert", f"zero:{s}", _MOE_ZERO + "test_zero_1_2_3_ep2_on_2_ranks_equals_all_experts_local") for s in (1, 2, 3)],
+    ("expert", "gradient_accumulation",
+     "tests/parallel/test_combinations.py::test_experts_with_gradient_accumulation_equal_all_experts_local"),
     *[("expert", p, _MOE_ZERO + "test_bf16_trains_and_fp16_overflow_in_one_expert_skips_on_every_rank")
       for p in ("bf16", "fp16")],
     *[("sequence", s, "tests/parallel/test_ulysses.py::test_training_sequence_x_data_equals_data_parallel")
