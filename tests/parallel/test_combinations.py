@@ -151,3 +151,28 @@ def test_experts_with_gradient_accumulation_equal_all_experts_local():
         assert got_norm[0] is None and want_norm[0] is None
         assert got_norm[1::2] == pytest.approx(want_norm[1::2], rel=1e-5)
         assert want_norm[1] != want_norm[3]
+
+
+def _sequence_stages_0_1():
+    import dsrun
+    from dsrun.runtime.parallel.mesh import set_current
+    from tests.parallel.test_ulysses import _train
+    dsrun.init_distributed()
+    want = _train(1)
+    out = []
+    for stage in (0, 1):
+        set_current(None)
+        out.append(_train(2, stage=stage))
+    return want, out
+
+
+def test_sequence_with_zero_0_and_1_equals_data_parallel():
+    """sequence x zero:0 and sequence x zero:1: sequence 2 x data 2 gives
+    data 4's losses and parameters (fp32, test_ulysses's tolerance), as
+    test_ulysses checks for stages 2 and 3."""
+    from tests.parallel.test_ulysses import TOL
+    want, out = run_ranks(_sequence_stages_0_1, 4, timeout=240)[0]
+    assert want[0][-1] != want[0][0]
+    for got_loss, got_params in out:
+        torch.testing.assert_close(torch.tensor(got_loss), torch.tensor(want[0]), **TOL)
+        torch.testing.assert_close(got_params, want[1], **TOL)

@@ -168,6 +168,8 @@ _TESTED_LIST: list[tuple[str, str, str]] = [
       for p in ("bf16", "fp16")],
     *[("sequence", s, "tests/parallel/test_ulysses.py::test_training_sequence_x_data_equals_data_parallel")
       for s in ("zero:2", "zero:3", "gradient_accumulation")],
+    *[("sequence", s, "tests/parallel/test_combinations.py::test_sequence_with_zero_0_and_1_equals_data_parallel")
+      for s in ("zero:0", "zero:1")],
     ("sequence", "mics",
      "tests/zero/test_mics_sequence.py::test_mics_with_sequence_parallelism_equals_plain_zero_and_one_process"),
     ("mics", "zero:2", "tests/zero/test_mics.py::test_mics_trains_as_plain_zero[2]"),
