@@ -176,3 +176,14 @@ def test_sequence_with_zero_0_and_1_equals_data_parallel():
     for got_loss, got_params in out:
         torch.testing.assert_close(torch.tensor(got_loss), torch.tensor(want[0]), **TOL)
         torch.testing.assert_close(got_params, want[1], **TOL)
+
+
+@pytest.mark.parametrize("schedule,virtual,zero_stage", [("interleaved", 2, 1), ("interleaved", 2, 2),
+                                                         ("zb-h1", 1, 1)])
+def test_pipeline_schedules_with_zero_1_and_2_equal_one_process(schedule, virtual, zero_stage):
+    """pipeline:interleaved x zero:1/2 and pipeline:zb-h1 x zero:1: pipe 2 x
+    data 2 against one process on the same global batch (test_pipe_engine's
+    model, reference and tolerances)."""
+    from tests.parallel.test_pipe_engine import _check, _train_pipeline, _train_reference
+    results = run_ranks(_train_pipeline, 4, 2, 4, schedule, zero_stage, False, virtual, False)
+    _check(results, _train_reference(2, 4, False), rtol=1e-4, atol=1e-5)

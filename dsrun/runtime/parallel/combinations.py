@@ -147,6 +147,9 @@ _TESTED_LIST: list[tuple[str, str, str]] = [
     ("pipeline:1f1b", "zero:1", _PIPE + "test_pipeline_with_zero_stages[1]"),
     ("pipeline:1f1b", "zero:2", _PIPE + "test_pipeline_with_zero_stages[2]"),
     ("pipeline:zb-h1", "zero:2", _PIPE + "test_tied_weights_and_eval_batch[zb-h1-2]"),
+    *[(f"pipeline:{p}", f"zero:{s}", "tests/parallel/test_combinations.py::"
+       f"test_pipeline_schedules_with_zero_1_and_2_equal_one_process[{p}-{v}-{s}]")
+      for p, v, s in (("interleaved", 2, 1), ("interleaved", 2, 2), ("zb-h1", 1, 1))],
     ("pipeline:1f1b", "bf16", _PIPE + "test_pipeline_bf16_zero2_and_variable_sequence_lengths"),
     ("pipeline:1f1b", "fp16", _PIPE + "test_fp16_one_loss_scale_across_stages[0]"),
     ("pipeline:1f1b", "tensor", "tests/parallel/test_autotp.py::test_pipe_x_tensor_x_data_equals_data_parallel"),
