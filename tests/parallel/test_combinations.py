@@ -187,3 +187,26 @@ def test_pipeline_schedules_with_zero_1_and_2_equal_one_process(schedule, virtua
     from tests.parallel.test_pipe_engine import _check, _train_pipeline, _train_reference
     results = run_ranks(_train_pipeline, 4, 2, 4, schedule, zero_stage, False, virtual, False)
     _check(results, _train_reference(2, 4, False), rtol=1e-4, atol=1e-5)
+
+
+def _pipeline_checkpointed(schedule: str, virtual: int) -> dict:
+    """test_pipe_engine's pipeline run with `pipeline.activation_checkpoint_interval`
+    1 in its config (every layer's forward recomputed in the backward)."""
+    from tests.parallel import test_pipe_engine as pe
+    plain = pe._config
+
+    def checkpointed(*args):
+        cfg = plain(*args)
+        return {**cfg, "pipeline": {**cfg["pipeline"], "activation_checkpoint_interval": 1}}
+
+    pe._config = checkpointed
+    return pe._train_pipeline(2, 4, schedule, 0, False, virtual, False)
+
+
+@pytest.mark.parametrize("schedule,virtual", [("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)])
+def test_pipeline_schedules_with_activation_checkpointing_equal_one_process(schedule, virtual):
+    """pipeline (each schedule) x activation_checkpointing: pipe 2 x data 2
+    with every layer checkpointed against one process without."""
+    from tests.parallel.test_pipe_engine import _check, _train_reference
+    results = run_ranks(_pipeline_checkpointed, 4, schedule, virtual)
+    _check(results, _train_reference(2, 4, False), rtol=1e-4, atol=1e-5)

@@ -150,6 +150,9 @@ _TESTED_LIST: list[tuple[str, str, str]] = [
     *[(f"pipeline:{p}", f"zero:{s}", "tests/parallel/test_combinations.py::"
        f"test_pipeline_schedules_with_zero_1_and_2_equal_one_process[{p}-{v}-{s}]")
       for p, v, s in (("interleaved", 2, 1), ("interleaved", 2, 2), ("zb-h1", 1, 1))],
+    *[(f"pipeline:{p}", "activation_checkpointing", "tests/parallel/test_combinations.py::"
+       f"test_pipeline_schedules_with_activation_checkpointing_equal_one_process[{p}-{v}]")
+      for p, v in (("1f1b", 1), ("interleaved", 2), ("zb-h1", 1))],
     ("pipeline:1f1b", "bf16", _PIPE + "test_pipeline_bf16_zero2_and_variable_sequence_lengths"),
     ("pipeline:1f1b", "fp16", _PIPE + "test_fp16_one_loss_scale_across_stages[0]"),
     ("pipeline:1f1b", "tensor", "tests/parallel/test_autotp.py::test_pipe_x_tensor_x_data_equals_data_parallel"),
@@ -242,7 +245,10 @@ def settings_of(cfg: DsConfig, model: torch.nn.Module, pipe: int, model_degree: 
     on = {f"zero:{zero.stage}"}
     if isinstance(model, PipelineModule) or pipe > 1:
         on.add(f"pipeline:{cfg.pipeline.schedule}")
-        if getattr(model, "activation_checkpoint_interval", 0):
+        pipe_cfg = cfg.pipeline  # its interval replaces the module's (check_pipeline_config, after this)
+        interval = (pipe_cfg.activation_checkpoint_interval if "activation_checkpoint_interval"
+                    in pipe_cfg.model_fields_set else getattr(model, "activation_checkpoint_interval", 0))
+        if interval:
             on.add("activation_checkpointing")
     if model_degree > 1:
         on.add("tensor")
