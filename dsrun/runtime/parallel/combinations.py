@@ -166,8 +166,10 @@ _TESTED_LIST: list[tuple[str, str, str]] = [
     ("tensor", "bf16", "tests/parallel/test_autotp.py::test_training_tp_x_dp_bf16_close_to_dp"),
     ("tensor", "expert",
      "tests/parallel/test_moe_mesh.py::test_moe_beside_tensor_parallelism_trains_like_data_parallel[2]"),
-    ("expert", "zero:0", "tests/parallel/test_moe_mesh.py::test_moe_beside_tensor_parallelism_trains_like_data_parallel[0]"),
-    *[("expert", f"zero:{s}", _MOE_ZERO + "test_zero_1_2_3_ep2_on_2_ranks_equals_all_experts_local") for s in (1, 2, 3)],
+    ("expert", "zero:0",
+     "tests/parallel/test_moe_mesh.py::test_moe_beside_tensor_parallelism_trains_like_data_parallel[0]"),
+    *[("expert", f"zero:{s}", _MOE_ZERO + "test_zero_1_2_3_ep2_on_2_ranks_equals_all_experts_local")
+      for s in (1, 2, 3)],
     ("expert", "gradient_accumulation",
      "tests/parallel/test_combinations.py::test_experts_with_gradient_accumulation_equal_all_experts_local"),
     *[("expert", p, _MOE_ZERO + "test_bf16_trains_and_fp16_overflow_in_one_expert_skips_on_every_rank")
@@ -184,10 +186,11 @@ _TESTED_LIST: list[tuple[str, str, str]] = [
      "tests/compression/test_hpz.py::test_hpz_matches_plain_stage3_and_keeps_backward_gathers_inside_nodes[fp32]"),
     ("hpz", "bf16",
      "tests/compression/test_hpz.py::test_hpz_matches_plain_stage3_and_keeps_backward_gathers_inside_nodes[bf16]"),
-    ("qgz", "zero:3", "tests/compression/test_qgz.py::test_stage3_losses_close_to_plain_and_gradient_bytes_fall[2-fp32]"),
+    ("qgz", "zero:3",
+     "tests/compression/test_qgz.py::test_stage3_losses_close_to_plain_and_gradient_bytes_fall[2-fp32]"),
     ("qgz", "fp16", "tests/compression/test_qgz.py::test_fp16_overflow_through_int4_skips_the_step"),
-    ("qwz", "zero:3", "tests/compression/test_qwz.py::test_stage3_losses_close_to_plain_and_a_quarter_of_the_bytes[fp32]"),
-    ("qwz", "bf16", "tests/compression/test_qwz.py::test_stage3_losses_close_to_plain_and_a_quarter_of_the_bytes[bf16]"),
+    *[("qwz", s, f"tests/compression/test_qwz.py::test_stage3_losses_close_to_plain_and_a_quarter_of_the_bytes[{p}]")
+      for s, p in (("zero:3", "fp32"), ("bf16", "bf16"))],
     ("onebit", "zero:0", "tests/compression/test_onebit.py::test_tiny_model_trains_with_each_optimizer[fp32]"),
     ("onebit", "bf16", "tests/compression/test_onebit.py::test_tiny_model_trains_with_each_optimizer[bf16]"),
     ("onebit", "fp16", "tests/compression/test_onebit.py::test_tiny_model_trains_with_each_optimizer[fp16]"),
@@ -199,7 +202,8 @@ _TESTED_LIST: list[tuple[str, str, str]] = [
       for d in ("cpu", "nvme")],
     *[(f"offload_param:{d}", "bf16", _OFFLOAD + f"test_param_offload_equals_no_offload[param_{d}-none-{d}-bf16]")
       for d in ("cpu", "nvme")],
-    *[(f"offload_param:{d}", f"offload_optimizer:{d}", _OFFLOAD + f"test_param_offload_equals_no_offload[both_{d}-{d}-{d}-fp32]")
+    *[(f"offload_param:{d}", f"offload_optimizer:{d}",
+       _OFFLOAD + f"test_param_offload_equals_no_offload[both_{d}-{d}-{d}-fp32]")
       for d in ("cpu", "nvme")],
     ("zero:0", "gradient_accumulation", "tests/runtime/test_stage0_equivalence.py::test_matches_single_process[2-4]"),
     # Stages 1-3 x fp32/bf16/fp16, gradient accumulation 2, against stage 0 in the same precision.
