@@ -75,6 +75,10 @@ def test_settings_of_reads_config_model_and_degrees():
     plain = load_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"mics_shard_size": 2}},
                         world_size=1)
     assert combos.settings_of(plain, torch.nn.Linear(2, 2), 1, 1, 4) == {"zero:0", "sequence"}  # MiCS: no-op at 0
+    from dsrun.runtime.fp16.onebit.adam import OnebitAdam
+    model = torch.nn.Linear(2, 2)
+    client = OnebitAdam(model.parameters(), lr=1e-3)  # a script's own 1-bit optimizer counts too
+    assert combos.settings_of(plain, model, 2, 1, 1, client) == {"zero:0", "pipeline:1f1b", "onebit"}
 
 
 def _initialize_refused() -> str:

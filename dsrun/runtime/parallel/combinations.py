@@ -34,6 +34,7 @@ from typing import Any, Iterable
 import torch
 
 from dsrun.runtime.config import ConfigError, DsConfig
+from dsrun.runtime.fp16.onebit.base import CompressedCommOptimizer
 from dsrun.runtime.parallel.expert.groups import is_expert_param
 from dsrun.runtime.parallel.pipe.module import PipelineModule
 
@@ -274,7 +275,7 @@ def settings_of(cfg: DsConfig, model: torch.nn.Module, pipe: int, model_degree: 
              or cfg.data_efficiency.data_sampling.curriculum_learning.enabled,
              "random_ltd": cfg.data_efficiency.data_routing.random_ltd.enabled,
              "onebit": (cfg.optimizer is not None and cfg.optimizer.type in ONEBIT_OPTIMIZERS)
-             or type(optimizer).__name__ in ONEBIT_OPTIMIZERS}
+             or isinstance(optimizer, CompressedCommOptimizer)}
     on.update(name for name, value in flags.items() if value)
     return on
 
