@@ -5,7 +5,8 @@ reference (every key of dsrun.runtime.config.DsConfig with its type,
 default and description), `<!-- generated: not-yet-supported -->` the keys
 that are rejected, `<!-- generated: no-effect -->` the keys accepted without
 effect, `<!-- generated: environment-variables -->` the table of DSRUN_*
-variables (dsrun.env). Used by mkdocs.yml (`hooks:`); tests/docs imports it too.
+variables (dsrun.env), `<!-- generated: combinations -->` the table of
+which settings combine (dsrun.runtime.parallel.combinations). Used by mkdocs.yml (`hooks:`); tests/docs imports it too.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from pydantic.fields import FieldInfo
 from dsrun import env
 from dsrun.runtime import config as config_module
 from dsrun.runtime.config import NO_EFFECT_YET, NOT_YET_SUPPORTED, DsConfig
+from dsrun.runtime.parallel import combinations as combinations_module
 
 
 def _type_name(field: FieldInfo) -> str:
@@ -94,8 +96,27 @@ def no_effect() -> str:
     return "\n".join(f"- `{path}` (dsrun behaves as `{json.dumps(value)}`)" for path, value in NO_EFFECT_YET.items())
 
 
+def combinations() -> str:
+    """Markdown: the settings, then every pair of the combination table
+    (refused ones with reason and fix, working ones with their test)."""
+    table = combinations_module.TABLE
+    out = ["| setting | turned on by |", "|---|---|"]
+    out += [f"| `{name}` | {how} |" for name, how in combinations_module.SETTINGS.items()]
+    out += ["", "#### Refused pairs", "", "| setting | setting | why | what to change |", "|---|---|---|---|"]
+    rows = sorted((sorted(pair), entry) for pair, entry in table.items())
+    out += [f"| `{a}` | `{b}` | {e.reason} | {e.fix} |" for (a, b), e in rows
+            if isinstance(e, combinations_module.Refused)]
+    out += ["", "#### Pairs that work", "", "| setting | setting | trained by |", "|---|---|---|"]
+    for (a, b), e in rows:
+        if isinstance(e, combinations_module.Works):
+            test = f"`{e.test}`" if e.test else "works (untested)"
+            out.append(f"| `{a}` | `{b}` | {test}{'; ' + e.note if e.note else ''} |")
+    return "\n".join(out)
+
+
 GENERATORS = {"config-reference": config_reference, "not-yet-supported": not_yet_supported,
-              "no-effect": no_effect, "environment-variables": env.markdown_table}
+              "no-effect": no_effect, "environment-variables": env.markdown_table,
+              "combinations": combinations}
 
 
 def on_page_markdown(markdown: str, **kwargs: Any) -> str:

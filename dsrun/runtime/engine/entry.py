@@ -36,6 +36,7 @@ from dsrun.runtime.observability.logging import log_rank0, logger
 # is an attribute of `deepspeed.runtime` (Accelerate reads it so, without importing it).
 from dsrun.runtime.lr_schedules import build_lr_scheduler
 from dsrun.runtime.optim.optimizers import build_optimizer
+from dsrun.runtime.parallel.combinations import check_combinations, settings_of, split_experts
 from dsrun.runtime.parallel.degrees import record_declaration
 from dsrun.runtime.parallel.mpu import mesh_from_mpu
 from dsrun.runtime.parallel.pipe.engine import PipelineEngine, check_pipeline_config
@@ -254,6 +255,9 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
         cfg = load_config(source, world_size=degrees.data(topology.world_size))
         if cfg.sequence_parallel_size != degrees.sequence:  # from mesh_param
             cfg = cfg.model_copy(update={"sequence_parallel_size": degrees.sequence})
+        # Every pair of settings the job turns on combines or is refused here, before any collective.
+        check_combinations(settings_of(cfg, model, degrees.pipe, degrees.model, degrees.sequence, optimizer),
+                           split_experts(model, degrees.model))
         if pipeline:
             check_pipeline_config(cfg, model)
     except ConfigError as exc:

@@ -67,15 +67,11 @@ def build_zero_strategy(cfg, module: torch.nn.Module, optimizer: torch.optim.Opt
 
     Mixture-of-Experts parameters are partitioned over their
     expert-data-parallel group (see [Note: expert partitions] in
-    experts.py); with them, MiCS, ZeRO++ hpZ and qgZ and offload raise
-    ConfigError (check_expert_support).
+    experts.py); MiCS, ZeRO++ hpZ and qgZ and offload are refused with them
+    at initialize (runtime/parallel/combinations.py).
     """
     zero = cfg.zero_optimization
-    check_expert_support(module, mics=zero.mics_shard_size > 0 and zero.stage > 0,
-                         hpz=zero.stage == 3 and zero.zero_hpz_partition_size > 1,
-                         quantized_gradients=zero.stage == 3 and zero.zero_quantized_gradients,
-                         offload=zero.offload_optimizer.device in ("cpu", "nvme")
-                         or (zero.stage == 3 and zero.offload_param.device in ("cpu", "nvme")))
+    check_expert_support(module)
     precision = PrecisionPolicy.from_config(cfg)
     tier = build_optimizer_tier(cfg, topology)
     mics = None

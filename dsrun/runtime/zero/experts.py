@@ -95,27 +95,19 @@ def expert_name(param: torch.nn.Parameter) -> str | None:
     return expert_group_name_of(param) if is_expert_param(param) else None
 
 
-def check_expert_support(module: torch.nn.Module, *, mics: bool, hpz: bool = False,
-                         quantized_gradients: bool = False, offload: bool = False) -> bool:
-    """Whether `module` holds expert parameters; refuses the ZeRO features
-    whose groups are fixed to the whole data axis.
+def check_expert_support(module: torch.nn.Module) -> bool:
+    """Whether `module` holds expert parameters. The ZeRO features whose
+    groups are fixed to the whole data axis (MiCS, hpZ, qgZ, offload) are
+    refused with experts before this, by the combination table
+    (runtime/parallel/combinations.py).
 
     Raises:
-        ConfigError: experts with MiCS, ZeRO++ hpZ or qgZ, optimizer or
-            parameter offload, or an expert parameter built under zero.Init
-            (partitioned over every rank, not its expert-data-parallel group).
+        ConfigError: an expert parameter built under zero.Init (partitioned
+            over every rank, not its expert-data-parallel group).
     """
     experts = [(n, p) for n, p in module.named_parameters() if is_expert_param(p)]
     if not experts:
         return False
-    refused = [what for what, on in (("zero_optimization.mics_shard_size", mics),
-                                     ("zero_optimization.zero_hpz_partition_size", hpz),
-                                     ("zero_optimization.zero_quantized_gradients", quantized_gradients),
-                                     ("zero_optimization.offload_optimizer / offload_param", offload)) if on]
-    if refused:
-        raise ConfigError(f"the model has Mixture-of-Experts parameters ({experts[0][0]}, ...), which ZeRO "
-                          f"partitions over their expert-data-parallel group; {refused[0]} is not available "
-                          "with them yet: turn it off")
     for n, p in experts:
         rec = record_of(p)
         if rec is not None and rec.init_shard is not None:
