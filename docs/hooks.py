@@ -110,7 +110,7 @@ def combinations() -> str:
     for (a, b), e in rows:
         if isinstance(e, combinations_module.Works):
             test = f"`{e.test}`" if e.test else "works (untested)"
-            out.append(f"| `{a}` | `{b}` | {test}{'; ' + e.note if e.note else ''} |")
+            out.append(f"| `{a}` | `{b}` | {test} |")
     return "\n".join(out)
 
 

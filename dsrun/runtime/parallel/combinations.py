@@ -76,10 +76,9 @@ EXCLUSIVE: tuple[frozenset[str], ...] = (
 @dataclass(frozen=True)
 class Works:
     """The pair trains. test: the pytest node id of a test training it
-    (None: no test covers it yet). note: a condition or a pending change."""
+    (None: no test covers it yet)."""
 
     test: str | None = None
-    note: str = ""
 
 
 @dataclass(frozen=True)
@@ -101,9 +100,6 @@ PARTITION_WHOLE_JOB = "it partitions over every rank of the job, not over the me
 
 # The refused pairs: (settings, reason, fix), expanded into TABLE below.
 _REFUSED: list[tuple[list[frozenset[str]], str, str]] = [
-    (_pairs(["sequence"], PIPELINES + ["tensor"]),
-     "Ulysses runs with data parallelism (and ZeRO) only in this release",
-     "set sequence_parallel_size to 1, or train without the pipeline / tensor parallelism"),
     (_pairs(["pipeline:zb-h1"], ["zero:3", "offload_param:cpu", "offload_param:nvme", "qwz"]),
      "zero bubble defers each weight gradient past the next micro-batch's forward, while stage 3 (which "
      "this feature needs) releases the gathered parameters after each backward",
@@ -179,6 +175,12 @@ _TESTED_LIST: list[tuple[str, str, str]] = [
       for s in ("zero:2", "zero:3", "gradient_accumulation")],
     *[("sequence", s, "tests/parallel/test_combinations.py::test_sequence_with_zero_0_and_1_equals_data_parallel")
       for s in ("zero:0", "zero:1")],
+    ("sequence", "tensor", "tests/parallel/test_sequence_3d.py::test_tensor_x_sequence_equals_one_process"),
+    ("pipeline:1f1b", "sequence", "tests/parallel/test_sequence_3d.py::test_pipeline_x_sequence_equals_one_process"),
+    *[(f"pipeline:{p}", "zero:3", f"tests/parallel/test_pipe_zero.py::"
+       f"test_zero3_with_a_pipeline_matches_one_process[{p}-{v}]") for p, v in (("1f1b", 1), ("interleaved", 2))],
+    *[("pipeline:1f1b", f"offload_optimizer:{d}", "tests/parallel/test_pipe_zero.py::"
+       f"test_optimizer_offload_with_a_pipeline_matches_one_process[{s}-{d}]") for s, d in ((2, "cpu"), (3, "nvme"))],
     ("sequence", "mics",
      "tests/zero/test_mics_sequence.py::test_mics_with_sequence_parallelism_equals_plain_zero_and_one_process"),
     ("mics", "zero:2", "tests/zero/test_mics.py::test_mics_trains_as_plain_zero[2]"),
@@ -213,15 +215,6 @@ _TESTED_LIST: list[tuple[str, str, str]] = [
 ]
 _TESTED: dict[frozenset[str], str] = {frozenset((a, b)): test for a, b, test in _TESTED_LIST}
 
-# Works pairs that check_pipeline_config (parallel/pipe/engine.py) still refuses: the change
-# composing ZeRO-3 and offload with a pipeline removes those refusals.
-_PENDING = "refused by check_pipeline_config until the ZeRO-3/offload-in-a-pipeline change is merged"
-_CLOSING: list[frozenset[str]] = (
-    _pairs(["pipeline:1f1b", "pipeline:interleaved"], ["zero:3"])
-    + _pairs(PIPELINES, ["offload_optimizer:cpu", "offload_optimizer:nvme"])
-    + _pairs(["pipeline:1f1b", "pipeline:interleaved"], ["offload_param:cpu", "offload_param:nvme"]))
-
-
 def _build() -> dict[frozenset[str], Works | Refused]:
     table: dict[frozenset[str], Works | Refused] = {}
     for pairs, reason, fix in _REFUSED:
@@ -233,7 +226,7 @@ def _build() -> dict[frozenset[str], Works | Refused]:
         pair = frozenset((a, b))
         if pair in table or any(pair <= group for group in EXCLUSIVE):
             continue
-        table[pair] = Works(_TESTED.get(pair), _PENDING if pair in _CLOSING else "")
+        table[pair] = Works(_TESTED.get(pair))
     return table
 
 
