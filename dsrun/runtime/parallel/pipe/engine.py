@@ -40,11 +40,15 @@ Embedding), its parameters' gradients from its input and output gradient
 `torch.autograd.backward(parameters, gradients)` (one autograd call per
 micro-batch, not per module), inside the strategy's `run_backward` (so
 gradient accumulation, hooks and the data-parallel reduction are the usual
-ones; the gradients already carry the loss scale). When every recorded
-module has a rule and covers all the chunk's parameters, B does not keep
-the graph: it frees the stage's activations at once and W holds only the
-modules' inputs (which the forward saved anyway) and output gradients.
-Otherwise B keeps the graph, and W runs, for each module without a rule,
+ones; the gradients already carry the loss scale). On an accelerator,
+when every recorded module has a rule and they cover all the chunk's
+parameters, B does not keep the graph: it frees the stage's activations at
+once and W holds only the modules' inputs (which the forward saved anyway)
+and output gradients. On the CPU B keeps the graph until W: freed early,
+its memory went back to the OS and W's allocations faulted it in again
+(2.7x the page faults and about 5% more CPU time per step on the one-stage
+bench-v256 GPT), while a GPU's caching allocator keeps it. Without rules
+for all, B keeps the graph, and W runs, for each module without a rule,
 `torch.autograd.backward(output, its gradient, inputs=<its own
 parameters>)` (only that module's weight-gradient ops); a parameter that no
 recorded output covers (used outside a module's forward, e.g. a tied
@@ -412,18 +416,21 @@ class PipelineEngine(Engine):
                 keep = False
             else:  # B of [Note: zero bubble's split backward]
                 root = self._surrogate(key, buffers) * self.strategy.loss_scale()
-                # (module, its input when a rule covers it, else None, its output), unchanged since the forward
-                recorded = [(m, x if x is not None and x._version == xv else None, o)
+                # (module, its input when a rule covers it, else None, its version, its output),
+                # the output unchanged since the forward
+                recorded = [(m, x if x is not None and x._version == xv else None, xv, o)
                             for m, x, xv, o, ov in buffers.captured.pop(key, []) if o._version == ov]
-                covered = {id(p) for m, _, _ in recorded for p in m.parameters(recurse=False)}
+                covered = {id(p) for m, *_ in recorded for p in m.parameters(recurse=False)}
                 uncovered = [p for p in self._chunk_params(key[1]) if p.requires_grad and id(p) not in covered]
-                keep = bool(uncovered) or any(x is None for _, x, _ in recorded)  # W needs the graph
-                targets = leaves + [o for _, _, o in recorded]
+                # W needs the graph, or the host allocator would fault its memory back in (see the Note)
+                keep = (bool(uncovered) or any(x is None for _, x, _, _ in recorded)
+                        or self.device.type == "cpu")
+                targets = leaves + [o for *_, o in recorded]
                 found = (torch.autograd.grad(root, targets, retain_graph=keep, allow_unused=True)
                          if targets else ())
                 grads = list(found[:len(leaves)])
-                work = [(m, x, o if x is None else None, g)
-                        for (m, x, o), g in zip(recorded, found[len(leaves):]) if g is not None]
+                work = [(m, x, xv, o if x is None else None, g)
+                        for (m, x, xv, o), g in zip(recorded, found[len(leaves):]) if g is not None]
                 buffers.weight_work[key] = (root if keep else None, work, uncovered)
         if timer is not None:
             timer.add_compute(time.perf_counter() - begun)
@@ -438,10 +445,15 @@ class PipelineEngine(Engine):
 
         def weight_pass() -> None:
             params, grads = [], []
-            for m, x, output, grad in work:
+            for m, x, version, output, grad in work:
                 if x is None:
                     own = [p for p in m.parameters(recurse=False) if p.requires_grad]
                     torch.autograd.backward(output, grad, inputs=own, retain_graph=True)
+                elif x._version != version:
+                    raise RuntimeError(f"zero bubble weight pass: the input of {type(m).__name__} (micro-batch "
+                                       f"{key[0]}, chunk {key[1]}) was modified in place after its forward; "
+                                       "the weight gradient needs it unchanged until the weight pass (clone it "
+                                       "before changing it, or use schedule 1f1b)")
                 else:
                     for p, g in weight_grads(m, x, grad):
                         params.append(p)
