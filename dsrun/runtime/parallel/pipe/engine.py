@@ -40,7 +40,8 @@ Embedding), its parameters' gradients from its input and output gradient
 `torch.autograd.backward(parameters, gradients)` (one autograd call per
 micro-batch, not per module), inside the strategy's `run_backward` (so
 gradient accumulation, hooks and the data-parallel reduction are the usual
-ones; the gradients already carry the loss scale). On an accelerator,
+ones; the gradients already carry the loss scale). On an accelerator
+(`release_graph_in_input_pass`, on by default off the CPU),
 when every recorded module has a rule and they cover all the chunk's
 parameters, B does not keep the graph: it frees the stage's activations at
 once and W holds only the modules' inputs (which the forward saved anyway)
@@ -122,6 +123,9 @@ class PipelineEngine(Engine):
             `train_batch` ("wait_s", seconds blocked in receives and send
             completion) and the schedule's wall time before the optimizer
             step ("schedule_s"); their ratio is the stage's measured bubble.
+        release_graph_in_input_pass: zb-h1 only: whether B frees the graph
+            when the weight pass does not need it (default: off on the CPU,
+            on elsewhere; see [Note: zero bubble's split backward]).
         action_timing: set True to time every action of `train_batch`
             (off by default); the table of the last such step is then in
             `last_action_times` (see [Note: per-action timing] in timing.py).
@@ -144,6 +148,7 @@ class PipelineEngine(Engine):
         self._tied_groups = tied
         self.agg_train_loss: torch.Tensor | None = None
         self._capturing: list | None = None  # zero bubble: module outputs recorded by the forward hooks
+        self.release_graph_in_input_pass = self.device.type != "cpu"  # see [Note: zero bubble's split backward]
         self._capture_hooks = []
         if self.schedule_name == "zb-h1":
             for m in module.modules():
@@ -424,7 +429,7 @@ class PipelineEngine(Engine):
                 uncovered = [p for p in self._chunk_params(key[1]) if p.requires_grad and id(p) not in covered]
                 # W needs the graph, or the host allocator would fault its memory back in (see the Note)
                 keep = (bool(uncovered) or any(x is None for _, x, _, _ in recorded)
-                        or self.device.type == "cpu")
+                        or not self.release_graph_in_input_pass)
                 targets = leaves + [o for *_, o in recorded]
                 found = (torch.autograd.grad(root, targets, retain_graph=keep, allow_unused=True)
                          if targets else ())
