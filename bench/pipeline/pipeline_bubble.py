@@ -52,11 +52,10 @@ Reported per configuration, over all timed steps of all repeats:
   replicas; the table gives their mean over stages, then per stage;
 - theory: `theoretical_bubble` (F = B = W, the papers' setting), and
   `simulate` of dsrun's schedules with the same costs read both ways ("own",
-  "span"), and for zb-h1 with dsrun's costs: its weight pass recomputes the
-  stage's inner activation gradients (pipe/engine.py [Note: zero bubble's
-  split backward]), so W costs a full backward (F = 1, B = 1, W = 2);
-  "step / 1f1b": the median step over 1F1B's at the same depth, measured
-  and simulated (F = 1, B + W = 2 per stage; zb-h1 with W = 2);
+  "span"); "step / 1f1b": the median step over 1F1B's at the same depth,
+  measured and simulated (F = B = W; dsrun's weight pass runs only the
+  weight-gradient products, pipe/engine.py [Note: zero bubble's split
+  backward], so W costs about F);
 - peak memory per stage: VmHWM of /proc/self/status (peak resident set)
   over the timed steps, reset at the end of warm-up (clear_refs 5), the
   largest over data replicas and repeats; ru_maxrss (the whole process) too;
@@ -253,28 +252,19 @@ def step_bubbles(ranks: list[dict], step: int) -> list[dict]:
 def theory_row(run: Run, micro_batches: int) -> dict:
     """The theory for `run` with `micro_batches` per pipeline: "paper"
     (`theoretical_bubble`, F = B = W), "sim own"/"sim span" (`simulate` of
-    dsrun's schedules, F = B = W, read as the measurement reads a rank) and,
-    for zb-h1, "sim dsrun W" (the span bubble with W = B + W: dsrun's weight
-    pass recomputes the input gradients)."""
+    dsrun's schedules, F = B = W, read as the measurement reads a rank) and
+    "sim step / 1f1b" (the simulated makespan over 1F1B's, same costs)."""
     from dsrun.runtime.parallel.pipe.schedule import build_schedule, theoretical_bubble
     from dsrun.runtime.parallel.pipe.simulate import simulate
 
     p, m, v = run.stages, micro_batches, run.virtual
     schedules = [build_schedule(run.schedule, p, r, m, v) for r in range(p)]
 
-    def sim(w: float):
-        res = simulate(schedules, 1.0 / v, 1.0 / v, w / v, virtual_stages=v)  # a chunk is 1/v of a stage
-        own = statistics.mean((t.finish - t.busy) / t.finish for t in res.ranks)
-        return own, res.bubble_fraction, res.makespan
-
-    own, span, makespan = sim(1.0)
+    res = simulate(schedules, 1.0 / v, 1.0 / v, 1.0 / v, virtual_stages=v)  # a chunk is 1/v of a stage
+    own = statistics.mean((t.finish - t.busy) / t.finish for t in res.ranks)
     one_f_one_b = simulate([build_schedule("1f1b", p, r, m) for r in range(p)]).makespan
-    row = {"paper": theoretical_bubble(run.schedule, p, m, v), "sim own": own, "sim span": span,
-           "sim step / 1f1b": makespan / one_f_one_b}
-    if run.schedule == "zb-h1":
-        _, row["sim dsrun W"], dsrun_makespan = sim(2.0)
-        row["sim step / 1f1b"] = dsrun_makespan / one_f_one_b
-    return row
+    return {"paper": theoretical_bubble(run.schedule, p, m, v), "sim own": own, "sim span": res.bubble_fraction,
+            "sim step / 1f1b": res.makespan / one_f_one_b}
 
 
 def deepspeed_status() -> str:
@@ -338,8 +328,8 @@ def report(runs: list[Run], results: dict[str, list[list[dict]]], s: Shape, glob
           "with F = B = W; sim = simulate() of dsrun's schedules with F = B = W; own = wait / own schedule, "
           "span = idle / pipeline makespan):\n")
     print("| run | m | measured own | measured span | paper | sim own | sim span | span / paper | own / sim own | "
-          "sim span, dsrun's W = 2 | step / 1f1b measured | step / 1f1b sim | CPU share |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "step / 1f1b measured | step / 1f1b sim | CPU share |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in pipes:
         m = global_micro // r.data
         th = theory_row(r, m)
@@ -347,11 +337,10 @@ def report(runs: list[Run], results: dict[str, list[list[dict]]], s: Shape, glob
         own = statistics.mean(v["own"] for v in st.values())
         span = statistics.mean(v["span"] for v in st.values())
         cpu = statistics.mean(v["cpu_share"] for v in st.values())
-        zb = f"{th['sim dsrun W']:.3f}" if "sim dsrun W" in th else "-"
         ref = f"p{r.stages}-1f1b"
         measured = f"{statistics.median(times[r.name]) / statistics.median(times[ref]):.3f}" if ref in times else "-"
         print(f"| {r.name} | {m} | {own:.3f} | {span:.3f} | {th['paper']:.3f} | {th['sim own']:.3f} | "
-              f"{th['sim span']:.3f} | {span / th['paper']:.2f} | {own / th['sim own']:.2f} | {zb} | {measured} | "
+              f"{th['sim span']:.3f} | {span / th['paper']:.2f} | {own / th['sim own']:.2f} | {measured} | "
               f"{th['sim step / 1f1b']:.3f} | {cpu:.2f} |")
     print("\nPer stage (stage 0 / 1 / ...): measured own, measured span, median wait_s and busy s (schedule_s - "
           "wait_s) per step, CPU share:\n")

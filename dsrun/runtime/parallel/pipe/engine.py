@@ -31,20 +31,34 @@ initialize through dsrun/runtime/engine/model_parallel.py).
 `BackwardInput` (B) must produce the stage input's gradient, which the
 previous stage waits for, without the weight gradients; `BackwardWeight`
 (W) later produces only the weight gradients (Qi et al., ICLR 2024). During
-the forward of a zero-bubble schedule a forward hook records the output of
-every module that owns parameters. B then asks autograd for the gradients of
-the stage input AND of those module outputs in one `torch.autograd.grad`
-call (the graph kept): that is the input pass, and it computes no weight
-gradient. W runs, for each recorded module, `torch.autograd.backward(output,
-its gradient, inputs=<the module's own parameters>)`, which executes only
-the module's own weight-gradient ops, inside the strategy's `run_backward`
-(so gradient accumulation and the data-parallel reduction are the usual
-ones; the gradients already carry the loss scale). A parameter that no
+the forward of a zero-bubble schedule a forward hook (run before any other
+forward hook of the module) records the input and output of every module
+that owns parameters. B then asks autograd for the gradients of the stage
+input AND of those module outputs in one `torch.autograd.grad` call: that
+is the input pass, and it computes no weight gradient. W computes, for each
+recorded module that weight_grad.py has a rule for (Linear, LayerNorm,
+Embedding), its parameters' gradients from its input and output gradient
+([Note: weight pass by rule]), and hands all of them to ONE
+`torch.autograd.backward(parameters, gradients)` (one autograd call per
+micro-batch, not per module), inside the strategy's `run_backward` (so
+gradient accumulation, hooks and the data-parallel reduction are the usual
+ones; the gradients already carry the loss scale). On an accelerator
+(`release_graph_in_input_pass`, on by default off the CPU),
+when every recorded module has a rule and they cover all the chunk's
+parameters, B does not keep the graph: it frees the stage's activations at
+once and W holds only the modules' inputs (which the forward saved anyway)
+and output gradients. On the CPU B keeps the graph until W: freed early,
+its memory went back to the OS and W's allocations faulted it in again
+(2.7x the page faults and about 5% more CPU time per step on the one-stage
+bench-v256 GPT), while a GPU's caching allocator keeps it. Without rules
+for all, B keeps the graph, and W runs, for each module without a rule,
+`torch.autograd.backward(output, its gradient, inputs=<its own
+parameters>)` (only that module's weight-gradient ops); a parameter that no
 recorded output covers (used outside a module's forward, e.g. a tied
 weight's `forward_fn`, or under reentrant activation checkpointing, or an
-output changed in place) gets its gradient in W from the stage's root
-restricted to those parameters, which recomputes the activation gradients
-on its path: correct, only slower.
+output or input changed in place) gets its gradient in W from the stage's
+root restricted to those parameters, which recomputes the activation
+gradients on its path: correct, only slower.
 """
 from __future__ import annotations
 
@@ -66,6 +80,7 @@ from dsrun.runtime.parallel.pipe import schedule as sched
 from dsrun.runtime.parallel.pipe.module import PipelineModule
 from dsrun.runtime.parallel.pipe.p2p import StageLink, as_tensors
 from dsrun.runtime.parallel.pipe.timing import ActionTimer
+from dsrun.runtime.parallel.pipe.weight_grad import has_rule, weight_grads
 from dsrun.runtime.zero.groups import RankGroup
 
 
@@ -110,6 +125,9 @@ class PipelineEngine(Engine):
             `train_batch` ("wait_s", seconds blocked in receives and send
             completion) and the schedule's wall time before the optimizer
             step ("schedule_s"); their ratio is the stage's measured bubble.
+        release_graph_in_input_pass: zb-h1 only: whether B frees the graph
+            when the weight pass does not need it (default: off on the CPU,
+            on elsewhere; see [Note: zero bubble's split backward]).
         action_timing: set True to time every action of `train_batch`
             (off by default); the table of the last such step is then in
             `last_action_times` (see [Note: per-action timing] in timing.py).
@@ -132,11 +150,13 @@ class PipelineEngine(Engine):
         self._tied_groups = tied
         self.agg_train_loss: torch.Tensor | None = None
         self._capturing: list | None = None  # zero bubble: module outputs recorded by the forward hooks
+        self.release_graph_in_input_pass = self.device.type != "cpu"  # see [Note: zero bubble's split backward]
         self._capture_hooks = []
         if self.schedule_name == "zb-h1":
             for m in module.modules():
                 if any(p.requires_grad for p in m.parameters(recurse=False)):
-                    self._capture_hooks.append(m.register_forward_hook(self._record_output))
+                    # prepend: the output recorded is the module's own, before other hooks change it
+                    self._capture_hooks.append(m.register_forward_hook(self._record_output, prepend=True))
         # The last train_batch's wait on neighbours ("wait_s": receives and send
         # completion) and the schedule's wall time before the step ("schedule_s").
         self.last_bubble: dict[str, float] = {}
@@ -387,7 +407,8 @@ class PipelineEngine(Engine):
 
     def _record_output(self, module, args, output) -> None:
         if self._capturing is not None and isinstance(output, torch.Tensor) and output.requires_grad:
-            self._capturing.append((module, output, output._version))
+            x = args[0] if len(args) == 1 and isinstance(args[0], torch.Tensor) and has_rule(module) else None
+            self._capturing.append((module, x, x._version if x is not None else 0, output, output._version))
 
     def _backward_input(self, key, buffers: _Buffers, keep_graph: bool, weights: bool, sync: bool) -> None:
         inputs = buffers.inputs.get(key, ())
@@ -399,32 +420,53 @@ class PipelineEngine(Engine):
             if weights:
                 self.strategy.backward(self._surrogate(key, buffers), sync=sync, retain_graph=False)
                 grads = [t.grad for t in leaves]
+                keep = False
             else:  # B of [Note: zero bubble's split backward]
                 root = self._surrogate(key, buffers) * self.strategy.loss_scale()
-                outputs = [(m, o) for m, o, version in buffers.captured.pop(key, []) if o._version == version]
-                targets = leaves + [o for _, o in outputs]
-                found = (torch.autograd.grad(root, targets, retain_graph=True, allow_unused=True)
+                # (module, its input when a rule covers it, else None, its version, its output),
+                # the output unchanged since the forward
+                recorded = [(m, x if x is not None and x._version == xv else None, xv, o)
+                            for m, x, xv, o, ov in buffers.captured.pop(key, []) if o._version == ov]
+                covered = {id(p) for m, *_ in recorded for p in m.parameters(recurse=False)}
+                uncovered = [p for p in self._chunk_params(key[1]) if p.requires_grad and id(p) not in covered]
+                # W needs the graph, or the host allocator would fault its memory back in (see the Note)
+                keep = (bool(uncovered) or any(x is None for _, x, _, _ in recorded)
+                        or not self.release_graph_in_input_pass)
+                targets = leaves + [o for *_, o in recorded]
+                found = (torch.autograd.grad(root, targets, retain_graph=keep, allow_unused=True)
                          if targets else ())
                 grads = list(found[:len(leaves)])
-                work = [(m, o, g) for (m, o), g in zip(outputs, found[len(leaves):]) if g is not None]
-                buffers.weight_work[key] = (root, work)
+                work = [(m, x, xv, o if x is None else None, g)
+                        for (m, x, xv, o), g in zip(recorded, found[len(leaves):]) if g is not None]
+                buffers.weight_work[key] = (root if keep else None, work, uncovered)
         if timer is not None:
             timer.add_compute(time.perf_counter() - begun)
         if leaves:
             buffers.input_grads[key] = [g if g is not None else torch.zeros_like(t) for g, t in zip(grads, leaves)]
-        if weights:
-            self._free(key, buffers)
+        if not keep:
+            self._free(key, buffers)  # W needs only the module inputs and output gradients of `work`
 
     def _backward_weight(self, key, buffers: _Buffers, sync: bool) -> None:
         """W of [Note: zero bubble's split backward]."""
-        root, work = buffers.weight_work.pop(key)
-        covered = {id(p) for m, _, _ in work for p in m.parameters(recurse=False)}
-        uncovered = [p for p in self._chunk_params(key[1]) if p.requires_grad and id(p) not in covered]
+        root, work, uncovered = buffers.weight_work.pop(key)
 
         def weight_pass() -> None:
-            for m, output, grad in work:
-                own = [p for p in m.parameters(recurse=False) if p.requires_grad]
-                torch.autograd.backward(output, grad, inputs=own, retain_graph=True)
+            params, grads = [], []
+            for m, x, version, output, grad in work:
+                if x is None:
+                    own = [p for p in m.parameters(recurse=False) if p.requires_grad]
+                    torch.autograd.backward(output, grad, inputs=own, retain_graph=True)
+                elif x._version != version:
+                    raise RuntimeError(f"zero bubble weight pass: the input of {type(m).__name__} (micro-batch "
+                                       f"{key[0]}, chunk {key[1]}) was modified in place after its forward; "
+                                       "the weight gradient needs it unchanged until the weight pass (clone it "
+                                       "before changing it, or use schedule 1f1b)")
+                else:
+                    for p, g in weight_grads(m, x, grad):
+                        params.append(p)
+                        grads.append(g)
+            if params:  # one autograd call accumulates them all (hooks and reduction as usual)
+                torch.autograd.backward(params, grads)
             if uncovered:
                 torch.autograd.backward(root, inputs=uncovered, retain_graph=True)
 
