@@ -134,13 +134,14 @@ _TP = "tests/parallel/test_autotp.py::test_training_tp_x_dp_equals_dp"
 _MOE_ZERO = "tests/parallel/test_moe_zero.py::"
 _OFFLOAD = "tests/offload/test_optimizer_offload.py::"
 _TESTED_LIST: list[tuple[str, str, str]] = [
-    ("pipeline:1f1b", "zero:0", _PIPE + "test_pipeline_matches_one_process_training[1f1b-2-4-1]"),
-    ("pipeline:zb-h1", "zero:0", _PIPE + "test_pipeline_matches_one_process_training[zb-h1-2-4-1]"),
-    ("pipeline:interleaved", "zero:0", _PIPE + "test_pipeline_matches_one_process_training[interleaved-2-4-2]"),
-    ("pipeline:1f1b", "gradient_accumulation", _PIPE + "test_pipeline_matches_one_process_training[1f1b-2-4-1]"),
-    ("pipeline:zb-h1", "gradient_accumulation", _PIPE + "test_pipeline_matches_one_process_training[zb-h1-2-4-1]"),
+    ("pipeline:1f1b", "zero:0", _PIPE + "test_pipeline_matches_one_process_training[1f1b-2-4-1-False]"),
+    ("pipeline:zb-h1", "zero:0", _PIPE + "test_pipeline_matches_one_process_training[zb-h1-2-4-1-False]"),
+    ("pipeline:interleaved", "zero:0", _PIPE + "test_pipeline_matches_one_process_training[interleaved-2-4-2-False]"),
+    ("pipeline:1f1b", "gradient_accumulation", _PIPE + "test_pipeline_matches_one_process_training[1f1b-2-4-1-False]"),
+    ("pipeline:zb-h1", "gradient_accumulation",
+     _PIPE + "test_pipeline_matches_one_process_training[zb-h1-2-4-1-False]"),
     ("pipeline:interleaved", "gradient_accumulation",
-     _PIPE + "test_pipeline_matches_one_process_training[interleaved-2-4-2]"),
+     _PIPE + "test_pipeline_matches_one_process_training[interleaved-2-4-2-False]"),
     ("pipeline:1f1b", "zero:1", _PIPE + "test_pipeline_with_zero_stages[1]"),
     ("pipeline:1f1b", "zero:2", _PIPE + "test_pipeline_with_zero_stages[2]"),
     ("pipeline:zb-h1", "zero:2", _PIPE + "test_tied_weights_and_eval_batch[zb-h1-2]"),
