@@ -3,18 +3,20 @@ and sequence parallelism: both split ZeRO's group (the "data" axis, or
 "sequence_data" under sequence parallelism) with ParallelMesh.data_blocks,
 not the whole job.
 
-4 gloo ranks on one node. Tensor 2 x data 2 (AutoTP on test_autotp's tiny
+4 gloo ranks on one node (but one test). Tensor 2 x data 2 (AutoTP on test_autotp's tiny
 Llama, ZeRO-3): hpZ's group is the two data ranks holding the same tensor
 shard, and the run equals the same run without hpZ (fp32, 1e-5: hpZ
 gathers the same values from another copy); qgZ quantizes the gradients to
 int4, so it is held to test_qgz.py's bounds against its own unquantized run.
+As 2 nodes x 2 ranks, qgZ's node grid follows the data groups across the
+nodes, and hpZ's blocks, which would span them, are refused.
 Sequence 2 x data 2 (test_ulysses's block, ZeRO-3): hpZ over
 "sequence_data" equals the run without it and one process."""
 from __future__ import annotations
 
 import torch
 
-from tests.dist_helpers import run_ranks
+from tests.dist_helpers import as_nodes, run_ranks
 from tests.parallel.test_autotp import STEPS, TOL, _build, _config, _ids, _lm_loss
 
 
@@ -73,6 +75,35 @@ def test_hpz_and_qgz_with_tensor_parallelism():
     for a, b in zip(plain[0], qgz[0]):
         assert abs(a - b) <= 0.045 * abs(a), (plain[0], qgz[0])
     assert qgz[0][-1] < qgz[0][0]
+
+
+def _tp_on_two_nodes():
+    """Tensor 2 x data 2 as 2 nodes x 2 ranks: each data group {0, 2},
+    {1, 3} has one rank per node, so qgZ's first all-to-all is within a rank
+    alone and the second crosses nodes; hpZ's block of 2 would span them."""
+    as_nodes(2)
+    import dsrun
+    from dsrun.runtime.config import ConfigError
+    from dsrun.runtime.parallel.mesh import set_current
+    dsrun.init_distributed()
+    plain = _train_tp({})
+    set_current(None)
+    qgz = _train_tp({"zero_quantized_gradients": True})
+    set_current(None)
+    try:
+        _train_tp({"zero_hpz_partition_size": 2})
+    except ConfigError as e:
+        return plain, qgz, str(e)
+    return plain, qgz, None
+
+
+def test_qgz_across_nodes_and_hpz_spanning_nodes_with_tensor_parallelism():
+    plain, qgz, error = run_ranks(_tp_on_two_nodes, 4, timeout=400)[0]
+    assert qgz[0][0] == plain[0][0]
+    for a, b in zip(plain[0], qgz[0]):
+        assert abs(a - b) <= 0.045 * abs(a), (plain[0], qgz[0])
+    assert qgz[0][-1] < qgz[0][0]
+    assert error is not None and "ranks [0, 2] would form one hpZ group across two nodes" in error, error
 
 
 def _sequence_runs():
