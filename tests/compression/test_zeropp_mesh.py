@@ -60,6 +60,11 @@ def _tp_runs():
                        ("qgz", {"zero_quantized_gradients": True})):
         out[name] = _train_tp(zero)
         set_current(None)
+    from dsrun.runtime.config import ConfigError
+    try:  # 4 divides the job, not the data axis
+        _train_tp({"zero_hpz_partition_size": 4})
+    except ConfigError as e:
+        out["error"] = str(e)
     return out
 
 
@@ -67,6 +72,8 @@ def test_hpz_and_qgz_with_tensor_parallelism():
     results = run_ranks(_tp_runs, 4, timeout=400)
     plain, hpz, qgz = (results[0][k] for k in ("plain", "hpz", "qgz"))
     assert [r["hpz"][2] for r in results] == [[0, 2], [1, 3], [0, 2], [1, 3]]  # the data axis, not the world
+    # the config check, before any collective: its "world size" is the data-parallel one (of the batch)
+    assert "zero_hpz_partition_size=4 does not divide the world size 2" in results[0].get("error", "")
     torch.testing.assert_close(torch.tensor(hpz[0]), torch.tensor(plain[0]), **TOL)
     torch.testing.assert_close(torch.tensor(hpz[1]), torch.tensor(plain[1]), **TOL)
     assert plain[0][-1] < plain[0][0]  # it trains
@@ -112,7 +119,8 @@ def _sequence_runs():
     from tests.parallel.test_ulysses import _train
     dsrun.init_distributed()
     out = {}
-    for name, zero in (("plain", {}), ("hpz", {"zero_hpz_partition_size": 2})):
+    for name, zero in (("plain", {}), ("hpz", {"zero_hpz_partition_size": 2}),
+                       ("hpz4", {"zero_hpz_partition_size": 4})):  # 4 > the data axis: blocks of data x sequence
         out[name] = _train(2, stage=3, zero=zero)
         set_current(None)
     return out
@@ -128,8 +136,10 @@ def _one_process():
 def test_hpz_with_sequence_parallelism_equals_plain_and_one_process():
     want_loss, want_params = run_ranks(_one_process, 1, timeout=120)[0]
     results = run_ranks(_sequence_runs, 4, timeout=300)
-    (plain_loss, plain_params), (loss, params) = results[0]["plain"], results[0]["hpz"]
-    torch.testing.assert_close(torch.tensor(loss), torch.tensor(plain_loss), **TOL)
-    torch.testing.assert_close(params, plain_params, **TOL)
-    torch.testing.assert_close(torch.tensor(loss), torch.tensor(want_loss), **TOL)
-    torch.testing.assert_close(params, want_params, **TOL)
+    plain_loss, plain_params = results[0]["plain"]
+    for key in ("hpz", "hpz4"):
+        loss, params = results[0][key]
+        torch.testing.assert_close(torch.tensor(loss), torch.tensor(plain_loss), **TOL, msg=key)
+        torch.testing.assert_close(params, plain_params, **TOL, msg=key)
+        torch.testing.assert_close(torch.tensor(loss), torch.tensor(want_loss), **TOL, msg=key)
+        torch.testing.assert_close(params, want_params, **TOL, msg=key)
