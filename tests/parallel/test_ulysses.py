@@ -227,12 +227,14 @@ def _samples():
 
 
 def _train(sequence: int, stage: int = 2, heads: int = HEADS, kv_heads: int = KV_HEADS,
-           optimizer: dict = ADAM, mics: int = -1, declared: bool = False) -> tuple[list[float], torch.Tensor]:
+           optimizer: dict = ADAM, mics: int = -1, declared: bool = False,
+           zero: dict | None = None) -> tuple[list[float], torch.Tensor]:
     """STEPS steps on the 4 samples. data=4: one sample per rank. sequence=2
     x data=2: data rank d takes samples 2d and 2d+1 as two micro-batches of
     one (gradient accumulation 2), each sequence rank its half of the
     tokens. `mics`: zero_optimization.mics_shard_size. `declared`: the mesh
     comes from dsrun.init_distributed(config=...) instead of set_current.
+    `zero`: further zero_optimization settings.
     Returns the mean loss of the 4 samples per step and the parameters
     after training."""
     import torch.distributed as dist
@@ -242,7 +244,7 @@ def _train(sequence: int, stage: int = 2, heads: int = HEADS, kv_heads: int = KV
     from dsrun.sequence import sequence_parallel_loss, shard_sequence
     from dsrun.utils import groups
     cfg = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 1, "sequence_parallel_size": sequence,
-           "optimizer": optimizer, "zero_optimization": {"stage": stage, "mics_shard_size": mics},
+           "optimizer": optimizer, "zero_optimization": {"stage": stage, "mics_shard_size": mics, **(zero or {})},
            "gradient_clipping": 0.0, "steps_per_print": 1000}
     if declared:  # the mesh first, so that the model's DistributedAttention has its group
         dsrun.init_distributed(config=cfg)

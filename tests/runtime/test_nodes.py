@@ -32,10 +32,10 @@ def _groups_on_two_nodes():
 
     import dsrun
     from dsrun.runtime.distributed import nodes
-    from dsrun.runtime.zero.groups import block_group, node_groups
+    from dsrun.runtime.zero.groups import node_groups
     topo = dsrun.init_distributed()
     groups = node_groups()
-    assert node_groups() is not None and block_group(2) == groups.intra  # cached, the same group
+    assert node_groups() == groups  # cached, the same groups
     out = {"map": topo.nodes.nodes,
            "intra": dist.get_process_group_ranks(groups.intra.group),
            "inter": dist.get_process_group_ranks(groups.inter.group),

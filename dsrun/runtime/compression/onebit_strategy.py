@@ -13,8 +13,11 @@
   [Note: trust-ratio segments] in dsrun/ops/lamb.py).
 
 It is the stage-0 machinery of PartitionedOptimizerStrategy (the (nobody,
-world) group pair: every rank holds everything, fp32 master weights and
-loss scaling for bf16/fp16, flat buffers), so fp32, bf16 and fp16 all work.
+data-parallel group) pair: every rank holds everything, fp32 master
+weights and loss scaling for bf16/fp16, flat buffers), so fp32, bf16 and
+fp16 all work. Under tensor or sequence parallelism the data-parallel group
+is the mesh's data (or "sequence_data") axis, smaller than the job: the
+gradients and the compressed momenta are averaged over it only.
 
 [Note: norm and overflow with local gradients]
 On a step whose gradients stayed local, the ranks' gradients differ. The
@@ -37,6 +40,7 @@ from dsrun.runtime.config import ConfigError
 from dsrun.runtime.distributed.dist import Topology
 from dsrun.runtime.fp16.onebit.base import CompressedCommOptimizer
 from dsrun.runtime.optim.precision import PrecisionPolicy
+from dsrun.runtime.parallel.mesh import ParallelMesh
 from dsrun.runtime.zero.stage12 import PartitionedOptimizerStrategy
 
 
@@ -51,13 +55,25 @@ def takes_over(cfg, optimizer: torch.optim.Optimizer) -> bool:
 
 
 def build_compression_strategy(cfg, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                               topology: Topology) -> "CompressedCommStrategy":
+                               topology: Topology, group=None, *,
+                               mesh: ParallelMesh | None = None) -> "CompressedCommStrategy":
     """The strategy for a 1-bit or layer-wise optimizer (see `takes_over`).
+    `group`: the data-parallel process group gradients are averaged over
+    and the optimizer's compressed all-reduce runs in (None: every rank;
+    under tensor or sequence parallelism `mesh`'s data axis, or
+    "sequence_data").
 
     Raises:
         ConfigError: ZeRO stage 1-3 (these optimizers need whole parameters
-            and optimizer states on every rank).
+            and optimizer states on every rank); a layer-wise optimizer
+            (Lamb, OneBitLamb) on a tensor-parallel `mesh` (its trust ratio
+            would be that of a tensor shard, not of the layer).
     """
+    if isinstance(optimizer, Segmented) and mesh is not None and mesh.size("model") > 1:
+        raise ConfigError(f"{type(optimizer).__name__} takes a trust ratio per layer, and tensor parallelism "
+                          f"(degree {mesh.size('model')}) splits each layer over ranks, so it would see a "
+                          "shard's ratio; use Adam/AdamW or OneBitAdam/ZeroOneAdam with tensor parallelism, "
+                          "or drop tensor_parallel.autotp_size")
     stage = cfg.zero_optimization.stage
     if stage > 0:
         name = type(optimizer).__name__
@@ -68,7 +84,7 @@ def build_compression_strategy(cfg, module: torch.nn.Module, optimizer: torch.op
     zero = cfg.zero_optimization
     return CompressedCommStrategy(module, optimizer, topology, PrecisionPolicy.from_config(cfg),
                                   reduce_bucket_size=zero.reduce_bucket_size,
-                                  sub_group_size=zero.sub_group_size)
+                                  sub_group_size=zero.sub_group_size, group=group)
 
 
 class CompressedCommStrategy(PartitionedOptimizerStrategy):
@@ -79,6 +95,8 @@ class CompressedCommStrategy(PartitionedOptimizerStrategy):
         reduce_bucket_size: elements per gradient all-reduce (warm-up) and
             per flat master span (each span is one compressed tensor).
         sub_group_size: as PartitionedOptimizerStrategy.
+        group: the data-parallel process group (None = every rank): the
+            replicate group, the optimizer's `comm_group`.
 
     Raises:
         ValueError: a parameter group carries DeepSpeed's `exp_avg_mask`
@@ -86,14 +104,15 @@ class CompressedCommStrategy(PartitionedOptimizerStrategy):
     """
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, topology: Topology,
-                 precision: PrecisionPolicy, reduce_bucket_size: int, sub_group_size: int = 1_000_000_000):
-        for i, group in enumerate(optimizer.param_groups):
-            if "exp_avg_mask" in group:
+                 precision: PrecisionPolicy, reduce_bucket_size: int, sub_group_size: int = 1_000_000_000,
+                 group=None):
+        for i, param_group in enumerate(optimizer.param_groups):
+            if "exp_avg_mask" in param_group:
                 raise ValueError(f"optimizer param group {i} has an exp_avg_mask: dsrun's engine flattens the "
                                  "parameters and derives the momentum mask itself (elements whose gradient "
                                  "stayed zero through warm-up); remove exp_avg_mask")
         super().__init__(module, optimizer, topology, precision, stage=0, reduce_bucket_size=reduce_bucket_size,
-                         allgather_bucket_size=reduce_bucket_size, sub_group_size=sub_group_size)
+                         allgather_bucket_size=reduce_bucket_size, sub_group_size=sub_group_size, group=group)
         self._owner = optimizer if isinstance(optimizer, CompressedCommOptimizer) else None
         if self._owner is not None:
             self._owner.comm_group = self.groups.replicate.group

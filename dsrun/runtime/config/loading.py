@@ -191,12 +191,17 @@ def load_config(source: Mapping | str | os.PathLike | DsConfig, world_size: int 
 
 
 def _world_problems(cfg: DsConfig, world_size: int) -> list[str]:
-    """Settings that must fit the world size (the node layout is checked
-    when the strategy is built: zero/stage3.py `_hpz_group`)."""
+    """Settings that must fit the (data-parallel) world size. hpZ splits
+    ZeRO's group, data x sequence ranks under sequence parallelism (the
+    node layout is checked when the strategy is built: zero/stage3.py
+    `_hpz_group`)."""
     hpz = cfg.zero_optimization.zero_hpz_partition_size
-    if hpz > 1 and world_size % hpz:
-        return [f"zero_optimization.zero_hpz_partition_size={hpz} does not divide the world size "
-                f"{world_size}; set it to the number of ranks per node (or a divisor of it), or 1"]
+    sequence = cfg.sequence_parallel_size
+    if hpz > 1 and (world_size * sequence) % hpz:
+        group = f"world size {world_size}" if sequence == 1 else \
+            f"ZeRO group of {world_size} data x {sequence} sequence ranks"
+        return [f"zero_optimization.zero_hpz_partition_size={hpz} does not divide the {group}; set it to "
+                "the number of ranks per node (or a divisor of it), or 1"]
     return []
 
 

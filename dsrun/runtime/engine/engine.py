@@ -55,8 +55,8 @@ def build_strategy(cfg: DsConfig, module: torch.nn.Module, optimizer: torch.opti
     under sequence parallelism), which ZeRO's MiCS splits into blocks.
 
     Raises:
-        ValueError: a data group with a strategy that cannot take one (the
-            1-bit optimizers).
+        ValueError: a pipeline with a 1-bit optimizer or flat-buffer Lamb.
+        ConfigError: as build_compression_strategy raises.
         NotImplementedError: expert (MoE) parameters with a 1-bit optimizer
             (see [Note: expert gradients] in strategy/data_parallel.py and
             [Note: expert partitions] in zero/experts.py).
@@ -72,10 +72,10 @@ def build_strategy(cfg: DsConfig, module: torch.nn.Module, optimizer: torch.opti
             "the model has Mixture-of-Experts parameters (allreduce=False), which the 1-bit optimizers and "
             "the flat-buffer Lamb would average over every rank; use Adam/AdamW (any ZeRO stage)")
     if takes_over(cfg, optimizer):
-        if data_group is not None:
-            raise ValueError("the 1-bit optimizers (OneBitAdam, ZeroOneAdam, OneBitLamb) average over "
-                             "every rank and cannot run inside a pipeline yet; use Adam/AdamW")
-        return build_compression_strategy(cfg, module, optimizer, topology)
+        if mesh.size("pipe") > 1:
+            raise ValueError("the 1-bit optimizers (OneBitAdam, ZeroOneAdam, OneBitLamb) and flat-buffer Lamb "
+                             "cannot run inside a pipeline yet; use Adam/AdamW")
+        return build_compression_strategy(cfg, module, optimizer, topology, group=data_group, mesh=mesh)
     if zero_path:
         return build_zero_strategy(cfg, module, optimizer, topology, group=data_group, mesh=mesh,
                                    data_axis=data_axis)

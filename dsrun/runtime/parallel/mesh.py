@@ -255,6 +255,18 @@ class ParallelMesh:
         """The global ranks, ascending, of this rank's group along `axis`."""
         return self.axis_group(axis).ranks
 
+    def partition(self, axis: str) -> list[tuple[int, ...]]:
+        """Every group along `axis` (not only this rank's), each as its
+        global ranks ascending, ordered by first rank: what every rank can
+        check alike before a collective (e.g. that blocks of data_blocks
+        stay within nodes). Not collective.
+
+        Raises:
+            ValueError: an unknown name (see axis_group).
+        """
+        self.axis_group(axis)
+        return list(self._parts[axis])
+
     def coord(self, global_rank: int) -> tuple:
         """The topology coordinate (a ProcessCoord namedtuple) of a global rank.
 
@@ -311,7 +323,7 @@ class ParallelMesh:
                              f"axis of {size} ranks; choose a divisor of {size}")
         key = (axis, block_size)
         if key not in self._blocks:
-            parts = self._parts[axis]
+            parts = self.partition(axis)
             blocks = [part[s:s + block_size] for part in parts for s in range(0, size, block_size)]
             replicas = [part[i::block_size] for part in parts for i in range(block_size)]
             self._blocks[key] = DataBlocks(self.make_group(blocks), self.make_group(replicas))

@@ -87,5 +87,6 @@ def build_zero_strategy(cfg, module: torch.nn.Module, optimizer: torch.optim.Opt
         return PartitionedParamStrategy(
             module, optimizer, topology, precision, GatherPolicy.from_config(cfg), ZeroPPPolicy.from_config(cfg),
             reduce_bucket_size=zero.reduce_bucket_size, sub_group_size=zero.sub_group_size, group=group,
-            optimizer_tier=tier, param_tier=build_param_tier(cfg, topology), groups=mics)
+            optimizer_tier=tier, param_tier=build_param_tier(cfg, topology), groups=mics,
+            mesh=mesh, data_axis=data_axis)
     raise ValueError(f"zero_optimization.stage={zero.stage} is not available")

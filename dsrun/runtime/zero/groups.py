@@ -32,13 +32,12 @@ Node-aware schemes need two more groups, built from the node map
 
 Creating a process group is collective over EVERY rank of the job (each
 rank creates every node's group, in the same order), so the first call of
-`node_groups()` (and of `block_group(size)`) must be made by all ranks at
+`node_groups()` must be made by all ranks at
 the same point, e.g. while building a strategy; later calls return the
 cached groups without communication. A group of one rank is
 RankGroup.alone() (no communication), the whole job is the default group.
-`block_group(size)` is this rank's block of `size` consecutive ranks
-(ZeRO++ hpZ's secondary partition group); with size = ranks per node it is
-the same group as `node_groups().intra`.
+ZeRO++ hpZ's and qgZ's groups split ZeRO's group (the mesh's data axis)
+instead: ParallelMesh.data_blocks, see stage3.py.
 """
 from __future__ import annotations
 
@@ -161,15 +160,3 @@ def node_groups() -> NodeGroups:
     environment that does not describe nodes)."""
     node_map = nodes.require()
     return NodeGroups(_subgroup(node_map.nodes), _subgroup(node_map.same_local_rank()))
-
-
-def block_group(size: int) -> RankGroup:
-    """This rank's block of `size` consecutive global ranks (ranks
-    [k*size, (k+1)*size)), e.g. ZeRO++ hpZ's secondary partition group.
-    Collective over every rank the first time for a size.
-
-    Raises ValueError when `size` does not divide the world size."""
-    world = comm.get_world_size()
-    if size < 1 or world % size:
-        raise ValueError(f"blocks of {size} ranks do not divide a world of {world} ranks")
-    return _subgroup(tuple(tuple(range(s, s + size)) for s in range(0, world, size)))

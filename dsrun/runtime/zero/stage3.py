@@ -50,7 +50,8 @@ from dsrun.runtime.optim.precision import PrecisionPolicy
 from dsrun.runtime.zero.collectives import GradientQuantization
 from dsrun.runtime.zero.experts import ExpertSetGroups, expert_name, expert_set_groups
 from dsrun.runtime.zero.flat_params import FlatParamSet
-from dsrun.runtime.zero.groups import RankGroup, ZeroGroups, block_group, node_groups
+from dsrun.runtime.parallel.mesh import MeshGroup, ParallelMesh
+from dsrun.runtime.zero.groups import NodeGroups, RankGroup, ZeroGroups
 from dsrun.runtime.zero.module_hints import external_parameters, z3_layer_names, z3_leaf_module
 from dsrun.runtime.zero.params import home_device, record_of
 from dsrun.runtime.zero.policies import QGZ_BLOCK, GatherPolicy, ZeroPPPolicy
@@ -128,9 +129,9 @@ class PartitionedParamStrategy(ZeroStrategy):
             (persistence thresholds, unit patterns, prefetch, live and reuse
             limits; see policies.py).
         zeropp: ZeRO++ qwZ, qgZ, hpZ and int8 frozen weights (policies.py).
-            qgZ raises as `_gradient_quantization` says; hpZ raises
-            ConfigError when a block of hpz_partition_size ranks would span
-            nodes (see `_hpz_group`), NodeMapError when the node map is unknown.
+            qgZ and hpZ raise as `_gradient_quantization` and `_hpz_group`
+            say (ConfigError: with MiCS, or a block would span nodes;
+            NodeMapError: the node map is unknown).
         reduce_bucket_size: most elements per gradient reduction (a unit's
             gradients go in runs of parameters up to this size).
         sub_group_size: elements per fused optimizer chunk.
@@ -139,6 +140,11 @@ class PartitionedParamStrategy(ZeroStrategy):
         group: the data-parallel process group (None = all ranks).
         groups: the (shard, replicate) pair to use instead of sharding over
             `group` (MiCS: ZeroGroups.mics).
+        mesh, data_axis: the parallelism mesh and ZeRO's axis in it
+            ("data", or "sequence_data" under sequence parallelism), whose
+            group `group` is: hpZ and qgZ split it into blocks
+            (ParallelMesh.data_blocks). Required with hpZ or qgZ
+            (ValueError without).
         optimizer_tier: where masters and optimizer states live (offload/optimizer_tier.py).
         param_tier: where the compute partitions live (offload/param_tier.py).
 
@@ -156,13 +162,17 @@ class PartitionedParamStrategy(ZeroStrategy):
                  topology: Topology, precision: PrecisionPolicy, gather: GatherPolicy = GatherPolicy(),
                  zeropp: ZeroPPPolicy = ZeroPPPolicy(), reduce_bucket_size: int = 500_000_000,
                  sub_group_size: int = 1_000_000_000, watchdog_timeout: float | None = None, group=None,
-                 optimizer_tier=None, param_tier=None, groups: ZeroGroups | None = None):
+                 optimizer_tier=None, param_tier=None, groups: ZeroGroups | None = None,
+                 mesh: ParallelMesh | None = None, data_axis: str = "data"):
+        if mesh is None and (zeropp.hpz_partition_size > 1 or zeropp.quantized_gradients):
+            raise ValueError("ZeRO++ hpZ and qgZ split ZeRO's group of the parallelism mesh: pass mesh=")
         groups = groups or ZeroGroups.sharded(group)
         super().__init__(optimizer, topology, precision, groups, sub_group_size, watchdog_timeout,
                          optimizer_tier=optimizer_tier)
         self.module = module
         self.gather_policy, self.zeropp = gather, zeropp
-        self.hpz = _hpz_group(zeropp.hpz_partition_size, groups) if zeropp.hpz_partition_size > 1 else None
+        self.hpz = (_hpz_group(zeropp.hpz_partition_size, groups, mesh, data_axis)
+                    if zeropp.hpz_partition_size > 1 else None)
         trainable = self.trainable_groups(optimizer, module)
         self._prepare_tier(trainable)
         seen = {id(p) for p, _, _ in trainable}
@@ -230,7 +240,8 @@ class PartitionedParamStrategy(ZeroStrategy):
             if runs:
                 self._last_region[id(regions[-1])] = unit
         self.reducer = OrderedReducer(regions, groups, on_launched=self._on_reduced, watchdog=self.watchdog,
-                                      quantize=_gradient_quantization(groups) if zeropp.quantized_gradients else None,
+                                      quantize=(_gradient_quantization(groups, mesh, data_axis)
+                                                if zeropp.quantized_gradients else None),
                                       host_grads=self.optimizer_tier.host_grads)
         self._register_hooks()
         self._gather_persistent()
@@ -346,56 +357,76 @@ def _unit_expert_name(unit: str, members) -> str | None:
     return names.pop()
 
 
-def _gradient_quantization(groups: ZeroGroups) -> GradientQuantization:
-    """qgZ's node grid over the shard group (collective the first time: it
-    may create the node groups).
+def _rank_group(group: MeshGroup) -> RankGroup:
+    return RankGroup(group.group, group.rank, group.size)
+
+
+def _check_zero_group_whole(key: str, what: str, groups: ZeroGroups, mesh: ParallelMesh, axis: str) -> None:
+    """ZeRO++ hpZ and qgZ split ZeRO's group (the mesh's `axis` group) by
+    nodes; MiCS already splits it (replicas across its blocks)."""
+    if groups.replicate.size != 1 or groups.shard.size != mesh.size(axis):
+        raise ConfigError(f"{key}: ZeRO++ {what} cannot be combined with MiCS (zero_optimization.mics_shard_size), "
+                          f"which already splits ZeRO's group of {mesh.size(axis)} ranks into blocks of "
+                          f"{groups.shard.size}; set one of them off")
+
+
+def _gradient_quantization(groups: ZeroGroups, mesh: ParallelMesh, axis: str) -> GradientQuantization:
+    """qgZ's node grid over ZeRO's group, the `axis` group of `mesh` ("data",
+    or "sequence_data" under sequence parallelism): intra = its members on
+    this rank's node, inter = the members at the same place on every node,
+    made as mesh.data_blocks(members per node, axis) (collective the first
+    time).
 
     Raises:
-        ConfigError: nodes of different sizes, or the ZeRO group is not the
-            whole job numbered node by node.
+        ConfigError: with MiCS; or ZeRO's group has different numbers of
+            members on different nodes, or they are not numbered node by
+            node.
         NodeMapError: the node map is unknown (see nodes.py).
     """
     key = "zero_optimization.zero_quantized_gradients"
+    _check_zero_group_whole(key, "qgZ", groups, mesh, axis)
     node_map = nodes.require()
-    if node_map.ranks_per_node is None:
-        raise ConfigError(f"{key}: ZeRO++ qgZ needs the same number of ranks on every node, got nodes of "
-                          f"{[len(n) for n in node_map.nodes]} ranks; give every host the same slots, or "
-                          "set it to false")
-    grid = node_groups()
-    if groups.replicate.size != 1 or groups.shard.size != node_map.world_size or \
-            groups.shard.rank != grid.inter.rank * grid.intra.size + grid.intra.rank:
-        raise ConfigError(f"{key}: ZeRO++ qgZ needs the ZeRO partition group to be every rank of the job "
-                          f"({groups.shard.size} of {node_map.world_size} here); set it to false")
-    return GradientQuantization(grid, QGZ_BLOCK)
+    parts = mesh.partition(axis)
+    per_node = {sum(1 for r in part if node_map.node_of(r) == node_map.node_of(part[0])) for part in parts}
+    local = min(per_node)
+    if len(per_node) != 1 or mesh.size(axis) % local or any(not node_map.within_one_node(part[s:s + local])
+                                 for part in parts for s in range(0, len(part), local)):
+        raise ConfigError(f"{key}: ZeRO++ qgZ needs ZeRO's group ({axis!r} axis, e.g. ranks {list(parts[0])}) to "
+                          "have the same number of ranks on every node, numbered node by node; give every host "
+                          "the same slots (and keep tensor/sequence groups inside a node), or set it to false")
+    blocks = mesh.data_blocks(local, axis)
+    return GradientQuantization(NodeGroups(_rank_group(blocks.block), _rank_group(blocks.replicate)), QGZ_BLOCK)
 
 
-def _hpz_group(size: int, groups: ZeroGroups) -> RankGroup:
-    """This rank's hpZ group: its block of `size` consecutive ranks (as
-    DeepSpeed forms them), created over every rank (collective the first
-    time). Every block must lie within one node, so that the backward
-    gathers never cross nodes.
+def _hpz_group(size: int, groups: ZeroGroups, mesh: ParallelMesh, axis: str) -> RankGroup:
+    """This rank's hpZ group: its block of `size` consecutive ranks of
+    ZeRO's group, the `axis` group of `mesh` ("data", or "sequence_data"
+    under sequence parallelism; as DeepSpeed forms them when that group is
+    the whole job), made by mesh.data_blocks (collective the first time).
+    Every block must lie within one node, so that the backward gathers never
+    cross nodes.
 
     Raises:
-        ConfigError: the blocks do not divide the ZeRO group, the ZeRO group
-            is not the whole job, or a block would span two nodes.
+        ConfigError: with MiCS; `size` does not divide ZeRO's group; or a
+            block would span two nodes.
         NodeMapError: the node map is unknown (see nodes.py).
     """
     key = "zero_optimization.zero_hpz_partition_size"
+    _check_zero_group_whole(f"{key}={size}", "hpZ", groups, mesh, axis)
     node_map = nodes.require()
-    world = node_map.world_size
-    if groups.replicate.size != 1 or groups.shard.size != world:
-        raise ConfigError(f"{key}={size}: hpZ needs the ZeRO partition group to be every rank of the job "
-                          f"({groups.shard.size} of {world} here); set it to 1")
-    if world % size:
-        raise ConfigError(f"{key}={size} does not divide the world size {world}; set it to the number of "
-                          f"ranks per node or a divisor of it")
-    spanning = [s for s in range(0, world, size) if not node_map.within_one_node(range(s, s + size))]
+    zero_size = mesh.size(axis)
+    if zero_size % size:
+        what = "data-parallel" if axis == "data" else f"{axis} (ZeRO's group)"
+        raise ConfigError(f"{key}={size} does not divide the {what} size {zero_size}; set it to the number of "
+                          f"ranks per node of that group or a divisor of it")
+    spanning = [part[s:s + size] for part in mesh.partition(axis) for s in range(0, zero_size, size)
+                if not node_map.within_one_node(part[s:s + size])]
     if spanning:
         per_node = sorted({len(n) for n in node_map.nodes})
-        raise ConfigError(f"{key}={size}: ranks {spanning[0]}..{spanning[0] + size - 1} would form one hpZ "
-                          f"group across two nodes (nodes of {per_node} ranks); set it to the ranks per "
-                          "node or a divisor of it, so the backward all-gather stays inside a node")
-    return block_group(size)
+        raise ConfigError(f"{key}={size}: ranks {list(spanning[0])} would form one hpZ group across two nodes "
+                          f"(nodes of {per_node} ranks); set it to the ranks per node of ZeRO's group or a "
+                          "divisor of it, so the backward all-gather stays inside a node")
+    return _rank_group(mesh.data_blocks(size, axis).block)
 
 
 def _runs(fset: FlatParamSet, limit: int) -> list[list]:
