@@ -82,21 +82,24 @@ def test_settings_of_reads_config_model_and_degrees():
 
 
 def _initialize_refused() -> str:
-    """initialize with sequence parallelism and qgZ (a refused pair): the
-    composition step (whose first collective broadcasts the weights) must
-    not run."""
+    """initialize of a 2-stage pipeline with a 1-bit optimizer (a refused
+    pair): the composition step (whose first collective broadcasts the
+    weights) must not run."""
     import dsrun
+    from dsrun.pipe import PipelineModule
     from dsrun.runtime.engine import entry
 
     def no_compose(*args, **kwargs):
         raise AssertionError("compose ran: the refusal came after the composition step")
 
     entry.compose = no_compose
+    dsrun.init_distributed()
+    model = PipelineModule([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)], num_stages=2,
+                           loss_fn=torch.nn.functional.mse_loss)
     try:
-        dsrun.initialize(model=torch.nn.Linear(4, 4), config={
-            "train_micro_batch_size_per_gpu": 1, "sequence_parallel_size": 2,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-            "zero_optimization": {"stage": 3, "zero_quantized_gradients": True}})
+        dsrun.initialize(model=model, config={
+            "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2,
+            "optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3, "freeze_step": 2}}})
     except ConfigError as exc:
         return str(exc)
     return "no error"
@@ -104,7 +107,7 @@ def _initialize_refused() -> str:
 
 def test_initialize_refuses_on_every_rank_before_composing():
     for text in run_ranks(_initialize_refused, 2, timeout=180):
-        assert combos.SETTINGS["qgz"] in text and combos.SETTINGS["sequence"] in text, text
+        assert combos.SETTINGS["onebit"] in text and combos.SETTINGS["pipeline:1f1b"] in text, text
 
 
 def test_the_docs_page_is_generated_from_the_table():
