@@ -11,7 +11,7 @@ together into the full tensors; after the load in one process the plain
 `nn.Sequential` holds exactly those. Every stored tensor is covered once
 (no slice written twice by the sequence ranks, none missing), and
 `dsrun-ckpt export` gives the plain model's state dict, bit for bit.
-The engine's loader (`initialize(training_data=...)`) is advanced 3
+The engine's loader (`initialize(training_data=...)`) is advanced 4
 micro-batches before the save; the loaded one continues at the next sample
 of the same shuffled epoch. 4 ranks: pipe 2 x sequence 2 and tensor 2 x
 sequence 2; 8 ranks (slow): pipe 2 x tensor 2 x sequence 2, and tensor 2 x
@@ -29,7 +29,7 @@ from tests.parallel.test_sequence_3d import LAYERS, MICRO, SAMPLES, STEPS, _batc
 from tests.parallel.test_tp_checkpoint import _check_slices, _full, _slices
 
 DATASET = 32      # samples of the engine's loader (integers: the sample is its index)
-ADVANCED = 3      # micro-batches each rank takes from it before the save
+ADVANCED = 4      # micro-batches each rank takes from it before the save
 
 
 def _config(pipe: int, tensor: int, sequence: int, stage: int) -> dict:
@@ -75,19 +75,24 @@ def _save(pipe: int, tensor: int, sequence: int, stage: int, path: str):
     return held, given
 
 
-def _load_plain(path: str, export_dir: str):
-    """Load into the plain model in one process. Returns (slices, the
-    module's state dict, the export of the checkpoint, the loader's
-    state and its remaining samples of the epoch)."""
+def _load_plain(path: str, export_dir: str | None):
+    """Load into the plain model on every rank (data parallelism only,
+    ZeRO-1). Returns (slices, the module's state dict and the export of the
+    checkpoint (when export_dir), the loader's state and this rank's
+    remaining samples of the epoch)."""
+    from click.testing import CliRunner
     from safetensors.torch import load_file
 
-    from dsrun.runtime.checkpoint.cli import export_hf
+    from dsrun.runtime.checkpoint.cli import main as ckpt_cli
     engine = _engine(1, 1, 1)
     engine.load_checkpoint(path, tag="t")
     held = _slices(engine)
-    state = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
-    export_hf(os.path.join(path, "t"), export_dir, torch.float32, 1 << 40)
-    exported = load_file(os.path.join(export_dir, "model.safetensors"))
+    state, exported = None, None
+    if export_dir is not None:
+        state = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+        result = CliRunner().invoke(ckpt_cli, ["export", path, export_dir, "--dtype", "fp32"])  # dsrun-ckpt export
+        assert result.exit_code == 0, result.output
+        exported = load_file(os.path.join(export_dir, "model.safetensors"))
     position = engine.training_dataloader.state_dict()
     rest = [int(s) for batch in engine.training_dataloader for s in batch]
     engine.destroy()
@@ -115,7 +120,10 @@ def _check_stored_once(path: str) -> None:
             assert ends[-1][1] == torch.Size(entry.shape).numel(), (name, ends)
 
 
-def _check(tmp_path, world: int, pipe: int, tensor: int, sequence: int, stage: int = 1) -> None:
+def _check(tmp_path, world: int, pipe: int, tensor: int, sequence: int, stage: int = 1,
+           data_parallel_load: bool = False) -> None:
+    """Save at the layout on `world` ranks; load in one process (and, with
+    data_parallel_load, on 2 data-parallel ranks) and compare."""
     path = str(tmp_path / "ckpt")
     saved = run_ranks(_save, world, pipe, tensor, sequence, stage, path, timeout=480)
     full = _full([held for held, _ in saved])
@@ -136,6 +144,13 @@ def _check(tmp_path, world: int, pipe: int, tensor: int, sequence: int, stage: i
     assert position == {"epoch": 0, "batches": taken // MICRO, "samples": taken}
     assert rest == order[taken:]
 
+    if data_parallel_load:
+        loaded = run_ranks(_load_plain, 2, path, None, timeout=240)
+        _check_slices(full, [held for held, *_ in loaded])
+        assert all(position == {"epoch": 0, "batches": taken // (2 * MICRO), "samples": taken}
+                   for *_, position, _ in loaded)
+        assert sorted(s for *_, rest in loaded for s in rest) == sorted(order[taken:])
+
 
 def test_pipe2_x_sequence2_loads_in_one_process(tmp_path):
     """pipe 2 x sequence 2 (4 ranks, ZeRO-1 over data x sequence)."""
@@ -149,14 +164,16 @@ def test_pipe2_x_sequence2_without_zero_loads_in_one_process(tmp_path):
 
 
 def test_tensor2_x_sequence2_loads_in_one_process(tmp_path):
-    """tensor 2 x sequence 2 (4 ranks, ZeRO-1 over data x sequence)."""
-    _check(tmp_path, 4, 1, 2, 2)
+    """tensor 2 x sequence 2 (4 ranks, ZeRO-1 over data x sequence); loaded
+    in one process and on 2 data-parallel ranks."""
+    _check(tmp_path, 4, 1, 2, 2, data_parallel_load=True)
 
 
 @pytest.mark.slow
 def test_pipe2_x_tensor2_x_sequence2_loads_in_one_process(tmp_path):
-    """pipe 2 x tensor 2 x sequence 2 on 8 ranks, ZeRO-1."""
-    _check(tmp_path, 8, 2, 2, 2)
+    """pipe 2 x tensor 2 x sequence 2 on 8 ranks, ZeRO-1; loaded in one
+    process and on 2 data-parallel ranks."""
+    _check(tmp_path, 8, 2, 2, 2, data_parallel_load=True)
 
 
 @pytest.mark.slow
