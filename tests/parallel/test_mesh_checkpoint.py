@@ -13,8 +13,8 @@ together into the full tensors; after the load in one process the plain
 `dsrun-ckpt export` gives the plain model's state dict, bit for bit.
 The engine's loader (`initialize(training_data=...)`) is advanced 4
 micro-batches before the save; the loaded one continues at the next sample
-of the same shuffled epoch. 4 ranks: pipe 2 x sequence 2 and tensor 2 x
-sequence 2; 8 ranks (slow): pipe 2 x tensor 2 x sequence 2, and tensor 2 x
+of the same shuffled epoch. 4 ranks: pipe 2 x sequence 2 (ZeRO 0, 1, 2)
+and tensor 2 x sequence 2 (ZeRO 1, 2, 3); 8 ranks (slow): pipe 2 x tensor 2 x sequence 2, and tensor 2 x
 sequence 2 x data 2.
 """
 from __future__ import annotations
@@ -167,6 +167,14 @@ def test_tensor2_x_sequence2_loads_in_one_process(tmp_path):
     """tensor 2 x sequence 2 (4 ranks, ZeRO-1 over data x sequence); loaded
     in one process and on 2 data-parallel ranks."""
     _check(tmp_path, 4, 1, 2, 2, data_parallel_load=True)
+
+
+@pytest.mark.parametrize("pipe,tensor,stage", [(1, 2, 3), pytest.param(1, 2, 2, marks=pytest.mark.slow),
+                                                pytest.param(2, 1, 2, marks=pytest.mark.slow)])
+def test_sequence2_at_zero_2_and_3_loads_in_one_process(tmp_path, pipe, tensor, stage):
+    """tensor 2 x sequence 2 at ZeRO-3 (and, slow, ZeRO-2; pipe 2 x sequence
+    2 at ZeRO-2), 4 ranks."""
+    _check(tmp_path, 4, pipe, tensor, 2, stage=stage)
 
 
 @pytest.mark.slow
