@@ -528,19 +528,54 @@ def test_dataloader_position_round_trip():
     topo = Topology(0, 1, 0, 1, torch.device("cpu"), "gloo")
     data = TensorDataset(torch.arange(10.0))
     a = DistributedDataLoader(data, 3, topo, seed=1)
-    assert a.state_dict() == {"epoch": 0, "batches": 0}
+    assert a.state_dict() == {"epoch": 0, "batches": 0, "samples": 0}
     full = [b[0] for b in a]  # 4 batches (3, 3, 3, 1)
-    assert len(full) == len(a) == 4 and a.state_dict() == {"epoch": 1, "batches": 0}
+    assert len(full) == len(a) == 4 and a.state_dict() == {"epoch": 1, "batches": 0, "samples": 0}
     it = iter(a)
     first = [next(it)[0] for _ in range(2)]
     state = a.state_dict()
-    assert state == {"epoch": 1, "batches": 2}
+    assert state == {"epoch": 1, "batches": 2, "samples": 6}
     rest = [b[0] for b in it]
     b = DistributedDataLoader(data, 3, topo, seed=1)
     b.load_state_dict(state)
     assert [x[0].tolist() for x in b] == [r.tolist() for r in rest] and len(b) == 4
-    assert b.state_dict() == {"epoch": 2, "batches": 0}
+    assert b.state_dict() == {"epoch": 2, "batches": 0, "samples": 0}
     assert sorted(torch.cat(first + rest).tolist()) == list(range(10))
+
+
+def test_dataloader_position_across_shards():
+    """A position saved by 2 data shards at micro-batch 2 resumes at the
+    next sample of the epoch's order with 1 shard at micro-batch 3 and with
+    3 shards at micro-batch 2; a sample count that is no whole global
+    micro-batch of the loader is refused by name."""
+    from dsrun.runtime.distributed.dist import Topology
+    from dsrun.runtime.engine.dataloader import DistributedDataLoader
+
+    def loader(rank, shards, micro):
+        return DistributedDataLoader(list(range(24)), micro, Topology(rank, shards, rank, shards,
+                                                                      torch.device("cpu"), "gloo"), seed=3)
+
+    order = [int(x) for b in loader(0, 1, 1) for x in b]
+    taken, states = [], []
+    for rank in range(2):
+        saved = loader(rank, 2, 2)
+        it = iter(saved)
+        taken += [int(x) for _ in range(3) for x in next(it)]
+        states.append(saved.state_dict())
+    assert states[0] == states[1] == {"epoch": 0, "batches": 3, "samples": 12}
+    assert sorted(taken) == sorted(order[:12])
+    one = loader(0, 1, 3)
+    one.load_state_dict(states[0])
+    assert one.state_dict() == {"epoch": 0, "batches": 4, "samples": 12}
+    assert [int(x) for b in one for x in b] == order[12:]
+    rest = []
+    for rank in range(3):
+        three = loader(rank, 3, 2)
+        three.load_state_dict(states[0])
+        rest += [int(x) for b in three for x in b]
+    assert sorted(rest) == sorted(order[12:])
+    with pytest.raises(ValueError, match="sample 12 of its epoch: not a multiple of micro-batch size 5 x 1"):
+        loader(0, 1, 5).load_state_dict(states[0])
 
 
 def _killed_in_save(root, point, victim):

@@ -188,6 +188,28 @@ def _same_layout(parts: TrainingParts, index: Index) -> bool:
             and index.tensor_parallel == parts.mesh.size("model"))
 
 
+def _restore_loader(parts: TrainingParts, index: Index, dataloader: Any) -> None:
+    """Put the data loader at the saved position: the same layout's per-rank
+    one, or in another layout the saved global sample (a loader that saved
+    `samples`: see [Note: resuming mid-epoch] in
+    dsrun/runtime/engine/dataloader.py); else, or when that sample is not a
+    whole global micro-batch here, the saved epoch's start, with a warning."""
+    state, topo = index.dataloader, parts.topology
+    if _same_layout(parts, index) or "samples" in state:
+        try:
+            dataloader.load_state_dict(state)
+            return
+        except ValueError as e:
+            reason = str(e)
+    else:
+        reason = "per-rank shards differ"
+    if topo.rank == 0:
+        log.warning("checkpoint written by %d ranks (%d pipeline stages), loaded on %d in another layout: the "
+                    "data loader starts its epoch %d from the beginning (%s)", index.world_size,
+                    index.pipeline_stages, topo.world_size, state["epoch"], reason)
+    dataloader.load_state_dict({"epoch": state["epoch"], "batches": 0})
+
+
 def _full_reads(parts: TrainingParts, index: Index, optim: bool, module_only: bool) -> list[str]:
     """The names this rank reads whole: its RNG states (same layout only,
     see `_read_rng`), client_state's tensors, a 1-bit optimizer's buffers
@@ -331,15 +353,7 @@ def load(parts: TrainingParts, rdv: Rendezvous, load_dir: str, tag: str | None, 
                 log.warning("checkpoint %s holds no state of %s; it starts from its beginning", tag_dir, name)
         _restore_rng(topo, index, rng)
         if dataloader is not None and index.dataloader is not None:
-            if _same_layout(parts, index):
-                dataloader.load_state_dict(index.dataloader)
-            else:
-                if topo.rank == 0:
-                    log.warning("checkpoint written by %d ranks (%d pipeline stages), loaded on %d in another "
-                                "layout: the data loader starts its epoch %d from the beginning (per-rank "
-                                "shards differ)", index.world_size, index.pipeline_stages,
-                                topo.world_size, index.dataloader["epoch"])
-                dataloader.load_state_dict({"epoch": index.dataloader["epoch"], "batches": 0})
+            _restore_loader(parts, index, dataloader)
     if topo.rank == 0:
         log.info("loaded checkpoint %s (written by %d ranks at stage %d, %s)", tag_dir, index.world_size,
                  index.stage, index.precision)

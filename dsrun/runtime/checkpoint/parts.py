@@ -43,8 +43,8 @@ def held_pieces(parts: TrainingParts) -> list[HeldPiece]:
     mesh = parts.mesh
     if parts.split is not None:  # see [Note: a model split across ranks]
         world = parts.split.replicas
-    elif mesh.size("model") > 1:  # each model rank's data axis holds its copy of the replicated tensors
-        data = mesh.axis_group("data")
+    elif mesh.size("model") > 1:  # each model rank's data x sequence ranks hold its copy of the replicated tensors
+        data = mesh.axis_group("sequence_data")
         world = RankGroup(data.group, data.rank, data.size)
     else:
         world = RankGroup(None, parts.topology.rank, parts.topology.world_size)

@@ -147,7 +147,8 @@ class Index(BaseModel):
     counters: dict[str, int] = Field(default_factory=dict)
     lr_scheduler: dict[str, Any] | None = None
     dataloader: dict[str, int] | None = Field(None, description="The engine's loader position "
-                                              "({'epoch', 'batches'}), if it has one.")
+                                              "({'epoch', 'batches', 'samples'}: 'samples' over all data ranks, "
+                                              "which another layout resumes from), if it has one.")
     states: dict[str, Any] = Field(default_factory=dict, description="The training parts' named states "
                                    "(TrainingParts.stateful: curriculum schedulers, ...), JSON data by name.")
     client_state: Any = None

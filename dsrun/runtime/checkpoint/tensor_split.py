@@ -14,8 +14,9 @@ Save therefore assembles each such tensor whole before writing it, one
 parameter (and one optimizer state) at a time: every rank writes the
 elements it holds into a zeroed buffer of the full size at their
 `local_index()` positions, viewed as integers of the same width, and the
-buffers are summed over the data axis, then the model axis (the ranks of
-one pipeline stage hold the whole tensor between them). Each element is
+buffers are summed over the data axis (data x sequence: the sequence ranks
+are data replicas of the weights), then the model axis (the ranks of one
+pipeline stage hold the whole tensor between them). Each element is
 written by exactly one rank (a piece held by data-parallel replicas by the
 one whose even part it is, `HeldPiece.write_lo/write_hi`; a key/value head
 replicated over the model axis by the first rank of its `tp_replica_group`),
@@ -80,7 +81,7 @@ def assemble(split: TensorSplit, held: list[tuple[int, int, torch.Tensor]], dtyp
              mesh: ParallelMesh, device: torch.device) -> torch.Tensor:
     """The full tensor (1-D, flattened `split.full_shape`, `dtype`) from the
     elements every rank of this rank's pipeline stage holds (collective over
-    the mesh's data and model groups: each of their ranks calls it for the
+    the mesh's sequence_data and model groups: each of their ranks calls it for the
     same tensors in the same order). See [Note: tensor-parallel checkpoints].
 
     held: (lo, hi, values) for each range [lo, hi) of this rank's slice
@@ -97,7 +98,7 @@ def assemble(split: TensorSplit, held: list[tuple[int, int, torch.Tensor]], dtyp
         for lo, hi, values in held:
             if hi > lo:
                 buf[index[lo:hi]] = _as_wide_int(values.to(dtype).to(device))
-    for axis in ("data", "model"):
+    for axis in ("sequence_data", "model"):  # the data axis of a stage: data x sequence ranks
         group = mesh.axis_group(axis)
         if group.size > 1:
             comm.all_reduce(buf, group=group.group)
@@ -106,8 +107,8 @@ def assemble(split: TensorSplit, held: list[tuple[int, int, torch.Tensor]], dtyp
 
 def stage_part(numel: int, mesh: ParallelMesh) -> tuple[int, int]:
     """This rank's even part [lo, hi) of a full tensor its stage's ranks
-    (data x model) split the writing of."""
-    data, model = mesh.axis_group("data"), mesh.axis_group("model")
+    (data x sequence x model) split the writing of."""
+    data, model = mesh.axis_group("sequence_data"), mesh.axis_group("model")
     return even_part(0, numel, model.rank * data.size + data.rank, model.size * data.size)
 
 

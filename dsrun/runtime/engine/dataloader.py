@@ -18,7 +18,13 @@ The loader counts the micro-batches it has handed out in the current epoch;
 `load_state_dict`, the next iteration replays that epoch's permutation
 (same seed and epoch) without its first `batches` micro-batches: the
 sampler skips their indices, so nothing is loaded twice. The position is
-per-rank shard, so it is only meaningful on the same world size.
+per-rank shard; beside it the state holds `samples`, the epoch's samples
+all data ranks took (batches x micro-batch size x shards), which is a
+prefix of the epoch's permutation whatever the layout (each shard is every
+`shards`-th index of it, [Note: shards and epochs]). A loader with another
+number of shards or another micro-batch size resumes from `samples` when it
+is a whole number of its own global micro-batches, at exactly the next
+sample; else load_state_dict says so (ValueError).
 
 [Note: the loader leaves the global RNG alone]
 torch's DataLoader draws a base seed (for its workers) from a generator
@@ -107,18 +113,35 @@ class DistributedDataLoader:
             yield batch
 
     def state_dict(self) -> dict[str, int]:
-        """{"epoch", "batches"}: the next micro-batch is batch `batches` (0-based)
-        of epoch `epoch` (JSON-able)."""
+        """{"epoch", "batches", "samples"}: the next micro-batch is batch
+        `batches` (0-based) of epoch `epoch`; `samples` of the epoch are taken
+        over all shards (JSON-able; see [Note: resuming mid-epoch])."""
         epoch, batches = self._position
         if batches >= len(self):
-            return {"epoch": epoch + 1, "batches": 0}
-        return {"epoch": epoch, "batches": batches}
+            epoch, batches = epoch + 1, 0
+        return {"epoch": epoch, "batches": batches,
+                "samples": batches * self.micro_batch_size * self.sampler.num_replicas}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        """Make the next iteration continue at `state` (see [Note: resuming mid-epoch])."""
+        """Make the next iteration continue at `state` (see [Note: resuming
+        mid-epoch]): at its `samples` when given (any number of shards and
+        micro-batch size), else at its `batches` (this layout's own).
+
+        Raises:
+            ValueError: `samples` is not a whole number of this loader's
+                global micro-batches (micro-batch size x shards).
+        """
+        batches = int(state["batches"])
+        if "samples" in state:
+            step = self.micro_batch_size * self.sampler.num_replicas
+            if int(state["samples"]) % step:
+                raise ValueError(f"the data loader cannot resume at sample {state['samples']} of its epoch: "
+                                 f"not a multiple of micro-batch size {self.micro_batch_size} x "
+                                 f"{self.sampler.num_replicas} data-parallel shards")
+            batches = int(state["samples"]) // step
         self.epoch = int(state["epoch"])
-        self.sampler.skip = int(state["batches"]) * self.micro_batch_size
-        self._position = (self.epoch, int(state["batches"]))
+        self.sampler.skip = batches * self.micro_batch_size
+        self._position = (self.epoch, batches)
 
 
 class RepeatingLoader:

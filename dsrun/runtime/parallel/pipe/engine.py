@@ -557,9 +557,11 @@ TiedGroups = list[tuple[list[torch.Tensor], Any]]
 
 def _model_split(module: PipelineModule, mesh: ParallelMesh) -> ModelSplit:
     """What the checkpointer needs of the stages (see ModelSplit): the
-    stage's data-parallel replicas, the pipe axis, and the tied copies the
-    lowest stage holding them writes."""
-    data = mesh.axis_group("data")
+    stage's replicas (its data x sequence ranks: Ulysses splits the tokens,
+    not the weights, so the sequence ranks hold the stage's tensors alike
+    and must split their writing with the data ranks), the pipe axis, and
+    the tied copies the lowest stage holding them writes."""
+    data = mesh.axis_group("sequence_data")
     duplicates = frozenset(n for n, p in module.named_parameters() if getattr(p, "ds_pipe_replicated", False))
     ranks = tuple(mesh.stage_to_global(s) for s in range(module.num_stages))
     return ModelSplit(RankGroup(data.group, data.rank, data.size), mesh.axis_group("pipe").group,
