@@ -129,13 +129,15 @@ def moe_lm_loss(out, targets: torch.Tensor) -> torch.Tensor:
     return lm_loss(prediction, targets) + AUX_LOSS_COEF * aux
 
 
-def moe_gpt_pipeline(cfg: GPTConfig, num_stages: int, num_experts: int, ep_size: int = 1, k: int = 1):
+def moe_gpt_pipeline(cfg: GPTConfig, num_stages: int, num_experts: int, ep_size: int = 1, k: int = 1,
+                     topology=None):
     """MoEGPT's layers as a PipelineModule over `num_stages` stages, its
     blocks split evenly (call after init_distributed; its mesh's data axis
     holds the expert groups): gpt_pipe.gpt_pipeline's layers, the odd
     blocks' MLPs MoE layers, the auxiliary loss carried along (see [Note:
     the auxiliary loss along the pipeline]). Its state_dict keys are
     gpt_pipe.load_gpt_weights's, so a MoEGPT's weights load into it.
+    `topology`: as gpt_pipe.gpt_pipeline's.
 
     Raises:
         ValueError: as gpt_pipe.gpt_pipeline and MoE.
@@ -148,4 +150,5 @@ def moe_gpt_pipeline(cfg: GPTConfig, num_stages: int, num_experts: int, ep_size:
         LayerSpec(_AuxLayerNorm, cfg.n_embd),
         TiedLayerSpec(TIED_KEY, nn.Embedding, cfg.vocab_size, cfg.n_embd, forward_fn=_aux_logits),
     ]
-    return PipelineModule(layers, num_stages=num_stages, loss_fn=moe_lm_loss, partition_method="type:Block")
+    return PipelineModule(layers, num_stages=num_stages, topology=topology, loss_fn=moe_lm_loss,
+                          partition_method="type:Block")

@@ -60,6 +60,9 @@ its dispatched tokens (E, C, h), C = ceil(b s / E) slots per expert, twice
 forward and twice backward over its expert-parallel group ("ep"): 4 E C h
 elements per micro-batch; its experts' gradients are all-reduced over the
 expert-data group ("expert_data"), the other parameters over the data axis.
+With tensor parallelism an MoE block's MLP stays whole (AutoTP keeps its
+gate and experts replicated), so the block all-reduces over the model axis
+twice per micro-batch (its attention's), not 4 times.
 
 Peak memory per rank: VmHWM of /proc/self/status over the timed steps,
 reset after warm-up (clear_refs 5). The formula beside it: model states
@@ -148,7 +151,10 @@ class AxisBytes:
         if EP_SIZE <= mesh.size("data"):  # the MoE runs' expert groups (mesh.data_blocks)
             blocks = mesh.data_blocks(EP_SIZE)
             for label, group in (("expert_data", blocks.replicate), ("ep", blocks.block)):
-                self.axes.setdefault(tuple(sorted(group.ranks)), label)
+                ranks = tuple(sorted(group.ranks))
+                if len(ranks) == 1:  # a one-rank expert-data group: name it by its use
+                    self.axes[ranks] = f"{label} (1 rank)"
+                self.axes.setdefault(ranks, label)
         self.current: str | None = None
         self.bytes: dict[tuple[str, str], int] = {}
         self.scalars: dict[str, int] = {}
@@ -234,7 +240,7 @@ def _rank(run: Run, args: argparse.Namespace) -> dict:
         from dsrun.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
         if run.moe:
-            pipe = moe_gpt_pipeline(gpt_cfg, run.pp, EXPERTS, EP_SIZE)
+            pipe = moe_gpt_pipeline(gpt_cfg, run.pp, EXPERTS, EP_SIZE, topology=mesh.topology)
         else:
             layers = [TiedLayerSpec(TIED_KEY, torch.nn.Embedding, 256, args.hidden),
                       LayerSpec(PositionEmbedding, gpt_cfg), *[LayerSpec(Block, gpt_cfg) for _ in range(args.layers)],
@@ -311,11 +317,11 @@ def _analytic(key: str, r: Run, rk: dict, args: argparse.Namespace) -> float | N
     # one (b, s/S, h) per micro-batch of the step
     bsh = args.micro * args.seq * args.hidden * rk["accum"] * ELEMENT // r.sp
     axis, op = key.split("/")
-    if (axis, op) == ("model", "all_reduce"):
-        return 4 * (args.layers // r.pp) * bsh
+    if (axis, op) == ("model", "all_reduce"):  # an MoE block's MLP is whole: its attention's 2 only
+        return (4 * (args.layers // r.pp) - 2 * rk["moe_layers"]) * bsh
     if axis in ("data", "sequence", "sequence_data") and op == "all_reduce":
         return (rk["params"] - rk["expert_params"]) * ELEMENT
-    if (axis, op) == ("expert_data", "all_reduce"):
+    if axis.startswith("expert_data") and op == "all_reduce":
         return rk["expert_params"] * ELEMENT
     if axis == "sequence" and op.startswith("all_to_all"):  # Ulysses: q, k, v and the output, forward and backward
         return 8 * (args.layers // r.pp) * bsh // r.tp
