@@ -42,7 +42,18 @@ degrees are read from it, ``dsrun.init_distributed(config=...)`` builds the
 mesh before the model, each stage's blocks are sharded by AutoTP's
 placement and run Ulysses attention (gpt_sequence.sequence_parallel_pipeline);
 its validation losses equal those of the same config without the tensor
-and sequence keys on 2 ranks (pipe 2), the same global batch.
+and sequence keys on 2 ranks (pipe 2), the same global batch. A config that
+declares pipeline x tensor without sequence parallelism
+(configs/gpt_3d_moe.json: pipe 2 x tensor 2 x data 2 on 8 ranks) trains the
+MoE GPT as a pipeline (gpt_moe.moe_gpt_pipeline: the auxiliary loss rides
+along with the hidden states) with DECLARED_EXPERTS experts over
+DECLARED_EP_SIZE expert-parallel ranks unless --moe_experts/--moe_ep_size
+say otherwise (ds_config has no MoE section); AutoTP keeps the MoE layers'
+gates and experts whole. Its validation losses equal, to 4 decimals over
+a short run (12 steps), those of the same config without the tensor key on
+4 ranks (``--pipeline_stages 2 --moe_experts 4 --moe_ep_size 2``: pipe 2 x
+data 2), the same global batch; after the default 400 steps they differ by
+4e-4 (fp32 summation order; docs/pipeline.md).
 
 With ``--curriculum_seqlen MIN`` the config gets a sequence-length
 curriculum (its ``curriculum_learning`` section, DeepSpeed's legacy one):
@@ -84,13 +95,17 @@ from dsrun.utils import groups
 from byte_data import WindowSampler, eval_windows, load_corpus
 from dsrun.moe.utils import split_params_into_different_moe_groups_for_optimizer
 from gpt_model import GPT, GPTConfig
-from gpt_moe import MoEGPT
+from gpt_moe import MoEGPT, moe_gpt_pipeline
 from gpt_pipe import gpt_pipeline, load_gpt_weights, param_groups, tensor_parallel_gpt_pipeline
 from gpt_sequence import sequence_parallel_gpt, sequence_parallel_pipeline, shard_window
 
 # The validation windows do not depend on --seed, so runs with different
 # seeds are scored on the same text.
 EVAL_SEED = 0
+# A config declaring pipeline x tensor without sequence parallelism
+# (configs/gpt_3d_moe.json) trains the MoE GPT with these defaults: ds_config
+# has no MoE section (DeepSpeed configures MoE in the model's code).
+DECLARED_EXPERTS, DECLARED_EP_SIZE = 4, 2
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -116,9 +131,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="start with windows of this many bytes and grow them to --seq_len (0: no curriculum)")
     p.add_argument("--curriculum_steps", type=int, default=0,
                    help="steps of the sequence-length curriculum (default: half of --steps)")
-    p.add_argument("--moe_experts", type=int, default=0,
-                   help="Mixture-of-Experts MLPs in alternate blocks with E experts (0: dense)")
-    p.add_argument("--moe_ep_size", type=int, default=1, help="expert-parallel ranks the experts are spread over")
+    p.add_argument("--moe_experts", type=int, default=None,
+                   help="Mixture-of-Experts MLPs in alternate blocks with E experts (0: dense; default 0, or "
+                        f"{DECLARED_EXPERTS} when the config declares pipeline.stages with "
+                        "tensor_parallel.autotp_size and no sequence_parallel_size)")
+    p.add_argument("--moe_ep_size", type=int, default=None,
+                   help="expert-parallel ranks the experts are spread over (default 1, or "
+                        f"{DECLARED_EP_SIZE} when the config declares the MoE layout)")
     p.add_argument("--moe_top_k", type=int, default=1, help="experts per token")
     p.add_argument("--sequence_parallel", type=int, default=1,
                    help="split every window's tokens over N ranks with Ulysses (1: no sequence parallelism)")
@@ -127,6 +146,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)
     dsrun.add_config_arguments(p)
     args = p.parse_args(argv)
+    declared_moe = _declares_moe(config_degrees(args))
+    if args.moe_experts is None:
+        args.moe_experts = DECLARED_EXPERTS if declared_moe else 0
+    if args.moe_ep_size is None:
+        args.moe_ep_size = DECLARED_EP_SIZE if declared_moe else 1
     for name in ("steps", "eval_batches", "log_every"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
@@ -142,9 +166,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.moe_experts < 0:
         p.error(f"--moe_experts must be >= 0 (0: dense MLPs), got {args.moe_experts}")
     if args.moe_experts:
-        if args.pipeline_stages or args.tensor_parallel > 1 or args.sequence_parallel > 1:
-            p.error("--moe_experts runs with data (and expert) parallelism only; drop --pipeline_stages, "
-                    "--tensor_parallel and --sequence_parallel")
+        if args.tensor_parallel > 1 or args.sequence_parallel > 1:
+            p.error("--moe_experts runs with data (and expert) parallelism, a pipeline, or the config's "
+                    "pipeline x tensor layout; drop --tensor_parallel and --sequence_parallel")
         if args.moe_ep_size < 1 or args.moe_experts % args.moe_ep_size:
             p.error(f"--moe_ep_size {args.moe_ep_size} must divide --moe_experts {args.moe_experts}")
         if not 1 <= args.moe_top_k <= args.moe_experts:
@@ -177,6 +201,12 @@ def config_degrees(args: argparse.Namespace) -> tuple[int, int, int]:
             config.get("sequence_parallel_size", 1))
 
 
+def _declares_moe(degrees: tuple[int, int, int]) -> bool:
+    """Whether config degrees (pipe, tensor, sequence) ask for the MoE GPT:
+    pipeline x tensor without sequence parallelism (configs/gpt_3d_moe.json)."""
+    return degrees[0] > 1 and degrees[1] > 1 and degrees[2] == 1
+
+
 def declared_pipeline(args: argparse.Namespace, full: GPT, degrees: tuple[int, int, int]):
     """The GPT as a pipeline whose degrees the config declares (configs/gpt_4d.json:
     pipe x tensor x sequence): the mesh from `dsrun.init_distributed(config=...)`,
@@ -197,8 +227,8 @@ def declared_pipeline(args: argparse.Namespace, full: GPT, degrees: tuple[int, i
                          "sequence_parallel_size; drop --pipeline_stages, --tensor_parallel and "
                          "--sequence_parallel (the degrees come from the config)")
     stages, tensor, sequence = degrees
-    dsrun.init_distributed(config=args.deepspeed_config)
-    model = gpt_pipeline(full.cfg, stages)
+    model = (moe_gpt_pipeline(full.cfg, stages, args.moe_experts, args.moe_ep_size, args.moe_top_k)
+             if args.moe_experts else gpt_pipeline(full.cfg, stages))
     load_gpt_weights(model, full)
     if tensor > 1:
         shard_stage(model, current())
@@ -359,15 +389,17 @@ def train(args: argparse.Namespace) -> None:
         raise SystemExit(f"train_gpt.py: {exc}") from None
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     cfg = GPTConfig(seq_len=args.seq_len, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
+    degrees = config_degrees(args)
+    declared = degrees[0] > 1 and max(degrees[1:]) > 1  # pipe x tensor/sequence from the config alone
+    pipeline = args.pipeline_stages > 0 or declared
+    if declared:  # the whole mesh, before the model (the MoE layers' expert groups live on its data axis)
+        dsrun.init_distributed(config=args.deepspeed_config)
     if args.moe_experts:
         dsrun.init_distributed()  # the MoE layers make their expert groups as they are built
         model = MoEGPT(cfg, args.moe_experts, args.moe_ep_size, args.moe_top_k)
     else:
         model = GPT(cfg)
     n_params = sum(p.numel() for p in model.parameters())  # the tied head/embedding weight once
-    degrees = config_degrees(args)
-    declared = degrees[0] > 1 and max(degrees[1:]) > 1  # pipe x tensor/sequence from the config alone
-    pipeline = args.pipeline_stages > 0 or declared
     if declared:
         model = declared_pipeline(args, model, degrees)
     elif pipeline:  # each rank keeps its stage's layers, starting from the GPT's weights
@@ -376,7 +408,8 @@ def train(args: argparse.Namespace) -> None:
         if args.tensor_parallel > 1:  # and its slices of the stage's blocks
             model = tensor_parallel_gpt_pipeline(full, args.pipeline_stages, args.tensor_parallel)
         else:
-            model = gpt_pipeline(cfg, args.pipeline_stages)
+            model = (moe_gpt_pipeline(cfg, args.pipeline_stages, args.moe_experts, args.moe_ep_size,
+                                      args.moe_top_k) if args.moe_experts else gpt_pipeline(cfg, args.pipeline_stages))
             load_gpt_weights(model, full)
         del full
     elif args.tensor_parallel > 1:  # each rank keeps its slices of the attention and MLP layers
@@ -385,6 +418,8 @@ def train(args: argparse.Namespace) -> None:
         model = sequence_parallel_gpt(model, args.sequence_parallel)
     if pipeline:
         parameters = param_groups(model)
+        if args.moe_experts:
+            parameters = split_params_into_different_moe_groups_for_optimizer(parameters)
     elif args.moe_experts:  # expert parameters in groups of their own, as DeepSpeed requires
         parameters = split_params_into_different_moe_groups_for_optimizer(model.param_groups())
     else:
@@ -420,8 +455,8 @@ def train(args: argparse.Namespace) -> None:
                          f"{args.moe_ep_size} expert-parallel ranks"] * bool(args.moe_experts) +
                         [f"{degrees[0] if declared else args.pipeline_stages} pipeline stages"] * pipeline +
                         [f"tensor parallel {args.tensor_parallel}"] * (args.tensor_parallel > 1) +
-                        [f"(from the config) tensor parallel {degrees[1]} x sequence parallel {degrees[2]}"]
-                        * declared +
+                        [f"(from the config) tensor parallel {degrees[1]}"
+                         + f" x sequence parallel {degrees[2]}" * (degrees[2] > 1)] * declared +
                         [f"{replicas} data-parallel replicas"] * (pipeline or args.tensor_parallel > 1))
     log(f"model: {n_params / 1e6:.2f}M parameters; world size {world}{', ' + layout if layout else ''}, "
         f"torch threads per rank {torch.get_num_threads()}; "

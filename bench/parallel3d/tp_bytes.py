@@ -1,6 +1,8 @@
-"""Tensor x data parallelism of the byte GPT: bytes per mesh axis, peak memory, step time.
+"""Pipeline x tensor x sequence x data (x experts) parallelism of the byte GPT: bytes per mesh axis, peak memory, step time.
 
     .venv/bin/python bench/parallel3d/tp_bytes.py --repeats 3 --steps 3
+    .venv/bin/python bench/parallel3d/tp_bytes.py --world 8 --runs dp8,pp2tp2sp2dp1 --hidden 128 --heads 4 --seq 64
+    .venv/bin/python bench/parallel3d/tp_bytes.py --world 8 --runs dp8moe,pp2tp2dp2moe --hidden 128 --heads 4 --seq 64
 
 Each configuration trains examples/gpt_model.py's GPT (fp32, AdamW from
 ds_config, ZeRO stage 0, gradient clipping 1.0) on random bytes with the
@@ -17,6 +19,13 @@ on every rank, data-parallel replicas x gradient accumulation = `--world`.
   world / D micro-batches, 1F1B) whose blocks are then split by the same
   placement (`shard_model`: ColumnParallelLinear / RowParallelLinear
   from the GPT's full weights; docs/pipeline.md "With tensor parallelism").
+- `ppPtpTspSdpD`: the same with Ulysses over S sequence ranks in every
+  block (examples/gpt_sequence.py's sequence_parallel_pipeline, each rank
+  fed its (b, s/S) slice of the windows; configs/gpt_4d.json's layout);
+- a trailing `moe`: examples/gpt_moe.py's MoE GPT (4 experts, top-1, in the
+  odd blocks, at ep 2 over the data axis; as a pipeline moe_gpt_pipeline,
+  its gates and experts kept whole over the tensor ranks;
+  configs/gpt_3d_moe.json's layout).
 
 Bytes per mesh axis. Every collective goes through
 dsrun/runtime/comm/collectives.py, which counts it in the comms logger
@@ -41,7 +50,19 @@ backward (their inputs' gradients, f): 4 b s h elements, times the element
 size (4, fp32), times the layers and the micro-batches of the step. The
 data axis all-reduces each rank's gradients once per step (ZeRO stage 0):
 parameters per rank x 4 bytes. Gradient clipping adds one-element norm
-all-reduces (listed separately, as "scalars").
+all-reduces (listed separately, as "scalars"). With S sequence ranks each
+rank holds s/S tokens: the model axis's activations are b (s/S) h, and
+Ulysses all-to-alls, per layer and micro-batch, q, k and v (3 b s h / (S T)
+elements, one message) and the attention output (b s h / (S T)) forward and
+the same backward: 8 b s h / (S T) elements; the gradients are all-reduced
+over the sequence x data ranks ("sequence_data"). An MoE layer all-to-alls
+its dispatched tokens (E, C, h), C = ceil(b s / E) slots per expert, twice
+forward and twice backward over its expert-parallel group ("ep"): 4 E C h
+elements per micro-batch; its experts' gradients are all-reduced over the
+expert-data group ("expert_data"), the other parameters over the data axis.
+With tensor parallelism an MoE block's MLP stays whole (AutoTP keeps its
+gate and experts replicated), so the block all-reduces over the model axis
+twice per micro-batch (its attention's), not 4 times.
 
 Peak memory per rank: VmHWM of /proc/self/status over the timed steps,
 reset after warm-up (clear_refs 5). The formula beside it: model states
@@ -65,6 +86,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import re
 import statistics
@@ -84,21 +106,30 @@ ELEMENT = 4  # fp32 bytes
 
 @dataclasses.dataclass(frozen=True)
 class Run:
-    """One configuration: `pp` stages x `tp` tensor-parallel ranks x `dp` data-parallel replicas."""
+    """One configuration: `pp` stages x `tp` tensor-parallel ranks x `sp`
+    sequence-parallel ranks x `dp` data-parallel replicas; `moe`: the MoE GPT."""
     name: str
     pp: int
     tp: int
     dp: int
+    sp: int = 1
+    moe: bool = False
+
+
+EXPERTS, EP_SIZE = 4, 2  # the MoE runs' experts (top-1) and expert-parallel degree
 
 
 def parse_run(name: str, world: int) -> Run:
-    """`dpN`, `tpTdpD` or `ppPtpTdpD` with P x T x D = world."""
-    m = re.fullmatch(r"(?:pp(\d+))?(?:tp(\d+))?dp(\d+)", name)
+    """`[ppP][tpT][spS]dpD[moe]` with P x T x S x D = world."""
+    m = re.fullmatch(r"(?:pp(\d+))?(?:tp(\d+))?(?:sp(\d+))?dp(\d+)(moe)?", name)
     if not m:
-        raise SystemExit(f"run {name!r}: write dpN, tpTdpD or ppPtpTdpD")
-    run = Run(name, int(m.group(1) or 1), int(m.group(2) or 1), int(m.group(3)))
-    if run.pp * run.tp * run.dp != world:
-        raise SystemExit(f"run {name!r}: pp x tp x dp = {run.pp * run.tp * run.dp}, not --world {world}")
+        raise SystemExit(f"run {name!r}: write [ppP][tpT][spS]dpD[moe], e.g. dp4, tp2dp2, pp2tp2sp2dp1, pp2tp2dp2moe")
+    run = Run(name, int(m.group(1) or 1), int(m.group(2) or 1), int(m.group(4)), int(m.group(3) or 1),
+              bool(m.group(5)))
+    if run.pp * run.tp * run.sp * run.dp != world:
+        raise SystemExit(f"run {name!r}: pp x tp x sp x dp = {run.pp * run.tp * run.sp * run.dp}, not --world {world}")
+    if run.sp > 1 and run.pp == 1:
+        raise SystemExit(f"run {name!r}: sequence parallelism is measured inside a pipeline only (ppP...spS...)")
     return run
 
 
@@ -115,8 +146,15 @@ class AxisBytes:
 
         self.dist, self.world = dist, world
         # later axes win where two have the same ranks (pipe_model is model without a pipeline)
-        self.axes = {tuple(mesh.ranks(a)): a if mesh.size(a) > 1 else f"{a} (1 rank)"
-                     for a in ("pipe_model", "pipe", "data", "model")}
+        self.axes = {tuple(mesh.ranks(a)): a if len(mesh.ranks(a)) > 1 else f"{a} (1 rank)"
+                     for a in ("pipe_model", "pipe", "sequence_data", "data", "sequence", "model")}
+        if EP_SIZE <= mesh.size("data"):  # the MoE runs' expert groups (mesh.data_blocks)
+            blocks = mesh.data_blocks(EP_SIZE)
+            for label, group in (("expert_data", blocks.replicate), ("ep", blocks.block)):
+                ranks = tuple(sorted(group.ranks))
+                if len(ranks) == 1:  # a one-rank expert-data group: name it by its use
+                    self.axes[ranks] = f"{label} (1 rank)"
+                self.axes.setdefault(ranks, label)
         self.current: str | None = None
         self.bytes: dict[tuple[str, str], int] = {}
         self.scalars: dict[str, int] = {}
@@ -173,7 +211,16 @@ def _rank(run: Run, args: argparse.Namespace) -> dict:
     world = dist.get_world_size()
     torch.manual_seed(0)
     gpt_cfg = GPTConfig(seq_len=args.seq, n_layer=args.layers, n_head=args.heads, n_embd=args.hidden)
-    model = GPT(gpt_cfg)
+    if run.pp > 1:  # the mesh before the model: the MoE layers' expert groups live on its data axis
+        mesh = ParallelMesh.build(world, pipe=run.pp, model=run.tp, sequence=run.sp)
+        set_current(mesh)
+    if run.moe:
+        from gpt_moe import MoEGPT, moe_gpt_pipeline
+
+        from dsrun.moe.utils import split_params_into_different_moe_groups_for_optimizer
+        model = MoEGPT(gpt_cfg, EXPERTS, EP_SIZE)
+    else:
+        model = GPT(gpt_cfg)
     total_params = sum(p.numel() for p in model.parameters())
     accum = world // run.dp
     cfg = {"train_micro_batch_size_per_gpu": args.micro, "gradient_accumulation_steps": accum,
@@ -192,26 +239,40 @@ def _rank(run: Run, args: argparse.Namespace) -> dict:
 
         from dsrun.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
-        mesh = ParallelMesh.build(world, pipe=run.pp, model=run.tp)
-        set_current(mesh)
-        layers = [TiedLayerSpec(TIED_KEY, torch.nn.Embedding, 256, args.hidden), LayerSpec(PositionEmbedding, gpt_cfg),
-                  *[LayerSpec(Block, gpt_cfg) for _ in range(args.layers)], LayerSpec(torch.nn.LayerNorm, args.hidden),
-                  TiedLayerSpec(TIED_KEY, torch.nn.Embedding, 256, args.hidden, forward_fn=logits)]
-        pipe = PipelineModule(layers, loss_fn=lm_loss, topology=mesh.topology, partition_method="type:Block")
+        if run.moe:
+            pipe = moe_gpt_pipeline(gpt_cfg, run.pp, EXPERTS, EP_SIZE, topology=mesh.topology)
+        else:
+            layers = [TiedLayerSpec(TIED_KEY, torch.nn.Embedding, 256, args.hidden),
+                      LayerSpec(PositionEmbedding, gpt_cfg), *[LayerSpec(Block, gpt_cfg) for _ in range(args.layers)],
+                      LayerSpec(torch.nn.LayerNorm, args.hidden),
+                      TiedLayerSpec(TIED_KEY, torch.nn.Embedding, 256, args.hidden, forward_fn=logits)]
+            pipe = PipelineModule(layers, loss_fn=lm_loss, topology=mesh.topology, partition_method="type:Block")
         load_gpt_weights(pipe, model)
         del model
         shard_model(pipe, mesh)  # every rank holds the GPT's full weights: cut this rank's slices
-        engine, *_ = dsrun.initialize(model=pipe, model_parameters=param_groups(pipe), config=cfg)
+        if run.sp > 1:
+            from gpt_sequence import sequence_parallel_pipeline
+            sequence_parallel_pipeline(pipe)
+        groups = param_groups(pipe)
+        engine, *_ = dsrun.initialize(model=pipe, config=cfg, model_parameters=(
+            split_params_into_different_moe_groups_for_optimizer(groups) if run.moe else groups))
+        if run.sp > 1:
+            from gpt_sequence import shard_window
+            engine.set_batch_fn(shard_window)
     else:
         if run.tp > 1:
             dsrun.tp_model_init(model, run.tp)
-        engine, *_ = dsrun.initialize(model=model, model_parameters=model.param_groups(), config=cfg)
+        groups = model.param_groups()
+        engine, *_ = dsrun.initialize(model=model, config=cfg, model_parameters=(
+            split_params_into_different_moe_groups_for_optimizer(groups) if run.moe else groups))
     mesh = current()
     data_rank = mesh.rank("data")
     counter = AxisBytes(mesh, world)
     counter.install()
     sharded = sum(p.numel() for p in engine.module.parameters() if getattr(p, "tensor_model_parallel", False))
     params = sum(p.numel() for p in engine.module.parameters())
+    expert_params = sum(p.numel() for p in engine.module.parameters() if getattr(p, "allreduce", True) is False)
+    moe_layers = sum(type(m).__name__ == "MOELayer" for m in engine.module.modules())
 
     def batch(i: int, j: int) -> tuple[torch.Tensor, torch.Tensor]:
         g = torch.Generator().manual_seed(1_000_003 * i + 1009 * data_rank + j)
@@ -240,7 +301,7 @@ def _rank(run: Run, args: argparse.Namespace) -> dict:
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
     logged = comms_logger.totals()[0]
-    return {"params": params, "sharded": sharded, "total_params": total_params, "accum": accum,
+    return {"params": params, "sharded": sharded, "expert_params": expert_params, "moe_layers": moe_layers, "total_params": total_params, "accum": accum,
             "bytes": {f"{a}/{op}": b / args.steps for (a, op), b in counter.bytes.items()},
             "scalars": {a: b / args.steps for a, b in counter.scalars.items()},
             "counted": (sum(counter.bytes.values()) + sum(counter.scalars.values())) / args.steps,
@@ -253,12 +314,20 @@ def _ms(x: float) -> str:
 
 def _analytic(key: str, r: Run, rk: dict, args: argparse.Namespace) -> float | None:
     """The module docstring's count for one rank's `key` ("axis/op"), bytes per step, or None."""
-    bsh = args.micro * args.seq * args.hidden * rk["accum"] * ELEMENT  # one (b, s, h) per micro-batch of the step
+    # one (b, s/S, h) per micro-batch of the step
+    bsh = args.micro * args.seq * args.hidden * rk["accum"] * ELEMENT // r.sp
     axis, op = key.split("/")
-    if (axis, op) == ("model", "all_reduce"):
-        return 4 * (args.layers // r.pp) * bsh
-    if axis.startswith("data") and op == "all_reduce":
-        return rk["params"] * ELEMENT
+    if (axis, op) == ("model", "all_reduce"):  # an MoE block's MLP is whole: its attention's 2 only
+        return (4 * (args.layers // r.pp) - 2 * rk["moe_layers"]) * bsh
+    if axis in ("data", "sequence", "sequence_data") and op == "all_reduce":
+        return (rk["params"] - rk["expert_params"]) * ELEMENT
+    if axis.startswith("expert_data") and op == "all_reduce":
+        return rk["expert_params"] * ELEMENT
+    if axis == "sequence" and op.startswith("all_to_all"):  # Ulysses: q, k, v and the output, forward and backward
+        return 8 * (args.layers // r.pp) * bsh // r.tp
+    if r.moe and axis in ("ep", "data") and op.startswith("all_to_all"):  # dispatch and combine, twice each
+        slots = math.ceil(args.micro * args.seq / EXPERTS)
+        return 4 * EXPERTS * slots * args.hidden * ELEMENT * rk["moe_layers"] * rk["accum"]
     if (axis, op) == ("pipe", "all_reduce"):  # the tied embedding, first and last stage
         return 256 * args.hidden * ELEMENT
     if (axis, op) in (("pipe", "isend"), ("pipe", "irecv")):  # 2 stages: an activation one way, its gradient back

@@ -22,7 +22,7 @@ def test_moe_flag_refusals(capsys):
     for argv, message in ((["--moe_experts", "-1"], "--moe_experts must be >= 0"),
                           (["--moe_experts", "4", "--moe_ep_size", "3"], "--moe_ep_size 3 must divide"),
                           (["--moe_experts", "4", "--moe_top_k", "5"], "--moe_top_k must be between 1 and"),
-                          (["--moe_experts", "4", "--tensor_parallel", "2"], "data (and expert) parallelism only"),
+                          (["--moe_experts", "4", "--tensor_parallel", "2"], "drop --tensor_parallel and --sequence_parallel"),
                           (["--moe_experts", "4", "--n_layer", "1"], "--n_layer >= 2")):
         with pytest.raises(SystemExit):
             parse_args(argv)

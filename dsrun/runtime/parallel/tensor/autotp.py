@@ -17,7 +17,11 @@ guess from shapes):
                       attention and MLP), proj (examples/gpt_model.py)
     kept whole        lm_head, head (the output layer; with the embeddings
                       it stays replicated, unless vocab_parallel: see
-                      vocab.py)
+                      vocab.py); every layer inside an MoE layer (its gate
+                      and experts: each tensor rank routes the same whole
+                      tokens, so the experts stay whole and replicated
+                      over the model axis, split only over their
+                      expert-parallel group)
 
 Any other nn.Linear (or GPT-2's Conv1D, an nn.Linear with its weight stored
 transposed, (in, out)) raises ValueError naming its module path. Each
@@ -59,6 +63,7 @@ from torch import nn
 from dsrun.runtime import comm
 from dsrun.runtime.config import ConfigError
 from dsrun.runtime.distributed.dist import init_distributed
+from dsrun.runtime.parallel.expert.layer import MoE
 from dsrun.runtime.parallel.mesh import MeshGroup, ParallelMesh, current, set_current
 from dsrun.runtime.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
 from dsrun.runtime.parallel.tensor.partitioned import (built_partitioned, full_shape, full_value, model_placement,
@@ -172,17 +177,19 @@ def _record_splits(new: nn.Module, old: nn.Module, leaf: str, heads: _Heads | No
 def placement_plan(model: nn.Module) -> list[tuple[str, str, nn.Module]]:
     """(module path, rule name, layer) of every linear layer of `model` that
     tensor parallelism replaces (see [Note: which layer goes where]); the
-    output layers kept whole are left out. Changes nothing.
+    output layers and the gates and experts of MoE layers, kept whole, are
+    left out. Changes nothing.
 
     Raises:
         ValueError: a linear layer that no rule places, naming its module path.
     """
     plan = []
+    moe = tuple(f"{path}." for path, module in model.named_modules() if isinstance(module, MoE))
     for path, module in model.named_modules():
         if not _is_linear(module) or not path:
             continue
         leaf = path.rsplit(".", 1)[-1]
-        if leaf in KEPT_WHOLE:
+        if leaf in KEPT_WHOLE or path.startswith(moe):
             continue
         if leaf not in COLUMN | FUSED_QKV | ROW:
             raise ValueError(f"tensor parallelism cannot place layer {path!r} ({type(module).__name__}): "
