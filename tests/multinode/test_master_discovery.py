@@ -3,6 +3,7 @@ the incomplete scheduler environments that are errors (dsrun/launcher/mpi.py). F
 import socket
 
 import pytest
+import torch
 
 from dsrun.launcher.mpi import SchedulerEnvError, rank_env_from_scheduler
 from dsrun.launcher.placement import derived_port
@@ -134,5 +135,8 @@ def test_auto_mpi_discovery_false_leaves_master_addr_to_the_user(monkeypatch, no
     for name, value in {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2",
                         "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}.items():
         monkeypatch.setenv(name, value)
+    # The question is what a fresh process decides: a process group an earlier test of this
+    # pytest process left behind would make init_distributed return before looking.
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
     with pytest.raises(DistributedSetupError, match=r"MASTER_ADDR is not set \(auto_mpi_discovery=False"):
         dsrun.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)

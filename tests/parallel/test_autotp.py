@@ -390,14 +390,21 @@ def _check_config_errors() -> list[str]:
     with pytest.raises(ConfigError) as info:
         dsrun.initialize(model=model, config=_config(1, 1, autotp=4))
     messages.append(str(info.value))
+    from dsrun.runtime.parallel.tensor import ColumnParallelLinear  # on the current mesh: model axis 2
+    megatron = PipelineModule([ColumnParallelLinear(4, 8, gather_output=True)], num_stages=1, loss_fn=F.mse_loss)
+    with pytest.raises(ConfigError) as info:  # no topology, no declaration: the mesh would drop the model axis
+        dsrun.initialize(model=megatron, config=_config(1, 1))
+    messages.append(str(info.value))
     return messages
 
 
 def test_config_conflicts_are_errors():
     """autotp_size with a PipelineModule whose layers no rule places or with
-    vocab_parallel, and an autotp_size other than the degree tp_model_init
-    used, stop initialize with a ConfigError."""
-    pipe, vocab, mismatch = run_ranks(_check_config_errors, 2, timeout=120)[0]
+    vocab_parallel, an autotp_size other than the degree tp_model_init
+    used, and a PipelineModule of tensor-parallel layers whose degrees lack
+    the model axis stop initialize with a ConfigError."""
+    pipe, vocab, mismatch, dropped = run_ranks(_check_config_errors, 2, timeout=120)[0]
     assert "tensor_parallel.autotp_size=2: tensor parallelism cannot place layer" in pipe
     assert "tensor_parallel.vocab_parallel=true with a PipelineModule" in vocab
     assert "tensor_parallel.autotp_size=4 but the model is already sharded over 2 ranks" in mismatch
+    assert "holds tensor-parallel layers (built on a model axis of 2 ranks) but its degrees have no tensor" in dropped

@@ -61,6 +61,7 @@ from dsrun.runtime.activation_checkpointing import checkpointing
 from dsrun.runtime.config import ConfigError
 from dsrun.runtime.observability.logging import logger
 from dsrun.runtime.parallel.degrees import ParallelDegrees
+from dsrun.runtime.parallel.mesh import current
 from dsrun.runtime.parallel.pipe.partition import partition_balanced, partition_uniform
 from dsrun.runtime.parallel.tensor.autotp import check_shardable
 from dsrun.runtime.utils import set_random_seed
@@ -500,8 +501,25 @@ def pipeline_degrees(module: PipelineModule, tensor_parallel, sequence: int) -> 
         ConfigError: vocab_parallel with a pipeline (its embedding and output
             layer sit on different stages; not supported); a topology whose
             model or sequence axis differs from autotp_size or
-            sequence_parallel_size (>1) of the config.
+            sequence_parallel_size (>1) of the config; tensor-parallel layers
+            (ColumnParallelLinear, ...: built on a mesh with a model axis) in
+            a module whose degrees have none -- its tensor ranks would be
+            averaged as data replicas, silently wrong.
     """
+    degrees = _pipeline_degrees(module, tensor_parallel, sequence)
+    built_on = current().size("model")  # the model axis the layers took their groups from
+    if degrees.model == 1 < built_on and any(getattr(p, "tensor_model_parallel", False) for p in module.parameters()):
+        raise ConfigError(f"the PipelineModule holds tensor-parallel layers (built on a model axis of {built_on} "
+                          "ranks) but its degrees have no tensor (model) axis, so its tensor ranks would train "
+                          "as data replicas; build it with "
+                          "topology=ParallelMesh.build(world, pipe=P, model=T).topology, or declare the "
+                          "degrees first with dsrun.init_distributed(config=...) and "
+                          "tensor_parallel.autotp_size=T in the config")
+    return degrees
+
+
+def _pipeline_degrees(module: PipelineModule, tensor_parallel, sequence: int) -> ParallelDegrees:
+    """pipeline_degrees without the tensor-parallel-layers check."""
     autotp = tensor_parallel.autotp_size
     if autotp > 1 and tensor_parallel.vocab_parallel:
         raise ConfigError("tensor_parallel.vocab_parallel=true with a PipelineModule: the vocabulary-parallel "
