@@ -115,6 +115,7 @@ def _supervised_run(run: str, cwd: str, max_requeues: int) -> list[str]:
         "trap 'signalled=TERM; kill -TERM \"$pid\" 2>/dev/null' TERM  # scancel or preemption",
         run + " &",
         "pid=$!",
+        '[ -n "$signalled" ] && kill -TERM "$pid" 2>/dev/null  # a signal that came before pid was set',
         'wait "$pid"; status=$?',
         'while kill -0 "$pid" 2>/dev/null; do wait "$pid"; status=$?; done  # a trap interrupted the wait',
     ]
