@@ -326,7 +326,9 @@ class SaveJob:
         turns incomplete before any shard goes, and `latest` still names
         the previous tag; once `latest` names the new tag, the save is
         committed and nothing is removed), and, once every rank reports its shard gone,
-        removes the tag directory if this save created it. When a rank did
+        removes the tag directory if this save created it; every rank raises
+        only after that, so a rank that lists the directory after its error
+        finds nothing of the failed tag. When a rank did
         not report (dead or hung) the others delete only their own files and
         leave the directory: the silent rank may still be writing into it.
         """
@@ -347,6 +349,7 @@ class SaveJob:
                 self.rdv.agree("abandoned", True)
                 if self.keeper and self.created:
                     attempt(_remove_dir, self.tag_dir)
+                self.rdv.agree("cleaned", True)  # no rank raises while the directory is still there
         except CheckpointError as e:  # a rank stopped answering while cleaning up
             log.warning("after the failed save of %s: %s", self.tag_dir, e)
 
