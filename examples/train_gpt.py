@@ -42,18 +42,21 @@ degrees are read from it, ``dsrun.init_distributed(config=...)`` builds the
 mesh before the model, each stage's blocks are sharded by AutoTP's
 placement and run Ulysses attention (gpt_sequence.sequence_parallel_pipeline);
 its validation losses equal those of the same config without the tensor
-and sequence keys on 2 ranks (pipe 2), the same global batch. A config that
-declares pipeline x tensor without sequence parallelism
-(configs/gpt_3d_moe.json: pipe 2 x tensor 2 x data 2 on 8 ranks) trains the
-MoE GPT as a pipeline (gpt_moe.moe_gpt_pipeline: the auxiliary loss rides
-along with the hidden states) with DECLARED_EXPERTS experts over
-DECLARED_EP_SIZE expert-parallel ranks unless --moe_experts/--moe_ep_size
-say otherwise (ds_config has no MoE section); AutoTP keeps the MoE layers'
-gates and experts whole. Its validation losses equal, to 4 decimals over
-a short run (12 steps), those of the same config without the tensor key on
-4 ranks (``--pipeline_stages 2 --moe_experts 4 --moe_ep_size 2``: pipe 2 x
-data 2), the same global batch; after the default 400 steps they differ by
-4e-4 (fp32 summation order; docs/pipeline.md).
+and sequence keys on 2 ranks (pipe 2), the same global batch.
+
+A config file may also hold this script's own settings, in a ``"train_gpt"``
+section (SCRIPT_SECTION) that the script takes out before dsrun reads the
+config: ``moe_experts``, ``moe_ep_size`` and ``moe_top_k``, the defaults of
+the flags of those names (a flag given wins). ds_config has no MoE section
+(DeepSpeed configures MoE in the model's code), so that is where
+configs/gpt_3d_moe.json (pipe 2 x tensor 2 x data 2 on 8 ranks) asks for 4
+experts at ep 2: it trains the MoE GPT as a pipeline
+(gpt_moe.moe_gpt_pipeline: the auxiliary loss rides along with the hidden
+states), AutoTP keeping the MoE layers' gates and experts whole. Its
+validation losses equal, to 4 decimals over a short run (12 steps), those
+of the same config without the tensor key on 4 ranks (``--pipeline_stages
+2``: pipe 2 x data 2), the same global batch; after the default 400 steps
+they differ by 4e-4 (fp32 summation order; docs/pipeline.md).
 
 With ``--curriculum_seqlen MIN`` the config gets a sequence-length
 curriculum (its ``curriculum_learning`` section, DeepSpeed's legacy one):
@@ -102,10 +105,12 @@ from gpt_sequence import sequence_parallel_gpt, sequence_parallel_pipeline, shar
 # The validation windows do not depend on --seed, so runs with different
 # seeds are scored on the same text.
 EVAL_SEED = 0
-# A config declaring pipeline x tensor without sequence parallelism
-# (configs/gpt_3d_moe.json) trains the MoE GPT with these defaults: ds_config
-# has no MoE section (DeepSpeed configures MoE in the model's code).
-DECLARED_EXPERTS, DECLARED_EP_SIZE = 4, 2
+# The config file's section of this script's own settings (taken out before
+# dsrun reads the config), and their defaults when neither it nor a flag
+# sets them. ds_config has no MoE section: DeepSpeed configures MoE in the
+# model's code, so configs/gpt_3d_moe.json asks for its experts here.
+SCRIPT_SECTION = "train_gpt"
+SCRIPT_DEFAULTS = {"moe_experts": 0, "moe_ep_size": 1, "moe_top_k": 1}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -132,13 +137,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--curriculum_steps", type=int, default=0,
                    help="steps of the sequence-length curriculum (default: half of --steps)")
     p.add_argument("--moe_experts", type=int, default=None,
-                   help="Mixture-of-Experts MLPs in alternate blocks with E experts (0: dense; default 0, or "
-                        f"{DECLARED_EXPERTS} when the config declares pipeline.stages with "
-                        "tensor_parallel.autotp_size and no sequence_parallel_size)")
+                   help="Mixture-of-Experts MLPs in alternate blocks with E experts (0: dense; default: the "
+                        f"config's {SCRIPT_SECTION}.moe_experts, else 0)")
     p.add_argument("--moe_ep_size", type=int, default=None,
-                   help="expert-parallel ranks the experts are spread over (default 1, or "
-                        f"{DECLARED_EP_SIZE} when the config declares the MoE layout)")
-    p.add_argument("--moe_top_k", type=int, default=1, help="experts per token")
+                   help="expert-parallel ranks the experts are spread over (default: the config's "
+                        f"{SCRIPT_SECTION}.moe_ep_size, else 1)")
+    p.add_argument("--moe_top_k", type=int, default=None,
+                   help=f"experts per token (default: the config's {SCRIPT_SECTION}.moe_top_k, else 1)")
     p.add_argument("--sequence_parallel", type=int, default=1,
                    help="split every window's tokens over N ranks with Ulysses (1: no sequence parallelism)")
     # The `deepspeed` launcher appends --local_rank=N; accept it so the script
@@ -146,11 +151,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)
     dsrun.add_config_arguments(p)
     args = p.parse_args(argv)
-    declared_moe = _declares_moe(config_degrees(args))
-    if args.moe_experts is None:
-        args.moe_experts = DECLARED_EXPERTS if declared_moe else 0
-    if args.moe_ep_size is None:
-        args.moe_ep_size = DECLARED_EP_SIZE if declared_moe else 1
+    try:
+        options = script_options(args)
+    except ValueError as exc:
+        p.error(str(exc))
+    for name, default in SCRIPT_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, options.get(name, default))
     for name in ("steps", "eval_batches", "log_every"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
@@ -189,22 +196,41 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def config_file(args: argparse.Namespace) -> dict:
+    """The --config file (JSON, or YAML by its suffix) as read, {} without one."""
+    if not args.deepspeed_config:
+        return {}
+    with open(args.deepspeed_config) as f:
+        return yaml.safe_load(f) if args.deepspeed_config.endswith((".yaml", ".yml")) else json.load(f)
+
+
 def config_degrees(args: argparse.Namespace) -> tuple[int, int, int]:
     """(pipeline.stages, tensor_parallel.autotp_size, sequence_parallel_size)
-    of the --config JSON file (1 for each key it lacks, or without one)."""
-    if not args.deepspeed_config or not args.deepspeed_config.endswith(".json"):
-        return 1, 1, 1
-    with open(args.deepspeed_config) as f:
-        config = json.load(f)
+    of the --config file (1 for each key it lacks, or without one)."""
+    config = config_file(args)
     stages = config.get("pipeline", {}).get("stages", 1)
     return (stages if isinstance(stages, int) else 1, config.get("tensor_parallel", {}).get("autotp_size", 1),
             config.get("sequence_parallel_size", 1))
 
 
-def _declares_moe(degrees: tuple[int, int, int]) -> bool:
-    """Whether config degrees (pipe, tensor, sequence) ask for the MoE GPT:
-    pipeline x tensor without sequence parallelism (configs/gpt_3d_moe.json)."""
-    return degrees[0] > 1 and degrees[1] > 1 and degrees[2] == 1
+def script_options(args: argparse.Namespace) -> dict[str, int]:
+    """The --config file's SCRIPT_SECTION: this script's settings ({} without it).
+
+    Raises:
+        ValueError: the section is not an object, or holds a key other than
+            SCRIPT_DEFAULTS' or a value that is not an integer.
+    """
+    section = config_file(args).get(SCRIPT_SECTION, {})
+    where = f"{args.deepspeed_config}: {SCRIPT_SECTION!r}"
+    if not isinstance(section, dict):
+        raise ValueError(f"{where} must be an object of {sorted(SCRIPT_DEFAULTS)}, got {section!r}")
+    unknown = sorted(set(section) - set(SCRIPT_DEFAULTS))
+    if unknown:
+        raise ValueError(f"{where} has unknown keys {unknown}; it takes {sorted(SCRIPT_DEFAULTS)}")
+    wrong = {k: v for k, v in section.items() if isinstance(v, bool) or not isinstance(v, int)}
+    if wrong:
+        raise ValueError(f"{where}: {wrong} must be integers")
+    return section
 
 
 def declared_pipeline(args: argparse.Namespace, full: GPT, degrees: tuple[int, int, int]):
@@ -239,9 +265,10 @@ def declared_pipeline(args: argparse.Namespace, full: GPT, degrees: tuple[int, i
 
 def run_config(args: argparse.Namespace) -> dict | None:
     """The config file of --config (JSON or YAML) fitted to this run, or
-    None without --config: a scheduler's total_num_steps becomes --steps
-    (its warmup_num_steps scaled alike), so the LR schedule and the
-    launcher's progress line ("step 3/3") follow the run's length; with
+    None without --config: its SCRIPT_SECTION taken out, a scheduler's
+    total_num_steps becomes --steps (its warmup_num_steps scaled alike), so
+    the LR schedule and the launcher's progress line ("step 3/3") follow
+    the run's length; with
     --curriculum_seqlen a seqlen curriculum is added: fixed_linear from
     curriculum_seqlen to seq_len in multiples of 8 over curriculum_steps,
     the LR schedule advanced by tokens (lr_schedule_in_tokens).
@@ -253,8 +280,8 @@ def run_config(args: argparse.Namespace) -> dict | None:
         if args.curriculum_seqlen:
             raise SystemExit("train_gpt.py: --curriculum_seqlen needs --config (the curriculum is added to it)")
         return None
-    with open(args.deepspeed_config) as f:
-        config = yaml.safe_load(f) if args.deepspeed_config.endswith((".yaml", ".yml")) else json.load(f)
+    config = config_file(args)
+    config.pop(SCRIPT_SECTION, None)  # the script's own settings (parse_args read them), not dsrun's
     params = (config.get("scheduler") or {}).get("params", {})
     planned = params.get("total_num_steps")
     if planned:
@@ -392,8 +419,9 @@ def train(args: argparse.Namespace) -> None:
     degrees = config_degrees(args)
     declared = degrees[0] > 1 and max(degrees[1:]) > 1  # pipe x tensor/sequence from the config alone
     pipeline = args.pipeline_stages > 0 or declared
+    config = run_config(args)
     if declared:  # the whole mesh, before the model (the MoE layers' expert groups live on its data axis)
-        dsrun.init_distributed(config=args.deepspeed_config)
+        dsrun.init_distributed(config=config)
     if args.moe_experts:
         dsrun.init_distributed()  # the MoE layers make their expert groups as they are built
         model = MoEGPT(cfg, args.moe_experts, args.moe_ep_size, args.moe_top_k)
@@ -424,7 +452,6 @@ def train(args: argparse.Namespace) -> None:
         parameters = split_params_into_different_moe_groups_for_optimizer(model.param_groups())
     else:
         parameters = model.param_groups()
-    config = run_config(args)
     if config is not None:  # the file's config fitted to the run, passed as a dict
         args.deepspeed_config = None
     mesh = ({"mesh_param": (dsrun.comm.get_world_size() // args.sequence_parallel, args.sequence_parallel)}

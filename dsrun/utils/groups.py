@@ -81,12 +81,14 @@ def _get_broadcast_src_rank() -> int:
 
 # Expert parallelism (runtime/parallel/expert/groups.py [Note: expert groups]):
 # `group_name` is "ep_size_<P>", the name an MoE layer gives its expert
-# parameters; asking for a name no layer made yet makes its groups
-# (collective over the job, as DeepSpeed's _create_expert_and_data_parallel).
+# parameters; asking for a name no layer made yet makes its groups (by the
+# members of this rank's groups, which must all ask; DeepSpeed's
+# _create_expert_and_data_parallel is collective over the job).
 
 def _create_expert_and_data_parallel(expert_parallel_size_: int) -> None:
     """Make the expert-parallel and expert-data-parallel groups of degree
-    `expert_parallel_size_` (collective over every rank)."""
+    `expert_parallel_size_` (every member of this rank's two groups must
+    call it; other ranks need not)."""
     create_expert_groups(expert_parallel_size_)
 
 

@@ -137,6 +137,38 @@ def test_world8_pipe_data_model_sequence_and_blocks():
     assert [r["last_stage_other_data"] for r in results] == [6, 7, 4, 5, 6, 7, 4, 5]
 
 
+def _local_groups() -> dict:
+    """Ranks 2 and 3 alone make a group of theirs (local); rank 2 had made
+    a one-rank group beforehand and rank 3 had not. Then every rank builds
+    a pipe 2 x data 2 mesh: its groups must still connect."""
+    import torch.distributed as dist
+
+    import dsrun
+    dsrun.init_distributed()
+    flat = ParallelMesh.build(4)
+    if dist.get_rank() == 2:
+        flat.group("model")  # a one-rank group, made lazily on this rank only
+    local = flat.make_group([(0, 1), (2, 3)], local=True) if dist.get_rank() >= 2 else None
+    out = {"local": _members(local.group, 4) if local is not None else None,
+           "local_rank": local.rank if local is not None else None}
+    mesh = ParallelMesh.build(4, pipe=2)  # collective: every rank's group counter must agree
+    out["pipe"] = _members(mesh.group("pipe"), 4)
+    out["data"] = _members(mesh.group("data"), 4)
+    return out
+
+
+def test_local_groups_leave_the_other_ranks_groups_alone():
+    """make_group(local=True) by some ranks only (an MoE layer on one
+    pipeline stage): the members' group works and the job's later groups
+    still match on every rank (with a collective new_group on ranks 2, 3
+    only, ranks 0, 1 would name the pipe groups differently and hang)."""
+    results = run_ranks(_local_groups, 4, timeout=90)
+    assert [r["local"] for r in results] == [None, None, [2, 3], [2, 3]]
+    assert [r["local_rank"] for r in results] == [None, None, 0, 1]
+    assert [r["pipe"] for r in results] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    assert [r["data"] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+
+
 def test_single_process_mesh_and_errors():
     import torch.distributed as dist
     mesh = mesh_mod.current()  # a mesh of this process alone (an earlier test may have made a one-rank group)

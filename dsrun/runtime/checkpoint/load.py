@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from dsrun.runtime import comm
+from dsrun.runtime.activation_checkpointing.checkpointing import get_cuda_rng_tracker
 from dsrun.runtime.checkpoint import node_local
 from dsrun.runtime.checkpoint.parts import held_pieces, model_names
 from dsrun.runtime.checkpoint.pieces import HeldPiece, even_part
@@ -181,11 +182,13 @@ def _realign_micro_steps(parts: TrainingParts, index: Index) -> None:
 
 def _same_layout(parts: TrainingParts, index: Index) -> bool:
     """Whether the checkpoint was written by as many ranks, split into as
-    many pipeline stages and tensor-parallel ranks (per-rank states, RNG
-    and data position, then belong to the same rank)."""
+    many pipeline stages, tensor-parallel and sequence-parallel ranks: then
+    every rank has the saving rank's place in the mesh, and the per-rank
+    states (RNG, data position) belong to it."""
     stages = parts.split.parts if parts.split is not None else 1
     return (index.world_size == parts.topology.world_size and index.pipeline_stages == stages
-            and index.tensor_parallel == parts.mesh.size("model"))
+            and index.tensor_parallel == parts.mesh.size("model")
+            and index.sequence_parallel == parts.mesh.size("sequence"))
 
 
 def _restore_loader(parts: TrainingParts, index: Index, dataloader: Any) -> None:
@@ -218,8 +221,7 @@ def _full_reads(parts: TrainingParts, index: Index, optim: bool, module_only: bo
     names = []
     if not module_only:
         if _same_layout(parts, index) and index.rng:
-            names += [n for n in (f"rng/rank{rank}/torch_cpu", f"rng/rank{rank}/cuda") if n in index.tensors
-                      and (n.endswith("cpu") or parts.topology.device.type == "cuda")]
+            names += list(_rng_keys(parts.topology, index).values())
         names += node_local.client_keys(index.client_state)
     if optim and isinstance(parts.optimizer, CompressedCommOptimizer):
         own = f"optim_rank/rank{rank}/" if index.world_size == parts.topology.world_size else None
@@ -227,22 +229,34 @@ def _full_reads(parts: TrainingParts, index: Index, optim: bool, module_only: bo
     return names
 
 
-def _read_rng(topology: Topology, index: Index, reader: SliceReader,
-              same_layout: bool) -> dict[str, torch.Tensor] | None:
-    """This rank's saved torch RNG states ({"cpu", "cuda"?}), or None when
-    the layout changed (the states are per rank)."""
-    rank = topology.rank
-    if not same_layout or not index.rng:  # not index.rng: an import
-        return None
-    out = {"cpu": reader.read_full(f"rng/rank{rank}/torch_cpu")}
-    if f"rng/rank{rank}/cuda" in index.tensors and topology.device.type == "cuda":
-        out["cuda"] = reader.read_full(f"rng/rank{rank}/cuda")
+def _rng_keys(topology: Topology, index: Index) -> dict[str, str]:
+    """This rank's stored torch RNG states it can restore -> their keys:
+    "cpu"; "cuda" on a CUDA device; "tracker/<name>" (the tensor-parallel
+    RNG tracker's states, see dsrun/runtime/parallel/tensor/random.py) when
+    saved on the same kind of device (they are that device's generator's)."""
+    prefix = f"rng/rank{topology.rank}/"
+    on_cuda = topology.device.type == "cuda"
+    out = {"cpu": f"{prefix}torch_cpu"}
+    if f"{prefix}cuda" in index.tensors and on_cuda:
+        out["cuda"] = f"{prefix}cuda"
+    if (f"{prefix}cuda" in index.tensors) == on_cuda:
+        out.update({key[len(prefix):]: key for key in index.tensors if key.startswith(f"{prefix}tracker/")})
     return out
 
 
+def _read_rng(topology: Topology, index: Index, reader: SliceReader,
+              same_layout: bool) -> dict[str, torch.Tensor] | None:
+    """This rank's saved torch RNG states (see `_rng_keys`), or None when
+    the layout changed (the states are per rank)."""
+    if not same_layout or not index.rng:  # not index.rng: an import
+        return None
+    return {what: reader.read_full(key) for what, key in _rng_keys(topology, index).items()}
+
+
 def _restore_rng(topology: Topology, index: Index, states: dict[str, torch.Tensor] | None) -> None:
-    """Every RNG state of this rank (torch CPU and CUDA, Python, NumPy), when
-    the layout is the one that saved (`_same_layout`); else a warning."""
+    """Every RNG state of this rank (torch CPU and CUDA, the tensor-parallel
+    tracker's, Python, NumPy), when the layout is the one that saved
+    (`_same_layout`); else a warning. See "RNG states" in docs/checkpoints.md."""
     rank, world = topology.rank, topology.world_size
     if states is None:
         if rank == 0 and not index.rng:
@@ -254,6 +268,9 @@ def _restore_rng(topology: Topology, index: Index, states: dict[str, torch.Tenso
     torch.set_rng_state(states["cpu"])
     if "cuda" in states:
         torch.cuda.set_rng_state(states["cuda"], topology.device)
+    tracker = {what[len("tracker/"):]: state for what, state in states.items() if what.startswith("tracker/")}
+    if tracker:  # names the script added and the checkpoint lacks keep their states
+        get_cuda_rng_tracker().set_states({**get_cuda_rng_tracker().get_states(), **tracker})
     saved = index.rng[rank]
     version, state, gauss = saved["python"]
     random.setstate((version, tuple(state), gauss))

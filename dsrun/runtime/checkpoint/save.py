@@ -12,6 +12,7 @@ from typing import Any, Callable
 import torch
 
 import dsrun
+from dsrun.runtime.activation_checkpointing.checkpointing import get_cuda_rng_tracker
 from dsrun.runtime.checkpoint import discard, node_local
 from dsrun.runtime.checkpoint.parts import (held_pieces, model_names, optimizer_extras, written_by_model_rank_zero,
                                             written_elsewhere)
@@ -212,6 +213,8 @@ def rank_payload(parts: TrainingParts, pieces: list[HeldPiece], client_state, ex
     if device.type == "cuda":
         state = torch.cuda.get_rng_state(device)
         put(f"rng/rank{rank}/cuda", [state.numel()], state, 0, state.numel())
+    for name, state in get_cuda_rng_tracker().get_states().items():  # tensor-parallel regions' states
+        put(f"rng/rank{rank}/tracker/{name}", [state.numel()], state, 0, state.numel())
     client = None
     if rank == 0:
         client_tensors: dict[str, torch.Tensor] = {}
@@ -462,7 +465,8 @@ def _index_fields(parts: TrainingParts, names: dict, scheduler, param_groups, da
     return dict(dsrun_version=dsrun.__version__, torch_version=torch.__version__,
                 world_size=parts.topology.world_size,
                 pipeline_stages=parts.split.parts if parts.split is not None else 1,
-                tensor_parallel=parts.mesh.size("model"), stage=parts.config.zero_optimization.stage,
+                tensor_parallel=parts.mesh.size("model"), sequence_parallel=parts.mesh.size("sequence"),
+                stage=parts.config.zero_optimization.stage,
                 precision=strategy.precision_name(), config=parts.config.model_dump(mode="json"),
                 param_groups=param_groups, scaler=strategy.scaler_state(), counters=parts.state.state_dict(),
                 lr_scheduler=scheduler, dataloader=loader, frozen=frozen,

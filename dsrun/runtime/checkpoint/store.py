@@ -133,6 +133,9 @@ class Index(BaseModel):
                                  "every rank held the whole model.")
     tensor_parallel: int = Field(1, description="Tensor-parallel ranks (the mesh's model axis) that wrote "
                                  "it; tensors are stored whole whatever it was.")
+    sequence_parallel: int = Field(1, description="Sequence-parallel ranks (the mesh's sequence axis) that "
+                                   "wrote it; with the world size, stages and tensor_parallel it fixes every "
+                                   "rank's place in the mesh, which per-rank RNG states belong to.")
     stage: int = Field(description="ZeRO stage it was written at.")
     precision: str = Field(description="fp32, bf16 or fp16 (compute dtype).")
     config: dict[str, Any] = Field(description="The resolved ds_config.")

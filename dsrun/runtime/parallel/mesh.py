@@ -45,7 +45,24 @@ build the default mesh lazily, on any rank, at any time.
 `data_blocks(block_size)` splits the data axis further (ZeRO++ hpZ's
 secondary partition, hybrid sharding): its groups are created on the first
 call for a block size, so that first call must be made by all ranks at the
-same point, like the construction.
+same point, like the construction -- unless it asks for local groups.
+
+[Note: groups of some ranks only]
+Groups that only some ranks ever ask for -- the expert groups of an MoE
+layer that sits on some pipeline stages only -- cannot be made the
+collective way: the ranks that never call new_group would fall behind in
+torch's group counter, which names every collectively made group, and the
+next group the whole job makes would get different names on different
+ranks and hang. `data_blocks(..., local=True)` therefore makes only this
+rank's two groups, with `new_group(use_local_synchronization=True)`: only
+the members call it, it does not advance the counter, and the group is
+named from its ranks and the number of groups the calling rank belongs to
+(torch's `_hash_ranks_to_str`). So the members must call in the same order
+(blocks, then replicas; block sizes in the order of first use) and must
+belong to as many groups when they do. The mesh's own groups give every
+rank one group per axis, so they agree; the one-rank group `torch_group`
+makes lazily (on some ranks only) is made first, on every member, so it
+cannot tell them apart. gloo and NCCL support this; MPI does not.
 """
 from __future__ import annotations
 
@@ -145,9 +162,10 @@ class ParallelMesh:
         self.global_rank = comm.get_rank()
         self._world = _world_token()
         self._made: dict[tuple[int, ...], ProcessGroup | None] = dict(adopt or {})
+        self._made_locally: dict[tuple[int, ...], ProcessGroup] = {}  # see [Note: groups of some ranks only]
         self._parts: dict[str, list[tuple[int, ...]]] = {}
         self._groups: dict[str, MeshGroup] = {}
-        self._blocks: dict[tuple[str, int], DataBlocks] = {}
+        self._blocks: dict[tuple[str, int, bool], DataBlocks] = {}
         names = list(topology.get_axis_names()) + [a for a in AXES if a not in topology.get_axis_names()]
         for name in names:
             self._add(name, (name,))
@@ -194,24 +212,35 @@ class ParallelMesh:
             parts.setdefault(tuple(coord[i] for i in fixed), []).append(rank)
         return [tuple(part) for part in parts.values()]
 
-    def make_group(self, parts: list[tuple[int, ...]]) -> MeshGroup | None:
+    def make_group(self, parts: list[tuple[int, ...]], local: bool = False) -> MeshGroup | None:
         """This rank's group among `parts` (disjoint tuples of global ranks),
         creating every part's process group in order (collective over the
         job: every rank passes the same parts). None when this rank is in
         none of them (e.g. a stage that holds no copy of a tied weight).
         The mesh's own axes cover the job; other callers (tied weights of
-        a pipeline) may pass fewer ranks."""
+        a pipeline) may pass fewer ranks.
+
+        local: create only this rank's part, and only its members take part
+        (see [Note: groups of some ranks only]); the other parts are skipped.
+        """
         mine = None
         for part in parts:
+            member = self.global_rank in part
+            if local and not member:
+                continue
             if len(part) == 1:
                 group = None
             elif len(part) == self.world_size:
                 group = dist.group.WORLD
-            else:
-                if part not in self._made:
-                    self._made[part] = dist.new_group(list(part))  # every rank creates every group
+            elif part in self._made:  # made by every rank: every member has it
                 group = self._made[part]
-            if self.global_rank in part:
+            elif local:
+                if part not in self._made_locally:
+                    self._made_locally[part] = _local_group(part)
+                group = self._made_locally[part]
+            else:
+                group = self._made[part] = dist.new_group(list(part))  # every rank creates every group
+            if member:
                 mine = MeshGroup(part, part.index(self.global_rank), group)
         return mine
 
@@ -300,7 +329,7 @@ class ParallelMesh:
         built on (it is not after destroy_process_group and a new init)."""
         return _same_world(self._world)
 
-    def data_blocks(self, block_size: int, axis: str = "data") -> DataBlocks:
+    def data_blocks(self, block_size: int, axis: str = "data", local: bool = False) -> DataBlocks:
         """This rank's split of its `axis` group into blocks of `block_size`
         consecutive members, and the replicate group across the blocks.
 
@@ -311,7 +340,10 @@ class ParallelMesh:
         group under sequence parallelism).
 
         Collective over every rank the first time for an (axis, block_size)
-        (see [Note: creating the mesh's groups]); cached after.
+        (see [Note: creating the mesh's groups]); cached after. With
+        `local`, only this rank's block and replicate groups are made, and
+        only their members need call (see [Note: groups of some ranks
+        only]): what layers on some pipeline stages only use.
 
         Raises:
             ValueError: block_size does not divide the axis size; unknown axis.
@@ -321,12 +353,12 @@ class ParallelMesh:
                 or size % block_size:
             raise ValueError(f"data_blocks: blocks of {block_size!r} ranks do not divide the {axis!r} "
                              f"axis of {size} ranks; choose a divisor of {size}")
-        key = (axis, block_size)
+        key = (axis, block_size, local)
         if key not in self._blocks:
             parts = self.partition(axis)
             blocks = [part[s:s + block_size] for part in parts for s in range(0, size, block_size)]
             replicas = [part[i::block_size] for part in parts for i in range(block_size)]
-            self._blocks[key] = DataBlocks(self.make_group(blocks), self.make_group(replicas))
+            self._blocks[key] = DataBlocks(self.make_group(blocks, local), self.make_group(replicas, local))
         return self._blocks[key]
 
     def __repr__(self) -> str:
@@ -347,6 +379,13 @@ def _alone_group() -> ProcessGroup:
         _Alone.group = dist.new_group([comm.get_rank()], use_local_synchronization=True)
         _Alone.token = _world_token()
     return _Alone.group
+
+
+def _local_group(ranks: tuple[int, ...]) -> ProcessGroup:
+    """A process group of `ranks` (this rank among them) made by its members
+    only; see [Note: groups of some ranks only]."""
+    _alone_group()  # every member holds it before the name is drawn from its group count
+    return dist.new_group(list(ranks), use_local_synchronization=True)
 
 
 class _Current:

@@ -15,8 +15,18 @@ This is DeepSpeed's layout (utils/groups.py `_create_expert_and_data_parallel`):
 world 16, ep 2 -> expert-parallel [0,1], [2,3], ..., [14,15];
 expert-data-parallel [0,2,...,14], [1,3,...,15]. The groups are named
 `ep_size_<P>` (DeepSpeed's names; a parameter's `group_name`) and are the
-mesh's `data_blocks(P)`, so creating them is collective over the job the
-first time for a P (every rank constructs its MoE layers in the same order).
+mesh's `data_blocks(P)`, made on first use (a layer's first forward, or
+`initialize` reading the expert parameters) on the mesh current then.
+
+They are made as local groups (mesh.py [Note: groups of some ranks only]):
+only this rank's two groups, by their members alone. An MoE layer may sit
+on some pipeline stages only, and the other stages' ranks never ask for its
+groups; a collective new_group would leave those ranks behind in torch's
+group counter and hang the next group the whole job makes. The members of
+an expert group are data ranks of one stage, which run the same layers in
+the same order, so they ask for the groups at the same point. (DeepSpeed
+creates them collectively when its engine starts, and hangs there in that
+case.)
 """
 from __future__ import annotations
 
@@ -65,7 +75,8 @@ def group_name(ep_size: int) -> str:
 
 def create_expert_groups(ep_size: int) -> ExpertGroups:
     """The groups of degree `ep_size` on the current mesh, created on the
-    first call for it (collective: see [Note: expert groups]).
+    first call for it (by the members of this rank's groups, which must all
+    call it: see [Note: expert groups]).
 
     Raises:
         ValueError: ep_size < 1 or it does not divide the data axis size.
@@ -80,7 +91,7 @@ def create_expert_groups(ep_size: int) -> ExpertGroups:
             raise ValueError(f"MoE: ep_size={ep_size!r} must be a positive divisor of the data-parallel "
                              f"size {data} (world size / (pipe x model x sequence)); choose ep_size "
                              f"among {[d for d in range(1, data + 1) if data % d == 0]}")
-        blocks = mesh.data_blocks(ep_size)
+        blocks = mesh.data_blocks(ep_size, local=True)
         _Registry.groups[name] = ExpertGroups(name, blocks.block, blocks.replicate, data)
     return _Registry.groups[name]
 
@@ -88,7 +99,7 @@ def create_expert_groups(ep_size: int) -> ExpertGroups:
 def expert_groups(name: str) -> ExpertGroups:
     """The groups named `name` ("ep_size_<P>", a parameter's `group_name`) on
     the current mesh; created when no MoE layer has made them yet (as
-    create_expert_groups: collective the first time).
+    create_expert_groups).
 
     Raises:
         ValueError: a name not of the form "ep_size_<P>", or a P that

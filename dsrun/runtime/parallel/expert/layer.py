@@ -26,7 +26,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from dsrun.runtime import comm
 from dsrun.runtime.observability.logging import logger
 from dsrun.runtime.parallel.expert.experts import Experts, all_to_all
 from dsrun.runtime.parallel.expert.gating import TopKGate
@@ -107,7 +106,7 @@ class MOELayer(torch.nn.Module):
 
     def groups(self) -> ExpertGroups:
         """This layer's expert groups on the current mesh (made on the first
-        call: collective, see groups.py)."""
+        call by the members of this rank's groups, see groups.py)."""
         return create_expert_groups(self.ep_size)
 
     def forward(self, hidden_states: torch.Tensor, used_token: torch.Tensor | None = None) -> torch.Tensor:
@@ -155,9 +154,11 @@ class MoE(torch.nn.Module):
         use_rts: Random Token Selection for top-1 drops.
         top2_2nd_expert_sampling: Gumbel-noised second choice for k = 2.
 
-    The expert groups are made at construction when torch.distributed is
-    initialised (collective: every rank builds its layers in one order),
-    else at the first forward.
+    The expert groups are made on first use, on the mesh current then
+    (`initialize`, or the first forward): a layer built before the job's
+    mesh (a PipelineModule from num_stages) takes the pipeline's groups,
+    and a layer on some stages only involves only their ranks (groups.py
+    [Note: expert groups]).
 
     Raises:
         ValueError: num_experts not a multiple of ep_size; ep_size not a
@@ -186,8 +187,6 @@ class MoE(torch.nn.Module):
         if use_residual:
             self.mlp = expert
             self.coefficient = torch.nn.Linear(hidden_size, 2)
-        if comm.is_initialized():
-            self.deepspeed_moe.groups()  # collective: every rank builds its layers in one order
 
     def forward(self, hidden_states: torch.Tensor, used_token: torch.Tensor | None = None):
         """hidden_states [..., M] -> (output [..., M], l_aux (scalar fp32),
