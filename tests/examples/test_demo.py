@@ -8,26 +8,20 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import re
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
-EXAMPLES = ROOT / "examples"
+from tests.examples.gpt_runs import EXAMPLES
+
 sys.path.insert(0, str(EXAMPLES))
 
 from byte_data import (  # noqa: E402
     VAL_EVERY, WindowSampler, eval_windows, load_corpus, split_files, stdlib_files, windows,
 )
 from gpt_model import GPT, GPTConfig  # noqa: E402
-
-SUMMARY = re.compile(r"validation loss: before (\d+\.\d+)\s+after (\d+\.\d+)\s+drop (-?\d+\.\d+)")
 
 
 # ---- data -------------------------------------------------------------------
@@ -152,47 +146,26 @@ def test_model_is_causal():
 
 # ---- end to end -------------------------------------------------------------
 
-STEPS = 80
-
-
-def launch_demo(config_name: str, tmp_path: Path) -> tuple[float, float, float]:
-    """Run the shortened demo on 2 ranks through `dsrun`; return (before, after, drop) as printed."""
-    cfg = json.loads((EXAMPLES / "configs" / config_name).read_text())
-    cfg["scheduler"]["params"].update(total_num_steps=STEPS, warmup_num_steps=8)
-    cfg_path = tmp_path / config_name
-    cfg_path.write_text(json.dumps(cfg))
-    dsrun_bin = Path(sys.executable).parent / "dsrun"
-    cmd = [str(dsrun_bin), "--num_procs", "2", str(EXAMPLES / "train_gpt.py"), "--config", str(cfg_path),
-           "--steps", str(STEPS), "--n_layer", "2", "--n_embd", "64", "--seq_len", "64", "--eval_batches", "4"]
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=240,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out
-    found = SUMMARY.findall(out)
-    assert len(found) == 1, f"expected one summary line from rank 0:\n{out}"
-    return tuple(map(float, found[0]))
-
-
-@pytest.fixture(scope="module")
-def stage0_run(tmp_path_factory):
-    return launch_demo("gpt_demo.json", tmp_path_factory.mktemp("stage0"))
+# Enough for the loss to fall by more than 1 nat/byte (4 warm-up steps); the
+# stage-0 run is also test_train_gpt_pipe.py's data-parallel reference.
+STEPS = 20
 
 
 @pytest.mark.slow
-def test_demo_trains_through_the_launcher(stage0_run):
+def test_demo_trains_through_the_launcher(gpt_run):
     """2 ranks via `dsrun`: the validation loss must fall by more than 1 nat/byte."""
-    before, after, drop = stage0_run
+    before, after, drop = gpt_run(2, STEPS)
     assert 5.0 < before < 5.7  # an untrained byte model scores about ln 256 = 5.55
     assert before - after > 1.0, (before, after)
     assert abs(drop - (before - after)) < 1e-3
 
 
 @pytest.mark.slow
-def test_demo_zero3_config_matches_stage0(stage0_run, tmp_path):
+def test_demo_zero3_config_matches_stage0(gpt_run):
     """gpt_zero3.json partitions every parameter; in fp32 it must train to the same loss.
 
     With 2 ranks a sum of two gradients does not depend on the reduction's
     order, so stage 3 and stage 0 agree to the printed 4 decimals.
     """
-    before, after, _ = launch_demo("gpt_zero3.json", tmp_path)
-    assert (before, after) == pytest.approx(stage0_run[:2], abs=2e-4)
+    before, after, _ = gpt_run(2, STEPS, config_name="gpt_zero3.json")
+    assert (before, after) == pytest.approx(gpt_run(2, STEPS)[:2], abs=2e-4)

@@ -13,7 +13,7 @@ import warnings
 
 import pytest
 
-from tests.examples.test_train_gpt_tp import EXAMPLES, _launch
+from tests.examples.gpt_runs import EXAMPLES
 
 sys.path.insert(0, str(EXAMPLES))
 
@@ -58,15 +58,15 @@ def test_a_bad_script_section_is_a_usage_error(tmp_path, capsys, section, messag
 
 
 @pytest.mark.slow
-def test_gpt_3d_moe_matches_the_moe_pipeline_on_fewer_ranks(tmp_path):
+def test_gpt_3d_moe_matches_the_moe_pipeline_on_fewer_ranks(gpt_run):
     """8 ranks (2 data replicas, each pipe 2 x tensor 2, the experts over the
     2 data ranks and kept whole over the tensor ranks) train as 4 ranks (pipe
     2 x data 2, the same experts) do from the same weights on the same
     windows: the validation losses agree to the printed 4 decimals, and
     training lowers the loss."""
-    three_d = _launch(tmp_path, 8, 12, config_name="gpt_3d_moe.json")
-    pipe = _launch(tmp_path, 4, 12, "--pipeline_stages", "2", config_name="gpt_3d_moe.json",
-                   drop=("tensor_parallel",))  # the experts (4 at ep 2) from the same section
+    three_d = gpt_run(8, 12, config_name="gpt_3d_moe.json")[:2]
+    pipe = gpt_run(4, 12, "--pipeline_stages", "2", config_name="gpt_3d_moe.json",
+                   drop=("tensor_parallel",))[:2]  # the experts (4 at ep 2) from the same section
     assert 5.0 < three_d[0] < 5.7  # an untrained byte model scores about ln 256 = 5.55
     assert three_d[1] < three_d[0], three_d
     assert three_d == pytest.approx(pipe, abs=2e-4)

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.examples.test_train_gpt_tp import EXAMPLES, _launch
+from tests.examples.gpt_runs import EXAMPLES
 
 sys.path.insert(0, str(EXAMPLES))
 
@@ -27,13 +27,13 @@ def test_degrees_come_from_the_config_and_flags_are_refused():
 
 
 @pytest.mark.slow
-def test_gpt_4d_matches_the_pipeline_on_fewer_ranks(tmp_path):
+def test_gpt_4d_matches_the_pipeline_on_fewer_ranks(gpt_run):
     """8 ranks (one data replica) draw data-parallel rank 0's windows, as the
     2-rank pipeline does, from the same GPT weights: the validation losses
     agree to the printed 4 decimals, and training lowers the loss."""
-    four_d = _launch(tmp_path, 8, 12, config_name="gpt_4d.json")
-    pipe = _launch(tmp_path, 2, 12, "--pipeline_stages", "2", config_name="gpt_4d.json",
-                   drop=("tensor_parallel", "sequence_parallel_size"))
+    four_d = gpt_run(8, 12, config_name="gpt_4d.json")[:2]
+    pipe = gpt_run(2, 12, "--pipeline_stages", "2", config_name="gpt_4d.json",
+                   drop=("tensor_parallel", "sequence_parallel_size"))[:2]
     assert 5.0 < four_d[0] < 5.7  # an untrained byte model scores about ln 256 = 5.55
     assert four_d[1] < four_d[0], four_d
     assert four_d == pytest.approx(pipe, abs=2e-4)

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tests.examples.test_train_gpt_tp import EXAMPLES, _launch
+from tests.examples.gpt_runs import EXAMPLES, launch
 
 sys.path.insert(0, str(EXAMPLES))
 
@@ -54,9 +54,9 @@ def test_moe_gpt_trains_on_2_ranks_with_expert_parallelism(tmp_path):
     the validation loss starts near ln 256 and drops."""
     cfg = json.loads((EXAMPLES / "configs" / "gpt_demo.json").read_text())
     cfg["zero_optimization"] = {"stage": 2}
-    name = "gpt_moe_test.json"  # an absolute path: _launch shortens the scheduler of this copy
+    name = "gpt_moe_test.json"  # an absolute path: launch shortens the scheduler of this copy
     (tmp_path / name).write_text(json.dumps(cfg))
-    before, after = _launch(tmp_path, 2, 20, "--moe_experts", "4", "--moe_ep_size", "2", "--moe_top_k", "2",
-                            config_name=str(tmp_path / name))
+    before, after, _ = launch(tmp_path, 2, 20, "--moe_experts", "4", "--moe_ep_size", "2", "--moe_top_k", "2",
+                              config_name=str(tmp_path / name))
     assert 5.0 < before < 5.7
     assert before - after > 0.5, (before, after)

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.examples.test_train_gpt_tp import EXAMPLES, _launch
+from tests.examples.gpt_runs import EXAMPLES
 
 sys.path.insert(0, str(EXAMPLES))
 
@@ -26,13 +26,14 @@ def test_sequence_parallel_flag_refusals(capsys):
 
 
 @pytest.mark.slow
-def test_sequence_parallel_matches_one_rank_on_the_same_windows(tmp_path):
+def test_sequence_parallel_matches_one_rank_on_the_same_windows(gpt_run):
     """sp=2 on 2 ranks draws data-parallel rank 0's windows, as one rank
-    does, from the same weights: a few steps give the same validation
-    losses to the printed 4 decimals (the all-to-alls only reorder fp32
-    sums), and training lowers the loss."""
-    sp = _launch(tmp_path, 2, 8, "--sequence_parallel", "2")
-    single = _launch(tmp_path, 1, 8)
+    does, from the same weights: 20 steps (the one-rank run is
+    test_train_gpt_tp.py's reference too) give the same validation losses
+    to the printed 4 decimals (the all-to-alls only reorder fp32 sums), and
+    training lowers the loss."""
+    sp = gpt_run(2, 20, "--sequence_parallel", "2")[:2]
+    single = gpt_run(1, 20)[:2]
     assert 5.0 < sp[0] < 5.7  # an untrained byte model scores about ln 256 = 5.55
     assert sp[1] < sp[0], sp
     assert sp == pytest.approx(single, abs=2e-4)

@@ -146,19 +146,25 @@ def test_traceback_behind_torch_rank_prefix_is_the_root_cause(launcher, tmp_path
 
 
 def test_orphans_that_exit_during_the_job_are_reaped(launcher, tmp_path):
-    """Item 9: as a subreaper the agent inherits orphans; those that exit must not stay zombies until the end."""
+    """Item 9: as a subreaper the agent inherits orphans; those that exit must not stay zombies until the end.
+
+    Each orphan writes its pid and exits; the rank then waits for the test. An orphan the agent does not
+    reap stays a zombie (its pid still exists), so the test polls until every one is gone while the job
+    still runs, instead of sleeping a fixed time."""
     (tmp_path / "orphans.py").write_text(
         "import os, time\n"
         "for _ in range(5):\n"
         "    if os.fork() == 0:\n"
         "        if os.fork() == 0:\n"
-        "            time.sleep(0.2)\n"
+        "            time.sleep(0.2)  # its parent has exited: the agent adopts it\n"
+        "            open(f'orphan.{os.getpid()}', 'w').close()\n"
         "            os._exit(0)\n"
         "        os._exit(0)\n"
         "    os.wait()\n"
-        "time.sleep(4)\n"
         "print('AGENT', os.getppid(), flush=True)\n"
-        "time.sleep(2)\n")
+        "deadline = time.monotonic() + 60\n"
+        "while not os.path.exists('looked') and time.monotonic() < deadline:\n"
+        "    time.sleep(0.05)\n")
     proc = launcher.popen("--num_procs", "1", "orphans.py")
     try:
         line = ""
@@ -166,8 +172,15 @@ def test_orphans_that_exit_during_the_job_are_reaped(launcher, tmp_path):
             line = proc.stdout.readline()
             assert line or proc.poll() is None, proc.stderr.read()
         agent = psutil.Process(int(line.split()[-1]))
-        zombies = [c.pid for c in agent.children() if c.status() == psutil.STATUS_ZOMBIE]
-        assert not zombies, f"unreaped orphans of the agent: {zombies}"
+        deadline = time.monotonic() + 30
+        while len(orphans := [int(f.name.split(".")[1]) for f in tmp_path.glob("orphan.*")]) < 5:
+            assert time.monotonic() < deadline, f"only {len(orphans)} of 5 orphans wrote their pid"
+            time.sleep(0.05)
+        while zombies := [c.pid for c in agent.children() if c.pid in orphans]:
+            assert time.monotonic() < deadline, f"unreaped orphans of the agent: {zombies}"
+            time.sleep(0.05)
+        assert proc.poll() is None  # reaped while the job runs, not at its end
     finally:
+        (tmp_path / "looked").touch()
         proc.communicate(timeout=30)
     assert proc.returncode == 0

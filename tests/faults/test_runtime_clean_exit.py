@@ -17,9 +17,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # A finished training script that never destroys its process group itself. Its
 # own exit handler, registered before dsrun's (atexit runs the last registered
-# first), reports whether the default group's Python object is gone when dsrun's
-# teardown has run, that is, before the interpreter's own teardown: what gloo's
-# abort at exit needs is a group still alive then (see dsrun/runtime/distributed/dist.py _leave).
+# first), reports whether every process group torch registered and each group's
+# gloo backend (the ProcessGroupGloo object) are gone when dsrun's teardown has
+# run, that is, before the interpreter's own teardown: what gloo's abort at exit
+# needs is a gloo object still alive then (see dsrun/runtime/distributed/dist.py _leave).
 _RANK = """\
 import atexit
 import gc
@@ -28,10 +29,11 @@ import weakref
 import torch
 import torch.distributed as dist
 
-world = []
+gloo_objects = []  # weak references: the groups and their gloo backends
 def after_dsrun_teardown():
     gc.collect()
-    print("group alive" if dist.is_initialized() or world[0]() is not None else "group gone", flush=True)
+    alive = dist.is_initialized() or any(ref() is not None for ref in gloo_objects)
+    print("group alive" if alive else "group gone", flush=True)
 atexit.register(after_dsrun_teardown)
 
 from dsrun.runtime.distributed.dist import init_distributed
@@ -43,7 +45,9 @@ def destroy(*args, **kwargs):
 dist.destroy_process_group = destroy
 
 topology = init_distributed()
-world.append(weakref.ref(dist.distributed_c10d._get_default_group()))
+gloo_objects += [weakref.ref(obj) for group in dist.distributed_c10d._world.pg_map
+                 for obj in (group, group._get_backend(torch.device("cpu")))]
+assert len(gloo_objects) >= 2
 t = torch.ones(4)
 dist.all_reduce(t)
 assert t.tolist() == [2.0] * 4
@@ -84,7 +88,7 @@ def test_process_group_destroyed_at_clean_exit_only(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)  # 16 x 2 interpreters importing torch: about 1 min on an idle 2-core machine
+@pytest.mark.timeout(600)  # 4 x 2 interpreters importing torch: about 10 s on an idle 2-core machine
 def test_back_to_back_two_rank_runs_all_exit_0(tmp_path):
     """Each rank a fresh interpreter, as under a launcher: without the teardown
     at exit, 4 of 30 such runs (5 of 60 ranks) aborted with SIGABRT here (and
@@ -94,19 +98,21 @@ def test_back_to_back_two_rank_runs_all_exit_0(tmp_path):
 
     [Note: fewer runs, one deterministic check]
     This took 50 runs (about 3 min idle, 650 s on a loaded machine) to catch a
-    missing teardown by chance alone. Every rank now also
-    reports whether its group is gone after dsrun's exit handler (the
-    "group gone" line, see _RANK): a missing or late teardown fails that in
-    the first run, every time (checked by unregistering dsrun's handler: the
-    line reads "group alive"). The 16 runs (32 ranks, about 90% to see an abort
-    were the teardown missing) remain for what that line cannot see: an
-    abort from some other gloo object alive at exit. More gloo groups per rank
-    do not make the abort more frequent (1 of 20 ranks with 8 groups each),
-    so the runs stay minimal."""
+    missing teardown by chance alone. Every rank now also reports whether,
+    after dsrun's exit handler, every process group torch registered and
+    each group's gloo backend are gone (the "group gone" line, see _RANK): a
+    missing or late teardown fails that in the first run, every time
+    (checked by unregistering dsrun's handler: the line reads "group
+    alive"), and so does a gloo backend that something still holds once its
+    group is destroyed (checked by keeping the default group's backend in a
+    module attribute: "group alive" too), which runs by chance found only
+    as an abort. The 4 runs remain as a smoke test of fresh interpreters
+    exiting back to back; more gloo groups per rank do not make an abort
+    more frequent (1 of 20 ranks with 8 groups each), so the runs stay minimal."""
     script = tmp_path / "rank.py"
     script.write_text(_RANK)
     failed = []
-    for run in range(16):
+    for run in range(4):
         for rank, proc in enumerate(_run_pair(script, "clean")):
             if proc.returncode != 0 or proc.stdout.split() != CLEAN:
                 failed.append(f"run {run} rank {rank}: exit {proc.returncode}: {proc.stdout} {proc.stderr[-300:]}")
