@@ -114,9 +114,10 @@ def run_interleaved(cases: dict[str, list[str]], variants: list[str], venv: Path
 
     Returns:
         {"steps": {(case, variant): [step seconds]}, "cpu": {...: [CPU seconds per step]},
-        "launches": {...: [median step seconds of each launch]}, "last": {...: the last launch's result}}.
+        "launches": {...: [median step seconds of each launch]}, "last": {...: the last launch's result},
+        "results": {...: [every launch's result]}}.
     """
-    out = {"steps": {}, "cpu": {}, "launches": {}, "last": {}}
+    out = {"steps": {}, "cpu": {}, "launches": {}, "last": {}, "results": {}}
     for repeat in range(repeats):
         for case, args in cases.items():
             for variant in (variants if repeat % 2 == 0 else variants[::-1]):
@@ -126,6 +127,7 @@ def run_interleaved(cases: dict[str, list[str]], variants: list[str], venv: Path
                 out["cpu"].setdefault(key, []).extend(result["cpu_s"])
                 out["launches"].setdefault(key, []).append(statistics.median(result["step_s"]))
                 out["last"][key] = result
+                out["results"].setdefault(key, []).append(result)
                 print(f"repeat {repeat} {case} {variant}: median {out['launches'][key][-1] * 1e3:.1f} ms", flush=True)
     return out
 

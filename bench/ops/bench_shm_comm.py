@@ -3,8 +3,12 @@
     .venv/bin/python bench/ops/bench_shm_comm.py [--sizes-mib 16 192] [--ranks 2] [--repeats 7]
 
 Per size, fp32, each rank with one torch thread: gloo all_reduce (the
-baseline), gloo reduce_scatter_tensor and all_gather_into_tensor, and dsrun's
-shm all_reduce, reduce_scatter, all_gather and broadcast. The size is the
+baseline), gloo reduce_scatter_tensor, all_gather_into_tensor and
+all_to_all_single (the MoE layer's exchange, which has no shm path), and
+dsrun's shm all_reduce, reduce_scatter, all_gather and broadcast. shm
+all_gather stages 1/world of the size and reads the rest; an all-to-all
+on shared memory would stage the whole input and read as much, so that row
+is the nearest to one. The size is the
 full tensor (all_reduce input, reduce_scatter input, all_gather output).
 Times are rank 0's, each call preceded by a barrier; rounds interleave the
 cases. With --deepspeed DIR (a directory holding the deepspeed package),
@@ -50,10 +54,12 @@ def rank_main(rank: int, world: int, port: int, sizes: list[int], repeats: int, 
         n = (mib << 20) // 4 // world * world
         full = torch.randn(n)
         part = torch.randn(n // world)
+        exchanged = torch.empty(n)
         cases = {
             "gloo all_reduce": lambda: dist.all_reduce(full),
             "gloo reduce_scatter": lambda: dist.reduce_scatter_tensor(part, full),
             "gloo all_gather": lambda: dist.all_gather_into_tensor(full, part),
+            "gloo all_to_all": lambda: dist.all_to_all_single(exchanged, full),
             "shm all_reduce": lambda: group.all_reduce(full),
             "shm reduce_scatter": lambda: group.reduce_scatter(part, full),
             "shm all_gather": lambda: group.all_gather(full, part),

@@ -15,6 +15,8 @@ DeepSpeed 0.19:
   DeepSpeed's; `TopKGate` returns it on the CPU, as `MoE` does); DeepSpeed's internal `sparse_routes`
   and Tutel paths are not offered (`MOELayer(use_tutel=True)` logs a
   warning and uses dsrun's dispatch, as DeepSpeed does without Tutel);
+  the layer itself moves tokens by index, as DeepSpeed's does with
+  `sparse_routes`, from `TopKGate.route` (runtime/parallel/expert/routes.py);
 - `top2gating` does not add its Gumbel noise to the caller's `logits` in
   place;
 - the expert-parallel group is the mesh's (runtime/parallel/expert/groups.py):

@@ -7,10 +7,14 @@ For S tokens and E experts a gate returns, in fp32:
 - combine_weights [S, E, C]: the weight of token s in expert e's output at
   capacity slot c (zero where s is not in that slot);
 - dispatch_mask [S, E, C] (bool): combine_weights != 0, the token-to-slot
-  assignment the dispatch uses;
+  assignment;
 - l_aux (scalar): the auxiliary load-balancing loss;
 - exp_counts [E] (int64, CPU): how many tokens chose each expert before any
   was dropped (with k > 1 each choice counts).
+
+The MoE layer takes the same decisions in another form, as routes
+(`TopKGate.route`, the `*_routes` functions; see [Note: routes, not
+[S, E, C] masks] in routes.py); the dense form above is built from them.
 
 C, the capacity, is ceil(S / E x capacity_factor x k), at least
 `min_capacity`; a token whose choice of expert finds the expert full is
@@ -55,24 +59,13 @@ GShard); for k > 2 ce counts every choice and the loss is divided by k.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
-
 import torch
 import torch.nn.functional as F
 
 from dsrun.runtime import comm
+from dsrun.runtime.parallel.expert.routes import GateOutput, Routes, pick  # noqa: F401 - GateOutput re-exported
 
 NOISY_GATE_POLICIES = (None, "Jitter", "RSample")
-
-
-class GateOutput(NamedTuple):
-    """What a gate returns (see [Note: the gating outputs]), in the order of
-    DeepSpeed's gating functions' tuples."""
-
-    l_aux: torch.Tensor
-    combine_weights: torch.Tensor
-    dispatch_mask: torch.Tensor
-    exp_counts: torch.Tensor
 
 
 def capacity(num_tokens: int, num_experts: int, capacity_factor: float, min_capacity: int) -> int:
@@ -102,13 +95,6 @@ def _dropless_capacity(counts: torch.Tensor, ep_group) -> int:
     return max(int(most.item()), 1)
 
 
-def _slots(mask: torch.Tensor, locations: torch.Tensor, weights: torch.Tensor, cap: int) -> torch.Tensor:
-    """combine weights [S, E, cap]: weights[s, e] at slot locations[s, e]
-    wherever mask[s, e]."""
-    slot = F.one_hot((locations * mask).long(), num_classes=cap).to(weights.dtype)
-    return (weights * mask).unsqueeze(-1) * slot
-
-
 def _top_rows(score: torch.Tensor, cap: int, sorted: bool = True) -> torch.Tensor:
     """A 0/1 int64 mask [S, E] of the min(cap, S) rows `torch.topk` picks in
     each column of `score` [S, E] (ties in torch.topk's order)."""
@@ -116,10 +102,18 @@ def _top_rows(score: torch.Tensor, cap: int, sorted: bool = True) -> torch.Tenso
     return torch.zeros(score.shape, dtype=torch.int64, device=score.device).scatter_(0, rows, 1)
 
 
-def top1_gating(logits: torch.Tensor, capacity_factor: float, min_capacity: int, *,
+def _routes(l_aux: torch.Tensor, picked: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], cap: int,
+            num_experts: int, counts: torch.Tensor) -> Routes:
+    """Routes from one `pick` per choice (routes.py), choices in order."""
+    experts, slots, weights = (torch.stack(part) for part in zip(*picked))
+    return Routes(l_aux, experts, slots, weights, cap, num_experts, counts.cpu())
+
+
+def top1_routes(logits: torch.Tensor, capacity_factor: float, min_capacity: int, *,
                 noisy_gate_policy: str | None = None, drop_tokens: bool = True, use_rts: bool = True,
-                ep_group=None, used_token: torch.Tensor | None = None) -> GateOutput:
-    """Top-1 (Switch) gating over `logits` [S, E] (fp32); see [Note: the gating outputs].
+                ep_group=None, used_token: torch.Tensor | None = None) -> Routes:
+    """Top-1 (Switch) gating over `logits` [S, E] (fp32), as routes (k = 1;
+    routes.py); top1_gating gives the dense form, [Note: the gating outputs].
 
     noisy_gate_policy "RSample" picks each token's expert on logits plus
     Gumbel noise (the gate weight stays the noiseless probability).
@@ -132,7 +126,8 @@ def top1_gating(logits: torch.Tensor, capacity_factor: float, min_capacity: int,
     num_tokens, num_experts = logits.shape
     gates = F.softmax(logits, dim=1)
     chooser = logits + gumbel_noise(logits.shape, logits.device) if noisy_gate_policy == "RSample" else gates
-    mask = F.one_hot(chooser.argmax(dim=1), num_classes=num_experts)
+    choice = chooser.argmax(dim=1)
+    mask = F.one_hot(choice, num_classes=num_experts)
     if used_token is not None:
         mask = mask * used_token.reshape(-1, 1).to(mask.dtype)
     counts = mask.sum(dim=0).detach()
@@ -149,23 +144,33 @@ def top1_gating(logits: torch.Tensor, capacity_factor: float, min_capacity: int,
     else:
         cap = _dropless_capacity(counts, ep_group)
     locations = mask.cumsum(dim=0) - 1
-    combine = _slots(mask, locations, gates, cap)
-    return GateOutput(l_aux, combine, combine.bool(), counts.cpu())
+    choice = choice.unsqueeze(1)
+    return _routes(l_aux, [pick(choice[:, 0], mask, locations, gates.gather(1, choice).squeeze(1))], cap,
+                   num_experts, counts)
 
 
-def top2_gating(logits: torch.Tensor, capacity_factor: float, min_capacity: int, *,
-                drop_tokens: bool = True, ep_group=None, second_expert_sampling: bool = True) -> GateOutput:
-    """Top-2 (GShard) gating over `logits` [S, E] (fp32), E >= 2; see
-    [Note: the gating outputs]. The second expert is the best other than the
+def top1_gating(logits: torch.Tensor, capacity_factor: float, min_capacity: int, **options) -> GateOutput:
+    """top1_routes (same arguments and errors) in the dense [S, E, C] form
+    of [Note: the gating outputs]."""
+    return top1_routes(logits, capacity_factor, min_capacity, **options).dense()
+
+
+def top2_routes(logits: torch.Tensor, capacity_factor: float, min_capacity: int, *,
+                drop_tokens: bool = True, ep_group=None, second_expert_sampling: bool = True) -> Routes:
+    """Top-2 (GShard) gating over `logits` [S, E] (fp32), E >= 2, as routes
+    (first choices, then second ones; routes.py); top2_gating gives the
+    dense form, [Note: the gating outputs]. The second expert is the best other than the
     first on logits plus Gumbel noise when `second_expert_sampling`
     (DeepSpeed's top2_2nd_expert_sampling), else on the logits. A token's
     gate weights are renormalised to sum to 1 over the choices that kept a
     place (a token that lost one puts weight 1 on the other)."""
     num_tokens, num_experts = logits.shape
     gates = F.softmax(logits, dim=1)
-    mask1 = F.one_hot(gates.argmax(dim=1), num_classes=num_experts)
+    choice1 = gates.argmax(dim=1)
+    mask1 = F.one_hot(choice1, num_classes=num_experts)
     noisy = logits + gumbel_noise(logits.shape, logits.device) if second_expert_sampling else logits
-    mask2 = F.one_hot(noisy.masked_fill(mask1.bool(), float("-inf")).argmax(dim=1), num_classes=num_experts)
+    choice2 = noisy.masked_fill(mask1.bool(), float("-inf")).argmax(dim=1)
+    mask2 = F.one_hot(choice2, num_classes=num_experts)
     locations1 = mask1.cumsum(dim=0) - 1
     locations2 = mask2.cumsum(dim=0) - 1 + mask1.sum(dim=0, keepdim=True)
     counts = (mask1 + mask2).sum(dim=0).detach()
@@ -179,17 +184,24 @@ def top2_gating(logits: torch.Tensor, capacity_factor: float, min_capacity: int,
     gate1 = (gates * mask1).sum(dim=1, keepdim=True)
     gate2 = (gates * mask2).sum(dim=1, keepdim=True)
     denom = (gate1 + gate2).clamp(min=torch.finfo(gates.dtype).eps)
-    combine = _slots(mask1, locations1, gate1 / denom, cap) + _slots(mask2, locations2, gate2 / denom, cap)
-    return GateOutput(l_aux, combine, combine.bool(), counts.cpu())
+    return _routes(l_aux, [pick(choice1, mask1, locations1, (gate1 / denom).squeeze(1)),
+                           pick(choice2, mask2, locations2, (gate2 / denom).squeeze(1))], cap, num_experts, counts)
+
+
+def top2_gating(logits: torch.Tensor, capacity_factor: float, min_capacity: int, **options) -> GateOutput:
+    """top2_routes (same arguments) in the dense [S, E, C] form of [Note:
+    the gating outputs]."""
+    return top2_routes(logits, capacity_factor, min_capacity, **options).dense()
 
 
 DROP_POLICIES = ("probs", "position")
 
 
-def topk_gating(logits: torch.Tensor, k: int, capacity_factor: float, min_capacity: int, *,
-                drop_tokens: bool = True, ep_group=None, drop_policy: str = "probs") -> GateOutput:
-    """Top-k gating over `logits` [S, E] (fp32), k <= E; see [Note: the
-    gating outputs]. Each token goes to its k most probable experts, with
+def topk_routes(logits: torch.Tensor, k: int, capacity_factor: float, min_capacity: int, *,
+                drop_tokens: bool = True, ep_group=None, drop_policy: str = "probs") -> Routes:
+    """Top-k gating over `logits` [S, E] (fp32), k <= E, as routes (a
+    token's choices from the most probable down; routes.py); topk_gating
+    gives the dense form, [Note: the gating outputs]. Each token goes to its k most probable experts, with
     its kept probabilities renormalised to sum to 1; a full expert keeps the
     tokens most probable for it (drop_policy "probs"), or the first in token
     order ("position", GShard's policy).
@@ -201,7 +213,8 @@ def topk_gating(logits: torch.Tensor, k: int, capacity_factor: float, min_capaci
         raise ValueError(f"MoE gate: drop_policy={drop_policy!r}; choose one of {DROP_POLICIES}")
     num_tokens, num_experts = logits.shape
     gates = F.softmax(logits, dim=1)
-    mask = torch.zeros_like(gates, dtype=torch.int64).scatter_(1, gates.topk(k, dim=1).indices, 1)
+    choices = gates.topk(k, dim=1).indices
+    mask = torch.zeros_like(gates, dtype=torch.int64).scatter_(1, choices, 1)
     counts = mask.sum(dim=0).detach()
     l_aux = (gates.mean(dim=0) * mask.float().mean(dim=0)).sum() * num_experts / k
     if drop_tokens:
@@ -215,8 +228,15 @@ def topk_gating(logits: torch.Tensor, k: int, capacity_factor: float, min_capaci
     locations = mask.cumsum(dim=0) - 1
     kept_gates = gates * mask
     weights = kept_gates / kept_gates.sum(dim=1, keepdim=True).clamp(min=torch.finfo(gates.dtype).eps)
-    combine = _slots(mask, locations, weights, cap)
-    return GateOutput(l_aux, combine, combine.bool(), counts.cpu())
+    return _routes(l_aux, [pick(choice, mask, locations, weights.gather(1, choice.unsqueeze(1)).squeeze(1))
+                           for choice in choices.unbind(1)], cap, num_experts, counts)
+
+
+def topk_gating(logits: torch.Tensor, k: int, capacity_factor: float, min_capacity: int,
+                **options) -> GateOutput:
+    """topk_routes (same arguments and errors) in the dense [S, E, C] form
+    of [Note: the gating outputs]."""
+    return topk_routes(logits, k, capacity_factor, min_capacity, **options).dense()
 
 
 class TopKGate(torch.nn.Module):
@@ -280,9 +300,14 @@ class TopKGate(torch.nn.Module):
                 ep_group=None) -> GateOutput:
         """Gate `tokens` [S, M] (any float dtype; routed in fp32); returns
         (l_aux, combine_weights, dispatch_mask, exp_counts), see [Note: the
-        gating outputs]. The dropless capacity (drop_tokens=False) is agreed
-        over `ep_group`, else the group set at construction or by
-        `_set_ep_group`."""
+        gating outputs]: `route`'s decisions in the dense form."""
+        return self.route(tokens, used_token, ep_group).dense()
+
+    def route(self, tokens: torch.Tensor, used_token: torch.Tensor | None = None, ep_group=None) -> Routes:
+        """Gate `tokens` [S, M] (any float dtype; routed in fp32) as routes
+        (routes.py; what MOELayer dispatches by). The dropless capacity
+        (drop_tokens=False) is agreed over `ep_group`, else the group set
+        at construction or by `_set_ep_group`."""
         ep_group = self.ep_group if ep_group is None else ep_group
         x = tokens.float()
         policy = self.noisy_gate_policy if self.training else None
@@ -292,11 +317,11 @@ class TopKGate(torch.nn.Module):
             logits = F.linear(x, self.wg.weight.float())
         factor = self.capacity_factor if self.training else self.eval_capacity_factor
         if self.k == 1:
-            return top1_gating(logits, factor, self.min_capacity, noisy_gate_policy=policy,
+            return top1_routes(logits, factor, self.min_capacity, noisy_gate_policy=policy,
                                drop_tokens=self.drop_tokens, use_rts=self.use_rts, ep_group=ep_group,
                                used_token=used_token)
         if self.k == 2:
-            return top2_gating(logits, factor, self.min_capacity, drop_tokens=self.drop_tokens,
+            return top2_routes(logits, factor, self.min_capacity, drop_tokens=self.drop_tokens,
                                ep_group=ep_group, second_expert_sampling=self.top2_2nd_expert_sampling)
-        return topk_gating(logits, self.k, factor, self.min_capacity, drop_tokens=self.drop_tokens,
+        return topk_routes(logits, self.k, factor, self.min_capacity, drop_tokens=self.drop_tokens,
                            ep_group=ep_group)

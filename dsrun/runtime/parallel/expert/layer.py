@@ -6,14 +6,15 @@ al., ICML 2022; GShard, Lepikhin et al. 2020, section 2.2).
 With S tokens on this rank, E experts over P expert-parallel ranks (L = E/P
 each) and capacity C:
 
-1. the gate assigns tokens to slots: dispatch [S, E, C];
-2. the tokens are packed into [E, C, M] (zeros in empty slots);
+1. the gate assigns each token a slot of an expert (a route; routes.py);
+2. the tokens are copied into [E, C, M] by their routes (zeros in empty
+   slots);
 3. all-to-all over the expert-parallel group: block p (experts p*L ..
    p*L+L-1) goes to rank p, which receives [P, L, C, M], the slots of its
    experts from every rank of the group;
 4. each local expert runs on its [P, C, M] slice;
 5. all-to-all back, so this rank again holds [E, C, M] for its own tokens;
-6. each token's output is the combine-weighted sum of its slots.
+6. each token's output is the combine-weighted sum of its routes' slots.
 
 Expert i of rank p is global expert p*L + i, so the same model with P = 1
 holds the same experts in the same order. Every rank exchanges E x C x M
@@ -30,6 +31,7 @@ from dsrun.runtime.observability.logging import logger
 from dsrun.runtime.parallel.expert.experts import Experts, all_to_all
 from dsrun.runtime.parallel.expert.gating import TopKGate
 from dsrun.runtime.parallel.expert.load import ExpertLoad
+from dsrun.runtime.parallel.expert.routes import combine, dispatch
 from dsrun.runtime.parallel.expert.groups import ExpertGroups, create_expert_groups, group_name
 
 
@@ -116,19 +118,18 @@ class MOELayer(torch.nn.Module):
         model_dim = hidden_states.shape[-1]
         tokens = hidden_states.reshape(-1, model_dim)
         ep_group = self.groups().ep_group  # None before torch.distributed is initialised (one rank)
-        routed = self.gate(tokens, used_token, ep_group=ep_group)
-        self.l_aux, self.exp_counts = routed.l_aux, routed.exp_counts
+        routes = self.gate.route(tokens, used_token, ep_group=ep_group)
+        self.l_aux, self.exp_counts = routes.l_aux, routes.exp_counts
         # A training-mode forward (under no_grad too: reentrant activation checkpointing's first pass),
         # not checkpointing's recompute inside a backward (counted already).
         if self.training and torch._C._current_graph_task_id() == -1:
-            self.load.record(routed.l_aux, routed.exp_counts, routed.dispatch_mask)
-        dispatched = torch.einsum("sec,sm->ecm", routed.dispatch_mask.to(tokens.dtype), tokens)
-        slots = dispatched.shape[1]
+            self.load.record(routes.l_aux, routes.exp_counts, routes.kept_counts())
+        slots, cap = routes.flat_slots(), routes.capacity
+        dispatched = dispatch(tokens, slots, routes.num_experts * cap)  # [E*C, M]
         received = all_to_all(dispatched, ep_group)
-        out = self.experts(received.reshape(self.ep_size, self.num_local_experts, slots, model_dim))
-        returned = all_to_all(out.reshape(-1, slots, model_dim), ep_group)
-        combined = torch.einsum("sec,ecm->sm", routed.combine_weights.to(tokens.dtype), returned)
-        return combined.reshape(hidden_states.shape)
+        out = self.experts(received.reshape(self.ep_size, self.num_local_experts, cap, model_dim))
+        returned = all_to_all(out.reshape(-1, model_dim), ep_group)
+        return combine(returned, slots, routes.weights).reshape(hidden_states.shape)
 
 
 class MoE(torch.nn.Module):

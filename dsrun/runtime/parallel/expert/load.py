@@ -33,12 +33,11 @@ class ExpertLoad:
         self.forwards = 0
         self.aux_pending = False
 
-    def record(self, l_aux: torch.Tensor, exp_counts: torch.Tensor, dispatch_mask: torch.Tensor) -> None:
+    def record(self, l_aux: torch.Tensor, exp_counts: torch.Tensor, kept: torch.Tensor) -> None:
         """Add one forward: its l_aux (scalar), exp_counts ([E] int64) and
-        dispatch mask ([S, E, C] bool). Hooks l_aux so that a backward
-        through it clears `aux_pending`."""
+        kept ([E] int64, the choices that found a slot). Hooks l_aux so that
+        a backward through it clears `aux_pending`."""
         self.tokens += exp_counts
-        kept = dispatch_mask.sum(dim=(0, 2)).detach()
         self.kept = kept if self.kept is None else self.kept + kept
         aux = l_aux.detach().float()
         self.aux_sum = aux if self.aux_sum is None else self.aux_sum + aux
