@@ -6,8 +6,9 @@ builds the smallest job that turns both on: each setting edits a `Plan`
 (the ds_config and how the model and the batches are made, `SETUP`), in
 the order of `combinations.SETTINGS`. Some settings bring what they need:
 hpZ, qgZ, qwZ, parameter offload and MiCS run at ZeRO-3 (MiCS at ZeRO-2
-with zb-h1, which refuses stage 3), optimizer offload at ZeRO-2 (unless
-the pair names a stage), and a pipeline runs 2
+with zb-h1, which refuses stage 3; its shard groups are halves of ZeRO's
+group), optimizer offload at ZeRO-2 (unless the pair names a stage), and a
+pipeline runs 2
 micro-batches per step (so its pairs also accumulate gradients, a pair
 tested on its own). `reference` is the same job on one process: the same
 model (every expert local), global batch, micro-batches, precision,
@@ -67,6 +68,7 @@ class Plan:
     tensor: int = 1
     sequence: int = 1
     experts: bool = False
+    mics: bool = False                        # MiCS shards within halves of ZeRO's group
     checkpointing: bool = False
     random_ltd: bool = False
     curriculum: bool = False
@@ -133,7 +135,7 @@ SETUP = {
     **{f"zero:{s}": _zero(s) for s in range(4)},
     **{f"offload_optimizer:{d}": _offload("offload_optimizer", d, 2) for d in ("cpu", "nvme")},
     **{f"offload_param:{d}": _offload("offload_param", d, 3) for d in ("cpu", "nvme")},
-    "mics": _zero_feature("mics_shard_size", 2),
+    "mics": _set(mics=True, min_stage=3),
     "hpz": _zero_feature("zero_hpz_partition_size", 2),
     "qgz": _zero_feature("zero_quantized_gradients", True),
     "qwz": _zero_feature("zero_quantized_weights", True),
@@ -167,15 +169,16 @@ def plan(settings, nvme_path: str = "") -> Plan:
 def reference(p: Plan) -> Plan:
     """`p` on one process: see [Note: one job per pair]."""
     config = {k: v for k, v in p.config.items() if k not in ("pipeline", "activation_checkpointing")}
-    return replace(p, config=config, zero={}, stage=0, min_stage=0, pipe=1, virtual=1, tensor=1, sequence=1,
-                   checkpointing=False, world=1, accumulation=SAMPLES // p.micro)
+    return replace(p, settings=(), config=config, zero={}, stage=0, min_stage=0, max_stage=3, pipe=1, virtual=1,
+                   tensor=1, sequence=1, mics=False, checkpointing=False, world=1, accumulation=SAMPLES // p.micro)
 
 
 def config_of(p: Plan) -> dict:
     """The ds_config of `p`."""
     return {**p.config, "train_micro_batch_size_per_gpu": p.micro, "gradient_accumulation_steps": p.accumulation,
             "gradient_clipping": CLIP, "steps_per_print": 10**6,
-            "zero_optimization": {"stage": p.stage if p.stage is not None else min(p.min_stage, p.max_stage), **p.zero},
+            "zero_optimization": {"stage": p.stage if p.stage is not None else min(p.min_stage, p.max_stage),
+                                  **p.zero, **({"mics_shard_size": p.data * p.sequence // 2} if p.mics else {})},
             **({"pipeline": {**p.config.get("pipeline", {}), "stages": p.pipe}} if p.pipe > 1 else {}),
             "tensor_parallel": {"autotp_size": p.tensor}, "sequence_parallel_size": p.sequence}
 

@@ -4,8 +4,11 @@
 A job turns on some of the SETTINGS below (read from the resolved config,
 the model and the mesh's degrees by `settings_of`). Every pair of them has
 one entry in TABLE: `Works` (the pair trains; `test` names the pytest node
-that trains it, or is None where no test covers the pair yet, shown as
-"works (untested)") or `Refused` (why, and what to change). Settings that
+that trains it against its reference, or is None where no test covers the
+pair yet, shown as "works (untested)") or `Refused` (why, and what to
+change). The pairs no feature's own test trains (`_TESTED`) are trained by
+one table-driven test (WALK_TEST, tests/parallel/test_combination_walk.py),
+each against one process; `_NOT_WALKED` lists those it cannot train yet. Settings that
 are values of one key (the ZeRO stages, the pipeline schedules, the devices
 of one offload) never meet, so they have no entries (`EXCLUSIVE`).
 
