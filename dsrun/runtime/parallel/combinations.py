@@ -8,7 +8,7 @@ that trains it against its reference, or is None where no test covers the
 pair yet, shown as "works (untested)") or `Refused` (why, and what to
 change). The pairs no feature's own test trains (`_TESTED`) are trained by
 one table-driven test (WALK_TEST, tests/parallel/test_combination_walk.py),
-each against one process; `_NOT_WALKED` lists those it cannot train yet. Settings that
+each against one process. Settings that
 are values of one key (the ZeRO stages, the pipeline schedules, the devices
 of one offload) never meet, so they have no entries (`EXCLUSIVE`).
 
@@ -239,9 +239,8 @@ _TESTED_LIST: list[tuple[str, str, str]] = [
 _TESTED: dict[frozenset[str], str] = {frozenset((a, b)): test for a, b, test in _TESTED_LIST}
 
 # The "works" pairs no test above trains are trained by one table-driven test, each against one
-# process (tests/parallel/test_combination_walk.py); these are the ones it does not cover yet.
+# process (tests/parallel/test_combination_walk.py), under this id with the pair as its parameter.
 WALK_TEST = "tests/parallel/test_combination_walk.py::test_pair_trains_like_one_process"
-_NOT_WALKED: list[frozenset[str]] = []
 
 
 def _build() -> dict[frozenset[str], Works | Refused]:
@@ -256,8 +255,7 @@ def _build() -> dict[frozenset[str], Works | Refused]:
         if pair in table or any(pair <= group for group in EXCLUSIVE):
             continue
         a, b = sorted(pair)
-        walked = None if pair in _NOT_WALKED else f"{WALK_TEST}[{a}-x-{b}]"
-        table[pair] = Works(_TESTED.get(pair, walked))
+        table[pair] = Works(_TESTED.get(pair, f"{WALK_TEST}[{a}-x-{b}]"))
     return table
 
 
