@@ -281,3 +281,23 @@ class RankPool:
     def _end(self, grace: float) -> None:
         _stop(self._procs, grace)
         self._procs = []
+
+
+def train_steps(engine, steps: int, loss_of: Callable[[int], Any]) -> tuple[list[float], list[float]]:
+    """Inside a rank: `steps` training steps of one micro-batch each, where
+    `loss_of(step)` runs this rank's forward through `engine` and returns
+    its loss (a scalar tensor). Returns per step the loss averaged over
+    every rank of the job (the ranks of one model copy hold the same loss
+    and the data ranks equal shares of the batch, so it is the global
+    batch's mean) and `engine.get_global_grad_norm()`."""
+    import torch.distributed as dist
+    losses, norms = [], []
+    for step in range(steps):
+        loss = loss_of(step)
+        engine.backward(loss)
+        engine.step()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(float(mean) / dist.get_world_size())
+        norms.append(engine.get_global_grad_norm())
+    return losses, norms
