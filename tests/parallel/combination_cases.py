@@ -55,7 +55,7 @@ RANDOM_LTD = {"enabled": True, "total_layer_num": 2, "random_ltd_layer_num": 2, 
 @dataclass
 class Plan:
     """One job: `config` (the ds_config without batch sizes, ZeRO stage and
-    degrees, which `finish` adds) and how the model and batches are made."""
+    degrees, which `config_of` adds) and how the model and batches are made."""
 
     settings: tuple[str, ...] = ()
     config: dict = field(default_factory=dict)
@@ -101,7 +101,7 @@ def _zero(stage: int):
 
 def _offload(kind: str, device: str, min_stage: int):
     def setup(p: Plan) -> None:
-        p.zero[kind] = {"device": device, **({"nvme_path": "NVME"} if device == "nvme" else {})}
+        p.zero[kind] = {"device": device}  # plan() adds an NVMe device's path
         p.min_stage = max(p.min_stage, min_stage)
     return setup
 
@@ -161,7 +161,7 @@ def plan(settings, nvme_path: str = "") -> Plan:
     for name in p.settings:
         SETUP[name](p)
     for kind in ("offload_optimizer", "offload_param"):
-        if p.zero.get(kind, {}).get("device") == "nvme":
+        if kind in p.zero and p.zero[kind]["device"] == "nvme":
             p.zero[kind]["nvme_path"] = nvme_path
     return p
 
