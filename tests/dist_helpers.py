@@ -11,7 +11,8 @@ one torch thread. The rank calls `fn(*args)` -- it is up to fn to call
 `dsrun.init_distributed()` / `initialize()`. If any rank raises, the others
 are terminated and a RankFailed carrying that rank's traceback is raised; if
 they do not finish within `timeout` seconds, all are terminated and
-RankFailed says which were still running.
+RankFailed says which were still running. `RankPool` keeps its ranks for
+many calls (one start-up and one process group for many small trainings).
 
 [Note: ranks forked from a torch-loaded server]
 Importing torch and torch._dynamo (which the first torch optimizer imports)
@@ -100,25 +101,51 @@ class RankProcess(mp.context.ForkServerProcess):
         return code
 
 
-def _rank_main(fn: Callable, rank: int, world_size: int, port: int, args: tuple,
-               results: "mp.Queue", environ: dict[str, str], stdio: None = None) -> None:
+def _enter_rank(rank: int, world_size: int, port: int, environ: dict[str, str]) -> None:
+    """Give this process the rank environment of a launcher and one torch thread."""
     os.environ.clear()
     os.environ.update(environ)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     import torch
-    import torch.distributed as dist
     torch.set_num_threads(1)
+
+
+def _run_one(fn: Callable, args: tuple, rank: int, results: "mp.Queue") -> None:
+    """Put (rank, True, fn's pickled result) or (rank, False, its traceback) on `results`."""
     try:
         # Plain pickle copies tensor data; the queue's own pickler would share
         # it through a socket that dies with this process.
         results.put((rank, True, pickle.dumps(fn(*args))))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
+
+
+def _leave_world() -> None:
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _rank_main(fn: Callable, rank: int, world_size: int, port: int, args: tuple,
+               results: "mp.Queue", environ: dict[str, str], stdio: None = None) -> None:
+    _enter_rank(rank, world_size, port, environ)
+    try:
+        _run_one(fn, args, rank, results)
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        _leave_world()
+
+
+def _pool_main(rank: int, world_size: int, port: int, jobs: "mp.Queue", results: "mp.Queue",
+               environ: dict[str, str], stdio: None = None) -> None:
+    """A rank of a RankPool: run (fn, args) jobs from `jobs` until None arrives."""
+    _enter_rank(rank, world_size, port, environ)
+    try:
+        for fn, args in iter(jobs.get, None):
+            _run_one(fn, args, rank, results)
+    finally:
+        _leave_world()
 
 
 def as_nodes(ranks_per_node: int) -> None:
@@ -128,6 +155,48 @@ def as_nodes(ranks_per_node: int) -> None:
     several hosts (see dsrun/runtime/distributed/nodes.py)."""
     os.environ.update(LOCAL_RANK=str(int(os.environ["RANK"]) % ranks_per_node),
                       LOCAL_WORLD_SIZE=str(ranks_per_node))
+
+
+def _collect(procs: list, results: "mp.Queue", timeout: float) -> list[Any]:
+    """The results of `procs` (one per rank) from `results`, in rank order.
+
+    Raises:
+        RankFailed: as run_ranks.
+    """
+    world_size = len(procs)
+    out: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    while len(out) < world_size:
+        try:
+            rank, ok, value = results.get(timeout=0.2)
+        except queue.Empty:
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(world_size)) - set(out))
+                raise RankFailed(f"ranks {missing} did not finish within {timeout} s") from None
+            dead = [r for r, p in enumerate(procs)
+                    if r not in out and p.exitcode is not None]
+            if dead:
+                # A rank may have exited right after putting its result; drain once more.
+                try:
+                    rank, ok, value = results.get(timeout=1.0)
+                except queue.Empty:
+                    raise RankFailed(f"rank {dead[0]} exited with code "
+                                     f"{procs[dead[0]].exitcode} without a result") from None
+            else:
+                continue
+        if not ok:
+            raise RankFailed(f"rank {rank} failed:\n{value}")
+        out[rank] = pickle.loads(value)
+    return [out[r] for r in range(world_size)]
+
+
+def _stop(procs: list, grace: float) -> None:
+    """Wait up to `grace` seconds for each process to end, then kill it."""
+    for p in procs:
+        p.join(timeout=grace)
+        if p.is_alive():
+            p.kill()
+            p.join()
 
 
 def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0) -> list[Any]:
@@ -145,34 +214,90 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0)
                          daemon=True) for r in range(world_size)]
     for p in procs:
         p.start()
-    out: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout
+    finished = False
     try:
-        while len(out) < world_size:
-            try:
-                rank, ok, value = results.get(timeout=0.2)
-            except queue.Empty:
-                if time.monotonic() > deadline:
-                    missing = sorted(set(range(world_size)) - set(out))
-                    raise RankFailed(f"ranks {missing} did not finish within {timeout} s")
-                dead = [r for r, p in enumerate(procs)
-                        if r not in out and p.exitcode is not None]
-                if dead:
-                    # A rank may have exited right after putting its result; drain once more.
-                    try:
-                        rank, ok, value = results.get(timeout=1.0)
-                    except queue.Empty:
-                        raise RankFailed(f"rank {dead[0]} exited with code "
-                                         f"{procs[dead[0]].exitcode} without a result") from None
-                else:
-                    continue
-            if not ok:
-                raise RankFailed(f"rank {rank} failed:\n{value}")
-            out[rank] = pickle.loads(value)
+        out = _collect(procs, results, timeout)
+        finished = True
+        return out
     finally:
-        for p in procs:
-            p.join(timeout=5 if len(out) == world_size else 0.1)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    return [out[r] for r in range(world_size)]
+        _stop(procs, 5 if finished else 0.1)
+
+
+class RankPool:
+    """`world_size` ranks started once that run one function after another:
+    many small trainings share one start-up and one process group.
+
+        pool = RankPool(4)
+        results = pool.run(fn, arg1, timeout=60)   # [fn(arg1) on rank 0, ..., rank 3]
+        pool.close()
+
+    Each `run` is like run_ranks on ranks that live on: `fn` must be a
+    module-level function, and what one call leaves in the ranks (the
+    process group, a current mesh, module state) is there for the next, so
+    `fn` undoes what it must. The ranks start on the first `run`, with the
+    environment and stdout/stderr of that moment. A call that fails or times
+    out ends the ranks (one may be stuck inside a collective the failed rank
+    never joined); the next call starts new ones.
+    """
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self._procs: list[RankProcess] = []
+
+    def _start(self) -> None:
+        ctx = context()
+        self._results = ctx.Queue()
+        self._jobs = [ctx.Queue() for _ in range(self.world_size)]
+        port, environ = free_port(), dict(os.environ)
+        self._procs = [RankProcess(target=_pool_main, daemon=True,
+                                   args=(r, self.world_size, port, self._jobs[r], self._results, environ, _Stdio()))
+                       for r in range(self.world_size)]
+        for p in self._procs:
+            p.start()
+
+    def run(self, fn: Callable, *args: Any, timeout: float = 120.0) -> list[Any]:
+        """`fn(*args)` on every rank; their results in rank order.
+
+        Raises:
+            RankFailed: as run_ranks (the ranks are then ended).
+        """
+        if not self._procs:
+            self._start()
+        for jobs in self._jobs:
+            jobs.put((fn, args))
+        try:
+            return _collect(self._procs, self._results, timeout)
+        except BaseException:
+            self._end(grace=0.1)
+            raise
+
+    def close(self) -> None:
+        """End the ranks (they leave the process group first)."""
+        if self._procs:
+            for jobs in self._jobs:
+                jobs.put(None)
+            self._end(grace=10)
+
+    def _end(self, grace: float) -> None:
+        _stop(self._procs, grace)
+        self._procs = []
+
+
+def train_steps(engine, steps: int, loss_of: Callable[[int], Any]) -> tuple[list[float], list[float]]:
+    """Inside a rank: `steps` training steps of one micro-batch each, where
+    `loss_of(step)` runs this rank's forward through `engine` and returns
+    its loss (a scalar tensor). Returns per step the loss averaged over
+    every rank of the job (the ranks of one model copy hold the same loss
+    and the data ranks equal shares of the batch, so it is the global
+    batch's mean) and `engine.get_global_grad_norm()`."""
+    import torch.distributed as dist
+    losses, norms = [], []
+    for step in range(steps):
+        loss = loss_of(step)
+        engine.backward(loss)
+        engine.step()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(float(mean) / dist.get_world_size())
+        norms.append(engine.get_global_grad_norm())
+    return losses, norms

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.dist_helpers import run_ranks
+from tests.dist_helpers import run_ranks, train_steps
 from tests.parallel.test_autotp import STEPS, TOL, _build, _config, _ids, _lm_loss
 
 
@@ -35,15 +35,8 @@ def _train(tp: int, freeze_step: int, steps: int = STEPS) -> tuple[list[float], 
     ranks = list(range(world)) if group is None else dist.get_process_group_ranks(group)
     micro, data_rank = 8 // (world // tp), rank // tp
     dsrun.comm.comms_logger.reset()
-    losses, norms = [], []
-    for _ in range(steps):
-        loss = _lm_loss("llama", engine, _ids(100, batch=8)[data_rank * micro:(data_rank + 1) * micro])
-        engine.backward(loss)
-        engine.step()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses.append(float(mean) / world)
-        norms.append(engine.get_global_grad_norm())
+    batch = _ids(100, batch=8)[data_rank * micro:(data_rank + 1) * micro]
+    losses, norms = train_steps(engine, steps, lambda _: _lm_loss("llama", engine, batch))
     stats = dsrun.comm.comms_logger.snapshot()
     engine.destroy()
     return losses, norms, ranks, stats["all_to_all_single"].calls if "all_to_all_single" in stats else 0

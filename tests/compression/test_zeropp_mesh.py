@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.dist_helpers import as_nodes, run_ranks
+from tests.dist_helpers import as_nodes, run_ranks, train_steps
 from tests.parallel.test_autotp import STEPS, TOL, _build, _config, _ids, _lm_loss
 
 
@@ -38,15 +38,8 @@ def _train_tp(zero: dict) -> tuple[list[float], list[float], list[int] | None]:
     secondary = [u.secondary for u in engine.strategy.units if u.secondary is not None]
     assert (hpz is not None) == bool(secondary)  # every unit keeps its hpZ copy
     data_rank = rank // 2  # data x model: the model axis is innermost
-    losses, norms = [], []
-    for _ in range(STEPS):
-        loss = _lm_loss("llama", engine, _ids(100, batch=8)[data_rank * 4:(data_rank + 1) * 4])
-        engine.backward(loss)
-        engine.step()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses.append(float(mean) / world)
-        norms.append(engine.get_global_grad_norm())
+    batch = _ids(100, batch=8)[data_rank * 4:(data_rank + 1) * 4]
+    losses, norms = train_steps(engine, STEPS, lambda _: _lm_loss("llama", engine, batch))
     engine.destroy()
     return losses, norms, hpz_ranks
 

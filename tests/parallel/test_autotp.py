@@ -20,7 +20,7 @@ import sys
 import pytest
 import torch
 
-from tests.dist_helpers import run_ranks
+from tests.dist_helpers import run_ranks, train_steps
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
 
@@ -135,18 +135,10 @@ def _train(kind: str, stage: int, tp: int, via_config: bool, bf16: bool) -> tupl
     micro = 8 // dp
     engine, *_ = dsrun.initialize(model=model, config=_config(stage, micro, tp if via_config else 1, bf16))
     data_rank = rank // tp  # data x model mesh: the model axis is innermost
-    losses, norms = [], []
-    for _ in range(STEPS):
-        batch = _ids(100, batch=8)[data_rank * micro:(data_rank + 1) * micro]
-        loss = _lm_loss(kind, engine, batch)
-        engine.backward(loss)
-        engine.step()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)  # tensor-parallel ranks hold the same loss: the mean over world is over data ranks
-        losses.append(float(mean) / world)
-        norms.append(engine.get_global_grad_norm())
+    batch = _ids(100, batch=8)[data_rank * micro:(data_rank + 1) * micro]
+    out = train_steps(engine, STEPS, lambda _: _lm_loss(kind, engine, batch))
     engine.destroy()
-    return losses, norms
+    return out
 
 
 def _tp_vs_dp(kind: str, stage: int, tp: int, via_config: bool, bf16: bool = False):
@@ -312,17 +304,10 @@ def _train_sp(model_ranks: int) -> tuple[list[float], list[float]]:
     gen = torch.Generator().manual_seed(3)
     xs, ys = torch.randn(SEQ, 4, HIDDEN, generator=gen), torch.randn(SEQ, 4, 2, generator=gen)
     d = dist.get_rank() // model_ranks
-    losses, norms = [], []
-    for _ in range(STEPS):
-        loss = engine(xs[:, d * micro:(d + 1) * micro], ys[:, d * micro:(d + 1) * micro])
-        engine.backward(loss)
-        engine.step()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses.append(float(mean) / dist.get_world_size())
-        norms.append(engine.get_global_grad_norm())
+    x, y = xs[:, d * micro:(d + 1) * micro], ys[:, d * micro:(d + 1) * micro]
+    out = train_steps(engine, STEPS, lambda _: engine(x, y))
     engine.destroy()
-    return losses, norms
+    return out
 
 
 def _sp_vs_dp():

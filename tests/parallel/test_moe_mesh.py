@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.dist_helpers import run_ranks
+from tests.dist_helpers import run_ranks, train_steps
 
 H, BATCH, TOL = 8, 8, {"rtol": 1e-5, "atol": 1e-6}
 
@@ -65,17 +65,13 @@ def _tp_train(model_size: int, stage: int) -> tuple[list[float], list[float]]:
         "train_micro_batch_size_per_gpu": micro, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
         "gradient_clipping": 0.05, "steps_per_print": 1000, "zero_optimization": {"stage": stage}})
     d = mesh.rank("data")
-    losses, norms = [], []
-    for step in range(3):
+
+    def loss_of(step: int):
         gen = torch.Generator().manual_seed(step)
         xs, ys = torch.randn(BATCH, H, generator=gen), torch.randn(BATCH, generator=gen)
-        loss = engine(xs[d * micro:(d + 1) * micro], ys[d * micro:(d + 1) * micro])
-        engine.backward(loss)
-        engine.step()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses.append(float(mean) / dist.get_world_size())
-        norms.append(engine.get_global_grad_norm())
+        return engine(xs[d * micro:(d + 1) * micro], ys[d * micro:(d + 1) * micro])
+
+    losses, norms = train_steps(engine, 3, loss_of)
     engine.destroy()
     set_current(None)
     return losses, norms

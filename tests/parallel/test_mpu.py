@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.dist_helpers import run_ranks
+from tests.dist_helpers import run_ranks, train_steps
 from tests.parallel.test_autotp import STEPS, TOL, _build, _config, _ids, _lm_loss
 
 
@@ -64,15 +64,8 @@ def _train(mpu) -> tuple[list[float], list[float], dict]:
     seen = {"data_ranks": groups._get_data_parallel_group_ranks(),
             "tensor_ranks": list(dist.get_process_group_ranks(groups.get_tensor_model_parallel_group())),
             "zero_group_is_the_mpus": mpu is not None and engine.strategy.groups.shard.group is mpu.data}
-    losses, norms = [], []
-    for _ in range(STEPS):
-        loss = _lm_loss("gpt", engine, _ids(100, batch=8)[data_rank * 4:(data_rank + 1) * 4])
-        engine.backward(loss)
-        engine.step()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses.append(float(mean) / dist.get_world_size())
-        norms.append(engine.get_global_grad_norm())
+    batch = _ids(100, batch=8)[data_rank * 4:(data_rank + 1) * 4]
+    losses, norms = train_steps(engine, STEPS, lambda _: _lm_loss("gpt", engine, batch))
     engine.destroy()
     return losses, norms, seen
 

@@ -17,7 +17,7 @@ the ones before it did):
    DistributedAttention layers took when built; ZeRO's group becomes
    data x sequence ("sequence_data"), as in DeepSpeed;
 4. expert groups: MoE layers made their expert-parallel and expert-data
-   groups (blocks of the data axis) when built; each expert parameter is
+   groups (blocks of ZeRO's group) when built; each expert parameter is
    broadcast within its expert-data group, every other parameter within
    ZeRO's group, so all copies start equal;
 5. the pipeline split: a PipelineModule built only its stage's layers;

@@ -4,8 +4,11 @@
 A job turns on some of the SETTINGS below (read from the resolved config,
 the model and the mesh's degrees by `settings_of`). Every pair of them has
 one entry in TABLE: `Works` (the pair trains; `test` names the pytest node
-that trains it, or is None where no test covers the pair yet, shown as
-"works (untested)") or `Refused` (why, and what to change). Settings that
+that trains it against its reference, or is None where no test covers the
+pair yet, shown as "works (untested)") or `Refused` (why, and what to
+change). The pairs no feature's own test trains (`_TESTED`) are trained by
+one table-driven test (WALK_TEST, tests/parallel/test_combination_walk.py),
+each against one process. Settings that
 are values of one key (the ZeRO stages, the pipeline schedules, the devices
 of one offload) never meet, so they have no entries (`EXCLUSIVE`).
 
@@ -126,6 +129,18 @@ _REFUSED: list[tuple[list[frozenset[str]], str, str]] = [
      "it works on partitioned parameters, which only stage 3 has",
      "set zero_optimization.stage to 3, or turn the feature off"),
     (_pairs(["fp16"], ["bf16"]), "a run trains in one 16-bit format", "enable at most one of fp16 and bf16"),
+    (_pairs(["mics"], ["hpz", "qgz"]),
+     "ZeRO++ hpZ and qgZ split ZeRO's whole group of the mesh, which MiCS already splits into its shard groups",
+     "turn MiCS (mics_shard_size) or the ZeRO++ feature off"),
+    (_pairs(["random_ltd"], PIPELINES),
+     "random-LTD numbers and counts the converted layers of the module it is given (total_layer_num, "
+     "random_ltd_layer_id), and a pipeline stage holds only its own layers",
+     "train random-LTD without the pipeline"),
+    (_pairs(["random_ltd"], ["sequence"]),
+     "each sequence rank would draw its kept tokens from its own slice of the sequence (up to the scheduled "
+     "number out of every slice: the sequence ranks together keep more tokens than one process, and others; "
+     "2 steps on 4 ranks gave a loss 3% off one process's)",
+     "train random-LTD without sequence parallelism"),
 ]
 
 # Works pairs a test trains against its reference (pair -> pytest node id); the table test
@@ -223,6 +238,11 @@ _TESTED_LIST: list[tuple[str, str, str]] = [
 ]
 _TESTED: dict[frozenset[str], str] = {frozenset((a, b)): test for a, b, test in _TESTED_LIST}
 
+# The "works" pairs no test above trains are trained by one table-driven test, each against one
+# process (tests/parallel/test_combination_walk.py), under this id with the pair as its parameter.
+WALK_TEST = "tests/parallel/test_combination_walk.py::test_pair_trains_like_one_process"
+
+
 def _build() -> dict[frozenset[str], Works | Refused]:
     table: dict[frozenset[str], Works | Refused] = {}
     for pairs, reason, fix in _REFUSED:
@@ -234,11 +254,15 @@ def _build() -> dict[frozenset[str], Works | Refused]:
         pair = frozenset((a, b))
         if pair in table or any(pair <= group for group in EXCLUSIVE):
             continue
-        table[pair] = Works(_TESTED.get(pair))
+        a, b = sorted(pair)
+        table[pair] = Works(_TESTED.get(pair, f"{WALK_TEST}[{a}-x-{b}]"))
     return table
 
 
 TABLE: dict[frozenset[str], Works | Refused] = _build()
+# The pairs the walk trains (sorted by their test ids).
+WALKED: list[frozenset[str]] = sorted((p for p, e in TABLE.items() if isinstance(e, Works) and e.test
+                                       and e.test.startswith(WALK_TEST)), key=lambda p: TABLE[p].test)
 
 
 def settings_of(cfg: DsConfig, model: torch.nn.Module, pipe: int, model_degree: int, sequence: int,

@@ -17,8 +17,8 @@ ConfigError naming both. Scripts that never declared anything get the mesh
 built by `initialize`, as before.
 
 No MoE degree is read: DeepSpeed's configs have none (each MoE layer names
-its `ep_size`); expert groups are blocks of the data axis made by the layers
-(runtime/parallel/expert/groups.py).
+its `ep_size`); expert groups are blocks of ZeRO's group (data x
+sequence) made by the layers (runtime/parallel/expert/groups.py).
 """
 from __future__ import annotations
 

@@ -130,7 +130,7 @@ class PartitionedParamStrategy(ZeroStrategy):
             limits; see policies.py).
         zeropp: ZeRO++ qwZ, qgZ, hpZ and int8 frozen weights (policies.py).
             qgZ and hpZ raise as `_gradient_quantization` and `_hpz_group`
-            say (ConfigError: with MiCS, or a block would span nodes;
+            say (ConfigError: a block would span nodes;
             NodeMapError: the node map is unknown).
         reduce_bucket_size: most elements per gradient reduction (a unit's
             gradients go in runs of parameters up to this size).
@@ -171,7 +171,7 @@ class PartitionedParamStrategy(ZeroStrategy):
                          optimizer_tier=optimizer_tier)
         self.module = module
         self.gather_policy, self.zeropp = gather, zeropp
-        self.hpz = (_hpz_group(zeropp.hpz_partition_size, groups, mesh, data_axis)
+        self.hpz = (_hpz_group(zeropp.hpz_partition_size, mesh, data_axis)
                     if zeropp.hpz_partition_size > 1 else None)
         trainable = self.trainable_groups(optimizer, module)
         self._prepare_tier(trainable)
@@ -240,7 +240,7 @@ class PartitionedParamStrategy(ZeroStrategy):
             if runs:
                 self._last_region[id(regions[-1])] = unit
         self.reducer = OrderedReducer(regions, groups, on_launched=self._on_reduced, watchdog=self.watchdog,
-                                      quantize=(_gradient_quantization(groups, mesh, data_axis)
+                                      quantize=(_gradient_quantization(mesh, data_axis)
                                                 if zeropp.quantized_gradients else None),
                                       host_grads=self.optimizer_tier.host_grads)
         self._register_hooks()
@@ -361,16 +361,7 @@ def _rank_group(group: MeshGroup) -> RankGroup:
     return RankGroup(group.group, group.rank, group.size)
 
 
-def _check_zero_group_whole(key: str, what: str, groups: ZeroGroups, mesh: ParallelMesh, axis: str) -> None:
-    """ZeRO++ hpZ and qgZ split ZeRO's group (the mesh's `axis` group) by
-    nodes; MiCS already splits it (replicas across its blocks)."""
-    if groups.replicate.size != 1 or groups.shard.size != mesh.size(axis):
-        raise ConfigError(f"{key}: ZeRO++ {what} cannot be combined with MiCS (zero_optimization.mics_shard_size), "
-                          f"which already splits ZeRO's group of {mesh.size(axis)} ranks into blocks of "
-                          f"{groups.shard.size}; set one of them off")
-
-
-def _gradient_quantization(groups: ZeroGroups, mesh: ParallelMesh, axis: str) -> GradientQuantization:
+def _gradient_quantization(mesh: ParallelMesh, axis: str) -> GradientQuantization:
     """qgZ's node grid over ZeRO's group, the `axis` group of `mesh` ("data",
     or "sequence_data" under sequence parallelism): intra = its members on
     this rank's node, inter = the members at the same place on every node,
@@ -378,13 +369,12 @@ def _gradient_quantization(groups: ZeroGroups, mesh: ParallelMesh, axis: str) ->
     time).
 
     Raises:
-        ConfigError: with MiCS; or ZeRO's group has different numbers of
+        ConfigError: ZeRO's group has different numbers of
             members on different nodes, or they are not numbered node by
             node.
         NodeMapError: the node map is unknown (see nodes.py).
     """
     key = "zero_optimization.zero_quantized_gradients"
-    _check_zero_group_whole(key, "qgZ", groups, mesh, axis)
     node_map = nodes.require()
     parts = mesh.partition(axis)
     per_node = {sum(1 for r in part if node_map.node_of(r) == node_map.node_of(part[0])) for part in parts}
@@ -398,7 +388,7 @@ def _gradient_quantization(groups: ZeroGroups, mesh: ParallelMesh, axis: str) ->
     return GradientQuantization(NodeGroups(_rank_group(blocks.block), _rank_group(blocks.replicate)), QGZ_BLOCK)
 
 
-def _hpz_group(size: int, groups: ZeroGroups, mesh: ParallelMesh, axis: str) -> RankGroup:
+def _hpz_group(size: int, mesh: ParallelMesh, axis: str) -> RankGroup:
     """This rank's hpZ group: its block of `size` consecutive ranks of
     ZeRO's group, the `axis` group of `mesh` ("data", or "sequence_data"
     under sequence parallelism; as DeepSpeed forms them when that group is
@@ -407,12 +397,11 @@ def _hpz_group(size: int, groups: ZeroGroups, mesh: ParallelMesh, axis: str) -> 
     cross nodes.
 
     Raises:
-        ConfigError: with MiCS; `size` does not divide ZeRO's group; or a
+        ConfigError: `size` does not divide ZeRO's group; or a
             block would span two nodes.
         NodeMapError: the node map is unknown (see nodes.py).
     """
     key = "zero_optimization.zero_hpz_partition_size"
-    _check_zero_group_whole(f"{key}={size}", "hpZ", groups, mesh, axis)
     node_map = nodes.require()
     zero_size = mesh.size(axis)
     if zero_size % size:
