@@ -5,8 +5,8 @@ The job is tests/faults/scripts/restart_train.py on 2 nodes x 1 rank, with a
 checkpoint after every step; in the first run (SLURM_RESTART_COUNT unset or
 0) rank 1 SIGKILLs itself in step 4. dsrun ends the run (no --max_restarts:
 Slurm is the one restarting here), the sbatch script requeues the job, and
-Slurm runs it again after its requeue delay (cred_expire, 30 s in the test
-cluster) with SLURM_RESTART_COUNT=1: auto_resume loads step 3's checkpoint
+Slurm runs it again after its requeue delay (6 s in the test cluster: see
+conftest [Note: how long a requeued job waits]) with SLURM_RESTART_COUNT=1: auto_resume loads step 3's checkpoint
 and the job completes steps 4-6. Same world size and the loader's position
 and RNG states restored, so the losses are those of an uninterrupted run of
 the same job, bit for bit (compared with one run under salloc).
