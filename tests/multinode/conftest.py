@@ -63,6 +63,11 @@ class SlurmCluster:
         return "\n".join(f"--- {p.name}\n{p.read_text()[-1500:]}" for p in self.logs if p.exists())
 
 
+# Slurm's smallest credential lifetime is 5 s (22.05 src/common/slurm_cred.c refuses less); see
+# [Note: how long a requeued job waits] for why it matters here.
+CRED_EXPIRE = 5
+
+
 def _slurm_conf(d: Path, munge_sock: Path, ports: list[int]) -> str:
     ctld, slurmd, n1, n2 = ports
     return f"""\
@@ -71,7 +76,7 @@ SlurmctldHost=localhost
 SlurmctldPort={ctld}
 SlurmdPort={slurmd}
 AuthType=auth/munge
-AuthInfo=socket={munge_sock},cred_expire=30
+AuthInfo=socket={munge_sock},cred_expire={CRED_EXPIRE}
 CredType=cred/munge
 MpiDefault=none
 ProctrackType=proctrack/linuxproc
@@ -81,6 +86,7 @@ ReturnToService=2
 SlurmUser=root
 SlurmdUser=root
 SchedulerType=sched/builtin
+SchedulerParameters=sched_interval=1,batch_sched_delay=0
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 JobCompType=jobcomp/none
@@ -108,9 +114,19 @@ def slurm_cluster(tmp_path_factory) -> SlurmCluster:
     ports act as nodes n1 and n2 of one cluster; srun then places one task
     per "node" exactly as on a real cluster. proctrack/linuxproc and
     task/none avoid cgroups, which the test machine may not delegate.
-    cred_expire=30 (default 120) is also how long a requeued job waits
-    before it may start again (slurm.conf AuthInfo), which the requeue
-    tests wait for.
+
+    [Note: how long a requeued job waits]
+    A requeued job may start again only cred_expire + 1 seconds after the
+    requeue (slurmctld sets its begin time so; the credentials of the run
+    before must have expired on the nodes: slurm.conf AuthInfo), and then
+    only when the scheduler next looks at the queue: sched/builtin does so on
+    a submit or a job's end (after batch_sched_delay, default 3 s) or every
+    sched_interval (default 60 s). With the defaults (120 s, 60 s) a
+    requeue test waits two to three minutes. Here cred_expire is Slurm's
+    minimum, 5 s (also how long a step's launch credential is valid; srun on
+    loopback presents it within milliseconds), and the scheduler runs every
+    second (sched_interval=1) and at once on a submit (batch_sched_delay=0):
+    a requeued job starts about 6-7 s after the requeue.
     """
     require_debian_packages("slurm-wlm", "munge")
     d = tmp_path_factory.mktemp("slurm")

@@ -48,22 +48,28 @@ def wait_for_job(job_id: str, cluster, timeout: float = 120) -> str:
 
 
 def test_sbatch_script_runs_and_failing_rank_fails_the_job(slurm_cluster, tmp_path):
-    """One rank per node keeps this cheap; the script and the job are the same as with more."""
-    def submit(name: str, *script_args: str) -> tuple[str, str]:
+    """One rank per node keeps this cheap; the script and the job are the same as with more.
+    Both jobs are submitted before either is waited for: each node has a CPU for each."""
+    def submit(name: str, *script_args: str) -> str:
         out = tmp_path / f"{name} #1.out"  # quoted in the #SBATCH line: sbatch's own parser must undo it
         proc = run([sys.executable, "-m", "dsrun.launcher.sbatch", "--nodes", "2", "--ranks-per-node", "1",
                     "--time", "5", "--job-name", name, "--output", str(out), "--script", str(tmp_path / f"{name}.sbatch"),
                     "--dsrun-arg=--grace_period=3", "--submit", SCRIPT, *script_args], slurm_cluster)
         assert proc.returncode == 0, proc.log
-        state = wait_for_job(re.search(r"Submitted batch job (\d+)", proc.stdout).group(1), slurm_cluster)
+        return re.search(r"Submitted batch job (\d+)", proc.stdout).group(1)
+
+    def wait(name: str, job_id: str) -> tuple[str, str]:
+        out = tmp_path / f"{name} #1.out"
+        state = wait_for_job(job_id, slurm_cluster)
         return state, out.read_text() if out.exists() else ""
 
-    state, out = submit("ok", "--steps", "2")
+    ok, bad = submit("ok", "--steps", "2"), submit("bad", "--mode", "fail", "--fail_rank", "1", "--steps", "2")
+    state, out = wait("ok", ok)
     assert state == "COMPLETED", out + slurm_cluster.log_tail()
     assert "--launcher slurm" in (tmp_path / "ok.sbatch").read_text()
     assert losses(out) == pytest.approx(expected_losses(2), rel=1e-5), out
 
-    state, out = submit("bad", "--mode", "fail", "--fail_rank", "1", "--steps", "2")
+    state, out = wait("bad", bad)
     assert state == "FAILED", out + slurm_cluster.log_tail()
     assert "RuntimeError: injected failure on rank 1" in out
 

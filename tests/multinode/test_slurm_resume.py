@@ -5,8 +5,8 @@ The job is tests/faults/scripts/restart_train.py on 2 nodes x 1 rank, with a
 checkpoint after every step; in the first run (SLURM_RESTART_COUNT unset or
 0) rank 1 SIGKILLs itself in step 4. dsrun ends the run (no --max_restarts:
 Slurm is the one restarting here), the sbatch script requeues the job, and
-Slurm runs it again after its requeue delay (cred_expire, 30 s in the test
-cluster) with SLURM_RESTART_COUNT=1: auto_resume loads step 3's checkpoint
+Slurm runs it again after its requeue delay (6 s in the test cluster: see
+conftest [Note: how long a requeued job waits]) with SLURM_RESTART_COUNT=1: auto_resume loads step 3's checkpoint
 and the job completes steps 4-6. Same world size and the loader's position
 and RNG states restored, so the losses are those of an uninterrupted run of
 the same job, bit for bit (compared with one run under salloc).
@@ -32,12 +32,8 @@ def records(path: Path) -> list[dict]:
 
 
 def test_requeued_job_resumes_from_its_checkpoint(slurm_cluster, tmp_path):
-    whole = tmp_path / "whole.jsonl"
-    ref = run(["salloc", "-N2", "--ntasks-per-node=1", sys.executable, "-m", "dsrun.launcher.cli", "--launcher",
-               "slurm", "--no_local_rank", SCRIPT, str(tmp_path / "whole-ckpt"), str(whole), str(STEPS), "loader"],
-              slurm_cluster)
-    assert ref.returncode == 0, ref.log
-
+    """The uninterrupted reference run (under salloc) runs while Slurm runs, requeues and reruns the batch
+    job (each node has a CPU for each job): the requeue delay and the launches' waits overlap with it."""
     out, cut = tmp_path / "job.out", tmp_path / "cut.jsonl"
     proc = run([sys.executable, "-m", "dsrun.launcher.sbatch", "--nodes", "2", "--ranks-per-node", "1", "--time", "5",
                 "--requeue", "--max-requeues", "1", "--job-name", "resume", "--output", str(out), "--script",
@@ -46,6 +42,13 @@ def test_requeued_job_resumes_from_its_checkpoint(slurm_cluster, tmp_path):
                slurm_cluster)
     assert proc.returncode == 0, proc.log
     job_id = re.search(r"Submitted batch job (\d+)", proc.stdout).group(1)
+
+    whole = tmp_path / "whole.jsonl"
+    ref = run(["salloc", "-N2", "--ntasks-per-node=1", sys.executable, "-m", "dsrun.launcher.cli", "--launcher",
+               "slurm", "--no_local_rank", SCRIPT, str(tmp_path / "whole-ckpt"), str(whole), str(STEPS), "loader"],
+              slurm_cluster)
+    assert ref.returncode == 0, ref.log
+
     state = wait_for_job(job_id, slurm_cluster, timeout=240)
     text = out.read_text()
     assert state == "COMPLETED", text + slurm_cluster.log_tail()
