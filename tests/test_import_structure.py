@@ -119,12 +119,9 @@ def test_no_new_import_cycles():
 # The runtime's layers: among these packages a dependency should run one way.
 LAYERS = ["dsrun.runtime.parallel", "dsrun.runtime.zero", "dsrun.runtime.engine", "dsrun.runtime.strategy"]
 # Pairs that still import each other (the list only shrinks, as KNOWN_CYCLES):
-# - parallel <-> engine: PipelineEngine (parallel/pipe/engine.py) subclasses the Engine;
 # - parallel <-> zero: ZeRO's groups come from the mesh, while AutoTP shards
-#   zero.Init-built parameters (parallel/tensor/partitioned.py) and the pipeline
-#   engine reads ZeRO's rank-group record.
-KNOWN_LAYER_PAIRS: list[set[str]] = [{"dsrun.runtime.parallel", "dsrun.runtime.engine"},
-                                     {"dsrun.runtime.parallel", "dsrun.runtime.zero"}]
+#   zero.Init-built parameters (parallel/tensor/partitioned.py).
+KNOWN_LAYER_PAIRS: list[set[str]] = [{"dsrun.runtime.parallel", "dsrun.runtime.zero"}]
 
 
 def layer_edges(graph: dict[str, set[str]]) -> dict[tuple[str, str], list[tuple[str, str]]]:

@@ -44,7 +44,7 @@ from dsrun.runtime.engine.model_parallel import attach_model_parallel
 from dsrun.runtime.parallel.degrees import ParallelDegrees, check_declared, declare_mesh
 from dsrun.runtime.parallel.expert.groups import expert_group_name_of, expert_groups, is_expert_param
 from dsrun.runtime.parallel.mesh import ParallelMesh, current, set_current
-from dsrun.runtime.parallel.pipe.engine import tie_weights
+from dsrun.runtime.engine.pipeline_engine import tie_weights
 from dsrun.runtime.parallel.pipe.module import PipelineModule, pipeline_degrees
 from dsrun.runtime.parallel.tensor.autotp import shard_stage, tp_model_init
 from dsrun.runtime.strategy.data_parallel import GradientStrategy

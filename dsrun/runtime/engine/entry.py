@@ -39,7 +39,7 @@ from dsrun.runtime.optim.optimizers import build_optimizer
 from dsrun.runtime.parallel.combinations import check_combinations, settings_of, split_experts
 from dsrun.runtime.parallel.degrees import record_declaration
 from dsrun.runtime.parallel.mpu import mesh_from_mpu
-from dsrun.runtime.parallel.pipe.engine import PipelineEngine, check_pipeline_config
+from dsrun.runtime.engine.pipeline_engine import PipelineEngine, check_pipeline_config
 from dsrun.runtime.parallel.pipe.module import PipelineModule
 
 ConfigSource = dict | str | Path | DsConfig

@@ -125,7 +125,7 @@ class GradientStrategy(abc.ABC):
         """Run `autograd_call()` -- autograd work that accumulates gradients
         already multiplied by `loss_scale()` into the parameters (e.g. a
         pipeline's weight-gradient pass, [Note: zero bubble's split backward]
-        in dsrun/runtime/parallel/pipe/engine.py) -- as `backward` runs its
+        in dsrun/runtime/engine/pipeline_engine.py) -- as `backward` runs its
         own, with the same reduction when `sync`.
 
         Raises:
