@@ -293,7 +293,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
             if loader is not None:
                 engine.set_dataiterator(iter(RepeatingLoader(loader)))
         else:
-            engine = Engine(model, strategy, scheduler, cfg, topology, mesh=mesh)
+            engine = Engine(model, strategy, scheduler, cfg, topology, mesh)
         for hook in parts.pre_step_hooks:
             engine.register_pre_step_hook(hook)
         engine.training_dataloader = loader  # its position is checkpointed

@@ -135,8 +135,7 @@ class PipelineEngine(Engine):
 
     def __init__(self, module: PipelineModule, strategy, lr_scheduler, config, topology,
                  mesh: ParallelMesh, tied: TiedGroups) -> None:
-        super().__init__(module, strategy, lr_scheduler, config, topology, split=_model_split(module, mesh))
-        self.mesh = mesh
+        super().__init__(module, strategy, lr_scheduler, config, topology, mesh, split=_model_split(module, mesh))
         self.grid = PipelineParallelGrid(mesh=mesh)
         self.num_stages = module.num_stages
         self.stage_id = module.stage_id
