@@ -48,7 +48,7 @@ _LAZY_API = {
     "elasticity": ("dsrun.elasticity", None),
     "PipelineModule": ("dsrun.runtime.parallel.pipe.module", "PipelineModule"),
     "PipelineEngine": ("dsrun.runtime.engine.pipeline_engine", "PipelineEngine"),
-    "tp_model_init": ("dsrun.runtime.parallel.tensor.autotp", "tp_model_init"),
+    "tp_model_init": ("dsrun.runtime.engine.tp_model_init", "tp_model_init"),
 }
 # See [Note: missing DeepSpeed names] in dsrun/compat/missing.py.
 _missing.install(__name__)

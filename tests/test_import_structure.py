@@ -116,12 +116,11 @@ def test_no_new_import_cycles():
     assert not gone, f"{gone} is no longer a cycle: remove it from KNOWN_CYCLES"
 
 
-# The runtime's layers: among these packages a dependency should run one way.
-LAYERS = ["dsrun.runtime.parallel", "dsrun.runtime.zero", "dsrun.runtime.engine", "dsrun.runtime.strategy"]
-# Pairs that still import each other (the list only shrinks, as KNOWN_CYCLES):
-# - parallel <-> zero: ZeRO's groups come from the mesh, while AutoTP shards
-#   zero.Init-built parameters (parallel/tensor/partitioned.py).
-KNOWN_LAYER_PAIRS: list[set[str]] = [{"dsrun.runtime.parallel", "dsrun.runtime.zero"}]
+# The runtime's layers, bottom up: a package imports only those before it -- the
+# parallelism mesh and layers; the gradient-strategy interface; ZeRO, strategies over
+# the mesh's data axis; the engine, which composes them all (no pair imports each
+# other, which the earlier KNOWN_LAYER_PAIRS list tolerated until it was empty).
+LAYERS = ["dsrun.runtime.parallel", "dsrun.runtime.strategy", "dsrun.runtime.zero", "dsrun.runtime.engine"]
 
 
 def layer_edges(graph: dict[str, set[str]]) -> dict[tuple[str, str], list[tuple[str, str]]]:
@@ -147,16 +146,25 @@ def test_layer_pairs_finder_finds_a_planted_pair():
     assert ("dsrun.runtime.parallel", "dsrun.runtime.zero") in edges
 
 
-def test_no_new_package_cycles_among_the_runtime_layers():
-    """No two of runtime/parallel, zero, engine and strategy import each
-    other (a module-level cycle is caught above; this is the package level)."""
-    edges = layer_edges(import_graph())
-    pairs = [{a, b} for (a, b) in edges if (b, a) in edges and a < b]
-    new = [(sorted(p), edges[tuple(sorted(p))], edges[tuple(sorted(p))[::-1]])
-           for p in pairs if p not in KNOWN_LAYER_PAIRS]
-    gone = [sorted(p) for p in KNOWN_LAYER_PAIRS if p not in pairs]
-    assert not new, f"packages importing each other (pair, imports one way, the other way): {new}"
-    assert not gone, f"{gone} no longer import each other: remove the pair from KNOWN_LAYER_PAIRS"
+def test_upward_finder_finds_a_planted_upward_import():
+    graph = {"dsrun.runtime.parallel.b": {"dsrun.runtime.zero.c"}, "dsrun.runtime.zero.c": set()}
+    assert upward_imports(layer_edges(graph)) == {("dsrun.runtime.parallel", "dsrun.runtime.zero"):
+                                                  [("dsrun.runtime.parallel.b", "dsrun.runtime.zero.c")]}
+
+
+def upward_imports(edges: dict[tuple[str, str], list[tuple[str, str]]]) -> dict:
+    """The entries of `edges` that import a layer listed after the importer's in LAYERS."""
+    return {(a, b): imports for (a, b), imports in edges.items() if LAYERS.index(a) < LAYERS.index(b)}
+
+
+def test_runtime_layers_import_only_downward():
+    """runtime/parallel imports none of strategy, zero and engine; strategy
+    neither zero nor engine; zero not the engine. So no two of them import
+    each other (a module-level cycle is caught above; this is the package
+    level)."""
+    upward = upward_imports(layer_edges(import_graph()))
+    assert not upward, (f"imports against the layer order {LAYERS} ((importer, imported) package: modules): "
+                        f"{upward}; move the code to the lower layer or pass it in as an argument")
 
 
 # Import paths the README, the docs or DeepSpeed's users name ("module:attribute"

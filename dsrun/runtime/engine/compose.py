@@ -45,9 +45,11 @@ from dsrun.runtime.parallel.degrees import ParallelDegrees, check_declared, decl
 from dsrun.runtime.parallel.expert.groups import expert_group_name_of, expert_groups, is_expert_param
 from dsrun.runtime.parallel.mesh import ParallelMesh, current, set_current
 from dsrun.runtime.engine.pipeline_engine import tie_weights
+from dsrun.runtime.engine.tp_model_init import apply_autotp, plan_autotp
 from dsrun.runtime.parallel.pipe.module import PipelineModule, pipeline_degrees
-from dsrun.runtime.parallel.tensor.autotp import shard_stage, tp_model_init
+from dsrun.runtime.parallel.tensor.autotp import check_shardable, shard_stage
 from dsrun.runtime.strategy.data_parallel import GradientStrategy
+from dsrun.runtime.zero.tensor_parallel import ZERO_INIT
 
 
 @dataclass
@@ -88,7 +90,7 @@ def compose(model: torch.nn.Module, cfg: DsConfig, degrees: ParallelDegrees, top
         ValueError, NotImplementedError: as build_strategy raises.
     """
     pipeline = isinstance(model, PipelineModule)
-    mesh = build_mesh(model, cfg, degrees)
+    mesh = build_mesh(model, cfg, degrees, topology.device)
     # ZeRO's group: the ranks holding the same parameters (under sequence parallelism
     # data x sequence, as in DeepSpeed: gradients are averaged over both).
     data_axis = "sequence_data" if cfg.sequence_parallel_size > 1 else "data"
@@ -138,8 +140,9 @@ def resolve_degrees(model: torch.nn.Module, source: Any, world: int,
 
     Raises:
         ConfigError: an invalid `tensor_parallel` section; a PipelineModule's
-            topology differing from the config (pipeline_degrees); autotp_size differing from the degree
-            tp_model_init sharded the model with; the sequence refusals of
+            topology differing from the config (pipeline_degrees); a stage
+            AutoTP cannot shard (check_shardable); autotp_size differing from
+            the degree tp_model_init sharded the model with; the sequence refusals of
             _sequence_size; degrees whose product does not divide the world;
             degrees other than those the script declared with
             init_distributed(config=...).
@@ -148,6 +151,8 @@ def resolve_degrees(model: torch.nn.Module, source: Any, world: int,
     sequence = _sequence_size(model, source, world, mesh_param)
     if isinstance(model, PipelineModule):
         degrees = pipeline_degrees(model, tensor_parallel_of(source), sequence)
+        if autotp > 1 and not getattr(model, "ds_autotp_parsed", False):
+            check_shardable(model, autotp, ZERO_INIT)  # this rank's stage; the agreement check tells the others
     elif _is_sharded(model):
         sharded = current().size("model")
         if autotp not in (1, sharded):
@@ -212,12 +217,14 @@ def _is_sharded(model: torch.nn.Module) -> bool:
         getattr(p, "tensor_model_parallel", False) for p in model.parameters())
 
 
-def build_mesh(model: torch.nn.Module, cfg: DsConfig, degrees: ParallelDegrees) -> ParallelMesh:
+def build_mesh(model: torch.nn.Module, cfg: DsConfig, degrees: ParallelDegrees,
+               device: torch.device) -> ParallelMesh:
     """The job's one mesh, with `degrees` (the current mesh when it has
     them: the model's layers were built on it; else built now and made
     current, collective), after which a model the config asks to shard
     (`tensor_parallel.autotp_size`) and that is not sharded yet is sharded
-    over its model axis, as tp_model_init does (collective).
+    over its model axis, as tp_model_init does (collective; broadcasts
+    through `device`, the backend's).
 
     Raises:
         ConfigError: vocab_parallel asked for a model sharded without it.
@@ -225,12 +232,13 @@ def build_mesh(model: torch.nn.Module, cfg: DsConfig, degrees: ParallelDegrees) 
     if isinstance(model, PipelineModule):
         mesh = pipeline_mesh(model, degrees)
         if cfg.tensor_parallel.autotp_size > 1 and not _is_sharded(model):
-            shard_stage(model, mesh)
+            shard_stage(model, mesh, full=ZERO_INIT)
         return mesh
     mesh = declare_mesh(degrees)
     if not _is_sharded(model):
-        if cfg.tensor_parallel.autotp_size > 1:
-            tp_model_init(model, cfg.tensor_parallel.autotp_size, vocab_parallel=cfg.tensor_parallel.vocab_parallel)
+        tp = cfg.tensor_parallel.autotp_size
+        if tp > 1:
+            apply_autotp(model, plan_autotp(model, tp, cfg.tensor_parallel.vocab_parallel), mesh, device)
     elif cfg.tensor_parallel.vocab_parallel and not getattr(model, "ds_autotp_vocab_parallel", False):
         raise ConfigError("tensor_parallel.vocab_parallel=true but the model was sharded without it; call "
                           "dsrun.tp_model_init(..., vocab_parallel=True) or leave the key to initialize()")

@@ -63,7 +63,6 @@ from dsrun.runtime.observability.logging import logger
 from dsrun.runtime.parallel.degrees import ParallelDegrees
 from dsrun.runtime.parallel.mesh import current
 from dsrun.runtime.parallel.pipe.partition import partition_balanced, partition_uniform
-from dsrun.runtime.parallel.tensor.autotp import check_shardable
 from dsrun.runtime.utils import set_random_seed
 
 __all__ = ["LayerSpec", "PipelineModule", "TiedLayerSpec", "TiedWeightGroup"]
@@ -525,8 +524,6 @@ def _pipeline_degrees(module: PipelineModule, tensor_parallel, sequence: int) ->
         raise ConfigError("tensor_parallel.vocab_parallel=true with a PipelineModule: the vocabulary-parallel "
                           "embedding and output layer are not supported inside a pipeline; set it to false "
                           "(each stage's q/k/v/o and MLP projections are still sharded)")
-    if autotp > 1 and not getattr(module, "ds_autotp_parsed", False):
-        check_shardable(module, autotp)  # this rank's stage; the agreement check tells the others
     topology = module.topology()
     if topology is None:
         return ParallelDegrees(pipe=module.num_stages, model=autotp, sequence=sequence)
