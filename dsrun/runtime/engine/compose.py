@@ -102,7 +102,7 @@ def compose(model: torch.nn.Module, cfg: DsConfig, degrees: ParallelDegrees, top
     data_axis = "sequence_data" if cfg.sequence_parallel_size > 1 else "data"
     data_group = None if mesh.size(data_axis) == topology.world_size else mesh.group(data_axis)
     model.to(topology.device)
-    broadcast_module(model, src=mesh.ranks(data_axis)[0], group=data_group)
+    broadcast_module(model, mesh, src=mesh.ranks(data_axis)[0], group=data_group)
     tied = tie_weights(model, mesh) if pipeline else []
     params = (list(model_parameters) if model_parameters is not None
               else [p for p in model.parameters() if p.requires_grad])
@@ -250,15 +250,16 @@ def build_mesh(model: torch.nn.Module, cfg: DsConfig, degrees: ParallelDegrees, 
     return mesh
 
 
-def broadcast_module(module: torch.nn.Module, src: int = 0, group=None) -> None:
+def broadcast_module(module: torch.nn.Module, mesh: ParallelMesh, src: int = 0, group=None) -> None:
     """Give every rank of `group` (default: all) global rank `src`'s parameters
     and buffers (different seeds must not diverge). An expert parameter of an
     MoE layer comes instead from the first rank of its expert-data-parallel
-    group (the ranks of an expert-parallel group hold different experts)."""
+    group on `mesh` (the ranks of an expert-parallel group hold different
+    experts)."""
     with torch.no_grad():
         for tensor in list(module.parameters()) + list(module.buffers()):
             if is_expert_param(tensor):
-                experts = expert_groups(expert_group_name_of(tensor))
+                experts = expert_groups(expert_group_name_of(tensor), mesh)
                 comm.broadcast(tensor.data, src=experts.expert_data_parallel.ranks[0],
                                group=experts.expert_data_group)
             else:

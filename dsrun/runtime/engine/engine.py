@@ -81,7 +81,8 @@ def build_strategy(cfg: DsConfig, module: torch.nn.Module, optimizer: torch.opti
                                    data_axis=data_axis)
     return AllReduceStrategy(module, optimizer, topology,
                              bucket_size=cfg.zero_optimization.reduce_bucket_size, group=data_group,
-                             division=GradientDivision.from_config(cfg), sparse_gradients=cfg.sparse_gradients)
+                             division=GradientDivision.from_config(cfg), sparse_gradients=cfg.sparse_gradients,
+                             mesh=mesh)
 
 
 class NonFiniteStepsError(RuntimeError):
