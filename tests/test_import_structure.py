@@ -167,6 +167,58 @@ def test_runtime_layers_import_only_downward():
                         f"{upward}; move the code to the lower layer or pass it in as an argument")
 
 
+
+# The modules that may read the process-global mesh (runtime/parallel/mesh.py
+# current(), [Note: the declared mesh]), each for what it answers or builds
+# before or outside the engine; everything inside the engine is handed the mesh.
+DECLARED_MESH_READERS = {
+    "dsrun.utils.groups": "DeepSpeed's groups answers",
+    "dsrun.runtime.activation_checkpointing.checkpointing": "the model-parallel rank without an mpu",
+    "dsrun.runtime.comm.deepspeed_api": "init_distributed(config=...) declares the mesh",
+    "dsrun.runtime.engine.entry": "initialize reads the declared mesh once, when it begins",
+    "dsrun.runtime.engine.tp_model_init": "tp_model_init, called before initialize",
+    "dsrun.runtime.parallel.tensor.layers": "Megatron layers a script builds without a mesh",
+    "dsrun.runtime.parallel.expert.layer": "MoE layers a script builds",
+    "dsrun.runtime.parallel.sequence.data": "shard_sequence without a group",
+    "dsrun.runtime.parallel.sequence.loss": "sequence_parallel_loss without a group",
+    "dsrun.runtime.parallel.sequence.hf": "wrap_hf_attention without a group",
+}
+
+
+def current_mesh_readers() -> set[str]:
+    """The dsrun modules that call runtime/parallel/mesh.py's current(), as a
+    name imported from it or an attribute of the module."""
+    readers = set()
+    for name, path in _modules().items():
+        if name == "dsrun.runtime.parallel.mesh":
+            continue
+        functions, modules = set(), set()
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module == "dsrun.runtime.parallel.mesh":
+                functions |= {a.asname or a.name for a in node.names if a.name == "current"}
+            elif isinstance(node, ast.ImportFrom) and node.module == "dsrun.runtime.parallel":
+                modules |= {a.asname or a.name for a in node.names if a.name == "mesh"}
+            elif isinstance(node, ast.Import):
+                modules |= {a.asname for a in node.names if a.name == "dsrun.runtime.parallel.mesh" and a.asname}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and (
+                    (isinstance(node.func, ast.Name) and node.func.id in functions)
+                    or (isinstance(node.func, ast.Attribute) and node.func.attr == "current"
+                        and isinstance(node.func.value, ast.Name) and node.func.value.id in modules)):
+                readers.add(name)
+    return readers
+
+
+def test_only_the_listed_modules_read_the_declared_mesh():
+    readers = current_mesh_readers()
+    assert readers <= set(DECLARED_MESH_READERS), (
+        f"{sorted(readers - set(DECLARED_MESH_READERS))} read the process-global mesh (current()); pass the "
+        "engine's mesh in as an argument instead ([Note: the declared mesh] in runtime/parallel/mesh.py)")
+    assert set(DECLARED_MESH_READERS) <= readers, (
+        f"{sorted(set(DECLARED_MESH_READERS) - readers)} no longer call current(): remove them from "
+        "DECLARED_MESH_READERS")
+
 # Import paths the README, the docs or DeepSpeed's users name ("module:attribute"
 # for names reached as attributes, as `deepspeed.zero.Init` is in DeepSpeed too).
 DOCUMENTED = [
