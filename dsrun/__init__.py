@@ -47,8 +47,8 @@ _LAZY_API = {
     "pipe": ("dsrun.pipe", None),
     "elasticity": ("dsrun.elasticity", None),
     "PipelineModule": ("dsrun.runtime.parallel.pipe.module", "PipelineModule"),
-    "PipelineEngine": ("dsrun.runtime.parallel.pipe.engine", "PipelineEngine"),
-    "tp_model_init": ("dsrun.runtime.parallel.tensor.autotp", "tp_model_init"),
+    "PipelineEngine": ("dsrun.runtime.engine.pipeline_engine", "PipelineEngine"),
+    "tp_model_init": ("dsrun.runtime.engine.tp_model_init", "tp_model_init"),
 }
 # See [Note: missing DeepSpeed names] in dsrun/compat/missing.py.
 _missing.install(__name__)

@@ -116,15 +116,11 @@ def test_no_new_import_cycles():
     assert not gone, f"{gone} is no longer a cycle: remove it from KNOWN_CYCLES"
 
 
-# The runtime's layers: among these packages a dependency should run one way.
-LAYERS = ["dsrun.runtime.parallel", "dsrun.runtime.zero", "dsrun.runtime.engine", "dsrun.runtime.strategy"]
-# Pairs that still import each other (the list only shrinks, as KNOWN_CYCLES):
-# - parallel <-> engine: PipelineEngine (parallel/pipe/engine.py) subclasses the Engine;
-# - parallel <-> zero: ZeRO's groups come from the mesh, while AutoTP shards
-#   zero.Init-built parameters (parallel/tensor/partitioned.py) and the pipeline
-#   engine reads ZeRO's rank-group record.
-KNOWN_LAYER_PAIRS: list[set[str]] = [{"dsrun.runtime.parallel", "dsrun.runtime.engine"},
-                                     {"dsrun.runtime.parallel", "dsrun.runtime.zero"}]
+# The runtime's layers, bottom up: a package imports only those before it -- the
+# parallelism mesh and layers; the gradient-strategy interface; ZeRO, strategies over
+# the mesh's data axis; the engine, which composes them all (no pair imports each
+# other, which the earlier KNOWN_LAYER_PAIRS list tolerated until it was empty).
+LAYERS = ["dsrun.runtime.parallel", "dsrun.runtime.strategy", "dsrun.runtime.zero", "dsrun.runtime.engine"]
 
 
 def layer_edges(graph: dict[str, set[str]]) -> dict[tuple[str, str], list[tuple[str, str]]]:
@@ -150,17 +146,78 @@ def test_layer_pairs_finder_finds_a_planted_pair():
     assert ("dsrun.runtime.parallel", "dsrun.runtime.zero") in edges
 
 
-def test_no_new_package_cycles_among_the_runtime_layers():
-    """No two of runtime/parallel, zero, engine and strategy import each
-    other (a module-level cycle is caught above; this is the package level)."""
-    edges = layer_edges(import_graph())
-    pairs = [{a, b} for (a, b) in edges if (b, a) in edges and a < b]
-    new = [(sorted(p), edges[tuple(sorted(p))], edges[tuple(sorted(p))[::-1]])
-           for p in pairs if p not in KNOWN_LAYER_PAIRS]
-    gone = [sorted(p) for p in KNOWN_LAYER_PAIRS if p not in pairs]
-    assert not new, f"packages importing each other (pair, imports one way, the other way): {new}"
-    assert not gone, f"{gone} no longer import each other: remove the pair from KNOWN_LAYER_PAIRS"
+def test_upward_finder_finds_a_planted_upward_import():
+    graph = {"dsrun.runtime.parallel.b": {"dsrun.runtime.zero.c"}, "dsrun.runtime.zero.c": set()}
+    assert upward_imports(layer_edges(graph)) == {("dsrun.runtime.parallel", "dsrun.runtime.zero"):
+                                                  [("dsrun.runtime.parallel.b", "dsrun.runtime.zero.c")]}
 
+
+def upward_imports(edges: dict[tuple[str, str], list[tuple[str, str]]]) -> dict:
+    """The entries of `edges` that import a layer listed after the importer's in LAYERS."""
+    return {(a, b): imports for (a, b), imports in edges.items() if LAYERS.index(a) < LAYERS.index(b)}
+
+
+def test_runtime_layers_import_only_downward():
+    """runtime/parallel imports none of strategy, zero and engine; strategy
+    neither zero nor engine; zero not the engine. So no two of them import
+    each other (a module-level cycle is caught above; this is the package
+    level)."""
+    upward = upward_imports(layer_edges(import_graph()))
+    assert not upward, (f"imports against the layer order {LAYERS} ((importer, imported) package: modules): "
+                        f"{upward}; move the code to the lower layer or pass it in as an argument")
+
+
+
+# The modules that may read the process-global mesh (runtime/parallel/mesh.py
+# current(), [Note: the declared mesh]), each for what it answers or builds
+# before or outside the engine; everything inside the engine is handed the mesh.
+DECLARED_MESH_READERS = {
+    "dsrun.utils.groups": "DeepSpeed's groups answers",
+    "dsrun.runtime.activation_checkpointing.checkpointing": "the model-parallel rank without an mpu",
+    "dsrun.runtime.comm.deepspeed_api": "init_distributed(config=...) declares the mesh",
+    "dsrun.runtime.engine.entry": "initialize reads the declared mesh once, when it begins",
+    "dsrun.runtime.engine.tp_model_init": "tp_model_init, called before initialize",
+    "dsrun.runtime.parallel.tensor.layers": "Megatron layers a script builds without a mesh",
+    "dsrun.runtime.parallel.expert.layer": "MoE layers a script builds",
+    "dsrun.runtime.parallel.sequence.data": "shard_sequence without a group",
+    "dsrun.runtime.parallel.sequence.loss": "sequence_parallel_loss without a group",
+    "dsrun.runtime.parallel.sequence.hf": "wrap_hf_attention without a group",
+}
+
+
+def current_mesh_readers() -> set[str]:
+    """The dsrun modules that call runtime/parallel/mesh.py's current(), as a
+    name imported from it or an attribute of the module."""
+    readers = set()
+    for name, path in _modules().items():
+        if name == "dsrun.runtime.parallel.mesh":
+            continue
+        functions, modules = set(), set()
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module == "dsrun.runtime.parallel.mesh":
+                functions |= {a.asname or a.name for a in node.names if a.name == "current"}
+            elif isinstance(node, ast.ImportFrom) and node.module == "dsrun.runtime.parallel":
+                modules |= {a.asname or a.name for a in node.names if a.name == "mesh"}
+            elif isinstance(node, ast.Import):
+                modules |= {a.asname for a in node.names if a.name == "dsrun.runtime.parallel.mesh" and a.asname}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and (
+                    (isinstance(node.func, ast.Name) and node.func.id in functions)
+                    or (isinstance(node.func, ast.Attribute) and node.func.attr == "current"
+                        and isinstance(node.func.value, ast.Name) and node.func.value.id in modules)):
+                readers.add(name)
+    return readers
+
+
+def test_only_the_listed_modules_read_the_declared_mesh():
+    readers = current_mesh_readers()
+    assert readers <= set(DECLARED_MESH_READERS), (
+        f"{sorted(readers - set(DECLARED_MESH_READERS))} read the process-global mesh (current()); pass the "
+        "engine's mesh in as an argument instead ([Note: the declared mesh] in runtime/parallel/mesh.py)")
+    assert set(DECLARED_MESH_READERS) <= readers, (
+        f"{sorted(set(DECLARED_MESH_READERS) - readers)} no longer call current(): remove them from "
+        "DECLARED_MESH_READERS")
 
 # Import paths the README, the docs or DeepSpeed's users name ("module:attribute"
 # for names reached as attributes, as `deepspeed.zero.Init` is in DeepSpeed too).

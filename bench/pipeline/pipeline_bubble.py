@@ -54,7 +54,7 @@ Reported per configuration, over all timed steps of all repeats:
   `simulate` of dsrun's schedules with the same costs read both ways ("own",
   "span"); "step / 1f1b": the median step over 1F1B's at the same depth,
   measured and simulated (F = B = W; dsrun's weight pass runs only the
-  weight-gradient products, pipe/engine.py [Note: zero bubble's split
+  weight-gradient products, engine/pipeline_engine.py [Note: zero bubble's split
   backward], so W costs about F);
 - peak memory per stage: VmHWM of /proc/self/status (peak resident set)
   over the timed steps, reset at the end of warm-up (clear_refs 5), the

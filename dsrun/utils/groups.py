@@ -89,57 +89,57 @@ def _create_expert_and_data_parallel(expert_parallel_size_: int) -> None:
     """Make the expert-parallel and expert-data-parallel groups of degree
     `expert_parallel_size_` (every member of this rank's two groups must
     call it; other ranks need not)."""
-    create_expert_groups(expert_parallel_size_)
+    create_expert_groups(expert_parallel_size_, current())
 
 
 def _get_expert_parallel_group(group_name: str):
-    return expert_groups(group_name).ep_group
+    return expert_groups(group_name, current()).ep_group
 
 
 def _get_expert_parallel_group_dict() -> dict:
-    return {name: expert_groups(name).ep_group for name in expert_group_names()}
+    return {name: expert_groups(name, current()).ep_group for name in expert_group_names(current())}
 
 
 def _get_expert_parallel_world_size(group_name: str) -> int:
-    return expert_groups(group_name).expert_parallel.size
+    return expert_groups(group_name, current()).expert_parallel.size
 
 
 def _get_expert_parallel_rank(group_name: str) -> int:
-    return expert_groups(group_name).expert_parallel.rank
+    return expert_groups(group_name, current()).expert_parallel.rank
 
 
 def _get_expert_parallel_src_rank(group_name: str) -> int:
     """The first global rank of this rank's expert-parallel group."""
-    return expert_groups(group_name).expert_parallel.ranks[0]
+    return expert_groups(group_name, current()).expert_parallel.ranks[0]
 
 
 def _get_expert_parallel_group_ranks(group_name: str) -> list[int]:
-    return list(expert_groups(group_name).expert_parallel.ranks)
+    return list(expert_groups(group_name, current()).expert_parallel.ranks)
 
 
 def _get_expert_data_parallel_group(group_name: str):
-    return expert_groups(group_name).expert_data_group
+    return expert_groups(group_name, current()).expert_data_group
 
 
 def _get_expert_data_parallel_group_dict() -> dict:
-    return {name: expert_groups(name).expert_data_group for name in expert_group_names()}
+    return {name: expert_groups(name, current()).expert_data_group for name in expert_group_names(current())}
 
 
 def _get_expert_data_parallel_world_size(group_name: str) -> int:
-    return expert_groups(group_name).expert_data_parallel.size
+    return expert_groups(group_name, current()).expert_data_parallel.size
 
 
 def _get_expert_data_parallel_rank(group_name: str) -> int:
-    return expert_groups(group_name).expert_data_parallel.rank
+    return expert_groups(group_name, current()).expert_data_parallel.rank
 
 
 def _get_expert_data_parallel_group_ranks(group_name: str) -> list[int]:
-    return list(expert_groups(group_name).expert_data_parallel.ranks)
+    return list(expert_groups(group_name, current()).expert_data_parallel.ranks)
 
 
 def _get_max_expert_size() -> int | None:
     """The largest expert-parallel degree made so far (None: no MoE layer)."""
-    sizes = [expert_groups(name).expert_parallel.size for name in expert_group_names()]
+    sizes = [expert_groups(name, current()).expert_parallel.size for name in expert_group_names(current())]
     return max(sizes) if sizes else None
 
 

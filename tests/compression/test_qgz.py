@@ -108,9 +108,10 @@ def _collective_rank(nodes: int, local: int, dtypes: tuple[torch.dtype, ...]):
     as_nodes(local)
     import dsrun
     from dsrun.runtime.comm.hierarchical import quantized_reduce_scatter
+    from dsrun.runtime.parallel.mesh import current
     from dsrun.runtime.zero.groups import node_groups
     dsrun.init_distributed()
-    grid = node_groups()
+    grid = node_groups(current())
     intra, inter = grid.intra, grid.inter
     assert (intra.size, inter.size) == (local, nodes)
     results = []

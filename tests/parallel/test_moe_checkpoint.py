@@ -15,12 +15,13 @@ def _engine(ep: int, initial: dict, stage: int):
     import dsrun
     from dsrun.moe.utils import split_params_into_different_moe_groups_for_optimizer
     from dsrun.runtime.parallel.expert.names import global_expert_name
+    from dsrun.runtime.parallel.mesh import current
     import torch
     torch.manual_seed(1)
     net = _Net(ep)
     with torch.no_grad():
         for name, p in net.named_parameters():
-            p.copy_(initial[global_expert_name(name, p)])
+            p.copy_(initial[global_expert_name(name, p, current())])  # the mesh the layers were built on
     params = split_params_into_different_moe_groups_for_optimizer({"params": net.parameters(), "name": "parameters"})
     engine, *_ = dsrun.initialize(model=net, model_parameters=params, config={
         "train_micro_batch_size_per_gpu": 12, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
@@ -49,7 +50,7 @@ def _global_params(engine) -> dict:
     for name, p in engine.module.named_parameters():
         full = strategy.full_fp32_param(p).reshape(p.ds_shape if hasattr(p, "ds_shape") else p.shape) \
             if strategy.manages(p) else p.detach()
-        mine[global_expert_name(name, p)] = full.clone()
+        mine[global_expert_name(name, p, engine.mesh)] = full.clone()
     out: dict = {}
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)

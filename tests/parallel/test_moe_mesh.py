@@ -23,10 +23,11 @@ H, BATCH, TOL = 8, 8, {"rtol": 1e-5, "atol": 1e-6}
 def _distinct_experts(module) -> None:
     """Every expert parameter from a seed of its global name (names.py)."""
     from dsrun.runtime.parallel.expert.names import global_expert_name
+    from dsrun.runtime.parallel.mesh import current
     with torch.no_grad():
         for name, p in module.named_parameters():
             if ".deepspeed_experts." in name:
-                global_name = global_expert_name(name, p)
+                global_name = global_expert_name(name, p, current())  # the mesh the layers were built on
                 seed = int(global_name.split(".deepspeed_experts.")[1].split(".")[0]) * 10 + p.dim()
                 p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)))
 

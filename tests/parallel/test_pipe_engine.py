@@ -330,7 +330,7 @@ def test_config_must_match_the_module():
     from types import SimpleNamespace
 
     from dsrun.runtime.config import ConfigError, load_config
-    from dsrun.runtime.parallel.pipe.engine import check_pipeline_config
+    from dsrun.runtime.engine.pipeline_engine import check_pipeline_config
     module = SimpleNamespace(num_stages=2, partition_method="parameters", seed_layers=False, virtual_stages=1,
                              activation_checkpoint_interval=0)
     base = {"train_batch_size": 8, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
@@ -352,7 +352,7 @@ def test_zero3_with_the_zero_bubble_schedule_is_refused():
     from types import SimpleNamespace
 
     from dsrun.runtime.config import ConfigError, load_config
-    from dsrun.runtime.parallel.pipe.engine import check_pipeline_config
+    from dsrun.runtime.engine.pipeline_engine import check_pipeline_config
     module = SimpleNamespace(num_stages=2, partition_method="parameters", seed_layers=False, virtual_stages=1,
                              activation_checkpoint_interval=0)
     cfg = load_config({"train_batch_size": 2, "zero_optimization": {"stage": 3},

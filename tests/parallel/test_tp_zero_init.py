@@ -1,5 +1,5 @@
 """Automatic tensor parallelism of a model built under zero.Init (see
-dsrun/runtime/parallel/tensor/partitioned.py [Note: tensor parallelism of a
+dsrun/runtime/zero/tensor_parallel.py [Note: tensor parallelism of a
 zero.Init model]), on 2 gloo ranks at tp=2 x dp=1:
 
 - every parameter equals, bit for bit, the same parameter of the plain model

@@ -32,10 +32,11 @@ def _groups_on_two_nodes():
 
     import dsrun
     from dsrun.runtime.distributed import nodes
+    from dsrun.runtime.parallel.mesh import current
     from dsrun.runtime.zero.groups import node_groups
     topo = dsrun.init_distributed()
-    groups = node_groups()
-    assert node_groups() == groups  # cached, the same groups
+    groups = node_groups(current())
+    assert node_groups(current()) == groups  # cached, the same groups
     out = {"map": topo.nodes.nodes,
            "intra": dist.get_process_group_ranks(groups.intra.group),
            "inter": dist.get_process_group_ranks(groups.inter.group),

@@ -37,7 +37,7 @@ def full_16bit_entries(parts: TrainingParts, exclude_frozen_parameters: bool = F
         if exclude_frozen_parameters and not p.requires_grad:
             continue
         split = split_of(p)
-        names = all_expert_names(name, p)
+        names = all_expert_names(name, p, parts.mesh)
         if strategy.manages(p):
             shape = split.full_shape if split is not None else tuple(record_of(p).shape)
             entries.append((names, p, shape, strategy.compute_dtype, True))
@@ -76,7 +76,7 @@ def full_16bit_values(parts: TrainingParts, entries: list[tuple]):
             continue
         copies = full.new_empty((len(names), full.numel()))  # one per expert-parallel rank, in group-rank order
         comm.all_gather_into_tensor(copies.reshape(-1), full.reshape(-1),
-                                    group=expert_groups(expert_group_name_of(t)).ep_group)
+                                    group=expert_groups(expert_group_name_of(t), mesh).ep_group)
         yield from (copy.reshape(shape) for copy in copies)
 
 

@@ -48,7 +48,7 @@ def held_pieces(parts: TrainingParts) -> list[HeldPiece]:
         world = RankGroup(data.group, data.rank, data.size)
     else:
         world = RankGroup(None, parts.topology.rank, parts.topology.world_size)
-    pieces = parts.strategy.checkpoint_pieces() + plain_pieces(parts.module, parts.optimizer, managed, world)
+    pieces = parts.strategy.checkpoint_pieces() + plain_pieces(parts.module, parts.optimizer, managed, world, mesh)
     splits = {name: s for name, p in parts.module.named_parameters() if (s := split_of(p)) is not None}
     for piece in pieces:
         if piece.kind == "param" and piece.name in splits:
@@ -72,7 +72,7 @@ def global_names(parts: TrainingParts) -> dict[str, tuple[tuple[int, ...], bool]
     for name, p in parts.module.named_parameters():
         rec, split = record_of(p), split_of(p)
         shape = split.full_shape if split is not None else tuple(rec.shape) if rec is not None else tuple(p.shape)
-        for global_name in all_expert_names(name, p):  # an expert stands for every expert-parallel rank's
+        for global_name in all_expert_names(name, p, parts.mesh):  # an expert stands for every expert-parallel rank's
             out[global_name] = (tuple(shape), not p.requires_grad)
     for mod_name, mod in parts.module.named_modules():
         for bname, buf in mod._buffers.items():

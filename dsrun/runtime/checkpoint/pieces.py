@@ -28,6 +28,7 @@ import torch
 
 from dsrun.runtime.parallel.expert.groups import is_expert_param
 from dsrun.runtime.parallel.expert.names import expert_holders, global_expert_name
+from dsrun.runtime.parallel.mesh import ParallelMesh
 
 
 @dataclass
@@ -86,12 +87,12 @@ def flat_view(t: torch.Tensor, what: str) -> torch.Tensor:
 
 
 def plain_pieces(module: torch.nn.Module, optimizer: torch.optim.Optimizer, skip: set[int],
-                 world: Any) -> list[HeldPiece]:
+                 world: Any, mesh: ParallelMesh) -> list[HeldPiece]:
     """Pieces of every parameter not in `skip` (ids of ZeRO-managed ones) and of
     every persistent buffer: every rank of `world` (the job's RankGroup)
     holds all elements and writes an even 1/world.size slice; an expert
     parameter goes by its global expert name, held by its expert-data-
-    parallel group (see [Note: expert names in checkpoints] in
+    parallel group on `mesh` (see [Note: expert names in checkpoints] in
     dsrun/runtime/parallel/expert/names.py). Optimizer state key: the
     parameter itself when the optimizer holds it."""
     rank, world_size = world.rank, world.size
@@ -104,7 +105,7 @@ def plain_pieces(module: torch.nn.Module, optimizer: torch.optim.Optimizer, skip
         n = p.numel()
         holders = world
         if is_expert_param(p):  # by global expert id, held by its expert-data-parallel group (names.py)
-            name, holders = global_expert_name(name, p), expert_holders(p)
+            name, holders = global_expert_name(name, p, mesh), expert_holders(p, mesh)
         wlo, whi = even_part(0, n, holders.rank, holders.size)
         trainable = id(p) in in_optimizer
         pieces.append(HeldPiece(name, tuple(p.shape), "param", 0, n, wlo, whi, flat_view(p.data, name),

@@ -26,6 +26,7 @@ from dsrun.runtime.comm.logger import CommsLogger, OpStats, comms_logger, log_su
 from dsrun.runtime.distributed.dist import DEFAULT_TIMEOUT, Topology
 from dsrun.runtime.distributed.dist import init_distributed as _init_process_group
 from dsrun.runtime.parallel.degrees import ParallelDegrees, declare_mesh, record_declaration
+from dsrun.runtime.parallel.mesh import current
 
 __all__ = [
     "ReduceOp", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_reduce", "all_to_all",
@@ -109,7 +110,9 @@ def _declare(config, topology: Topology | None) -> Topology | None:
     """Build the mesh of `config`'s degrees (collective) when there is a
     config and a process group; returns `topology`."""
     if config is not None and topology is not None:
-        record_declaration(declare_mesh(ParallelDegrees.from_config(config)), "init_distributed(config=...)")
+        # An equal mesh the script already made current is kept: [Note: the declared mesh]
+        declared = declare_mesh(ParallelDegrees.from_config(config), current())
+        record_declaration(declared, "init_distributed(config=...)")
     return topology
 
 

@@ -55,8 +55,7 @@ def takes_over(cfg, optimizer: torch.optim.Optimizer) -> bool:
 
 
 def build_compression_strategy(cfg, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                               topology: Topology, group=None, *,
-                               mesh: ParallelMesh | None = None) -> "CompressedCommStrategy":
+                               topology: Topology, group=None, *, mesh: ParallelMesh) -> "CompressedCommStrategy":
     """The strategy for a 1-bit or layer-wise optimizer (see `takes_over`).
     `group`: the data-parallel process group gradients are averaged over
     and the optimizer's compressed all-reduce runs in (None: every rank;
@@ -69,7 +68,7 @@ def build_compression_strategy(cfg, module: torch.nn.Module, optimizer: torch.op
             (Lamb, OneBitLamb) on a tensor-parallel `mesh` (its trust ratio
             would be that of a tensor shard, not of the layer).
     """
-    if isinstance(optimizer, Segmented) and mesh is not None and mesh.size("model") > 1:
+    if isinstance(optimizer, Segmented) and mesh.size("model") > 1:
         raise ConfigError(f"{type(optimizer).__name__} takes a trust ratio per layer, and tensor parallelism "
                           f"(degree {mesh.size('model')}) splits each layer over ranks, so it would see a "
                           "shard's ratio; use Adam/AdamW or OneBitAdam/ZeroOneAdam with tensor parallelism, "
@@ -84,7 +83,7 @@ def build_compression_strategy(cfg, module: torch.nn.Module, optimizer: torch.op
     zero = cfg.zero_optimization
     return CompressedCommStrategy(module, optimizer, topology, PrecisionPolicy.from_config(cfg),
                                   reduce_bucket_size=zero.reduce_bucket_size,
-                                  sub_group_size=zero.sub_group_size, group=group)
+                                  sub_group_size=zero.sub_group_size, group=group, mesh=mesh)
 
 
 class CompressedCommStrategy(PartitionedOptimizerStrategy):
@@ -97,6 +96,7 @@ class CompressedCommStrategy(PartitionedOptimizerStrategy):
         sub_group_size: as PartitionedOptimizerStrategy.
         group: the data-parallel process group (None = every rank): the
             replicate group, the optimizer's `comm_group`.
+        mesh: the job's ParallelMesh (as PartitionedOptimizerStrategy).
 
     Raises:
         ValueError: a parameter group carries DeepSpeed's `exp_avg_mask`
@@ -105,14 +105,15 @@ class CompressedCommStrategy(PartitionedOptimizerStrategy):
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, topology: Topology,
                  precision: PrecisionPolicy, reduce_bucket_size: int, sub_group_size: int = 1_000_000_000,
-                 group=None):
+                 group=None, *, mesh: ParallelMesh):
         for i, param_group in enumerate(optimizer.param_groups):
             if "exp_avg_mask" in param_group:
                 raise ValueError(f"optimizer param group {i} has an exp_avg_mask: dsrun's engine flattens the "
                                  "parameters and derives the momentum mask itself (elements whose gradient "
                                  "stayed zero through warm-up); remove exp_avg_mask")
         super().__init__(module, optimizer, topology, precision, stage=0, reduce_bucket_size=reduce_bucket_size,
-                         allgather_bucket_size=reduce_bucket_size, sub_group_size=sub_group_size, group=group)
+                         allgather_bucket_size=reduce_bucket_size, sub_group_size=sub_group_size, group=group,
+                         mesh=mesh)
         self._owner = optimizer if isinstance(optimizer, CompressedCommOptimizer) else None
         if self._owner is not None:
             self._owner.comm_group = self.groups.replicate.group

@@ -1,5 +1,6 @@
 """The engine and a rank's start: `initialize` (entry.py), the `Engine`
-(engine.py) with DeepSpeed's query surface (compat.py), the `TrainState`
+(engine.py) with DeepSpeed's query surface (compat.py), the pipeline
+engine (pipeline_engine.py, an `Engine` running schedules), the `TrainState`
 counters and `TrainingParts` handed to the checkpointer and telemetry
 (train_state.py), what a step reports (telemetry.py), the data loader.
 

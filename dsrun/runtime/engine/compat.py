@@ -189,7 +189,7 @@ class DeepSpeedEngineCompat:
         raise AttributeError(f"neither the dsrun engine nor its module ({type(modules.get('module')).__name__}) "
                              f"has an attribute {name!r}")
 
-    # -- DeepSpeed's pipeline engine (dsrun/runtime/parallel/pipe/engine.py) -------------------
+    # -- DeepSpeed's pipeline engine (dsrun/runtime/engine/pipeline_engine.py) -------------------
     train_batch = _pipeline_only("train_batch")
     eval_batch = _pipeline_only("eval_batch")
     set_dataiterator = _pipeline_only("set_dataiterator")

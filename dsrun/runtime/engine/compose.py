@@ -6,9 +6,13 @@ which applies the job's parallelisms in this order (each step sees what
 the ones before it did):
 
 1. the mesh: one ParallelMesh of pipe x data x sequence x model with the
-   degrees `resolve_degrees` found (the one `init_distributed(config=)` or
-   an mpu declared, or built here; see [Note: one declaration of the
-   degrees] in runtime/parallel/degrees.py);
+   degrees `resolve_degrees` found (the one the script built its layers on,
+   which `init_distributed(config=)` or an mpu may have declared, or built
+   here; see [Note: one declaration of the degrees] in
+   runtime/parallel/degrees.py). `initialize` reads that mesh once, when it
+   begins, and passes it in ([Note: the declared mesh] in
+   runtime/parallel/mesh.py); everything below takes the job's mesh as an
+   argument;
 2. tensor parallelism: a model the config asks to shard
    (`tensor_parallel.autotp_size`) is sharded by layer names over the
    model axis (AutoTP, as tp_model_init); a model of Megatron layers, or
@@ -43,11 +47,13 @@ from dsrun.runtime.engine.engine import build_strategy
 from dsrun.runtime.engine.model_parallel import attach_model_parallel
 from dsrun.runtime.parallel.degrees import ParallelDegrees, check_declared, declare_mesh
 from dsrun.runtime.parallel.expert.groups import expert_group_name_of, expert_groups, is_expert_param
-from dsrun.runtime.parallel.mesh import ParallelMesh, current, set_current
-from dsrun.runtime.parallel.pipe.engine import tie_weights
+from dsrun.runtime.parallel.mesh import ParallelMesh, set_current
+from dsrun.runtime.engine.pipeline_engine import tie_weights
+from dsrun.runtime.engine.tp_model_init import apply_autotp, plan_autotp
 from dsrun.runtime.parallel.pipe.module import PipelineModule, pipeline_degrees
-from dsrun.runtime.parallel.tensor.autotp import shard_stage, tp_model_init
+from dsrun.runtime.parallel.tensor.autotp import check_shardable, shard_stage
 from dsrun.runtime.strategy.data_parallel import GradientStrategy
+from dsrun.runtime.zero.tensor_parallel import ZERO_INIT
 
 
 @dataclass
@@ -69,7 +75,7 @@ class Composition:
 
 
 def compose(model: torch.nn.Module, cfg: DsConfig, degrees: ParallelDegrees, topology: Topology,
-            make_optimizer: Callable[[list], torch.optim.Optimizer],
+            built_on: ParallelMesh, make_optimizer: Callable[[list], torch.optim.Optimizer],
             model_parameters: list | None = None) -> Composition:
     """Apply the job's parallelisms to `model` (see [Note: the order of
     composition]) and build its gradient strategy. Collective: every rank
@@ -78,6 +84,8 @@ def compose(model: torch.nn.Module, cfg: DsConfig, degrees: ParallelDegrees, top
     Args:
         model: the model, on any device (moved to `topology.device`).
         cfg: the resolved config. degrees: resolve_degrees's answer.
+        built_on: the mesh the script built its layers on (the current one
+            when initialize began); kept when it has `degrees`.
         make_optimizer: builds the torch optimizer from parameters (or
             parameter-group dicts), called once the model is sharded.
         model_parameters: the optimizer's parameters (None: the model's
@@ -88,13 +96,13 @@ def compose(model: torch.nn.Module, cfg: DsConfig, degrees: ParallelDegrees, top
         ValueError, NotImplementedError: as build_strategy raises.
     """
     pipeline = isinstance(model, PipelineModule)
-    mesh = build_mesh(model, cfg, degrees)
+    mesh = build_mesh(model, cfg, degrees, built_on, topology.device)
     # ZeRO's group: the ranks holding the same parameters (under sequence parallelism
     # data x sequence, as in DeepSpeed: gradients are averaged over both).
     data_axis = "sequence_data" if cfg.sequence_parallel_size > 1 else "data"
     data_group = None if mesh.size(data_axis) == topology.world_size else mesh.group(data_axis)
     model.to(topology.device)
-    broadcast_module(model, src=mesh.ranks(data_axis)[0], group=data_group)
+    broadcast_module(model, mesh, src=mesh.ranks(data_axis)[0], group=data_group)
     tied = tie_weights(model, mesh) if pipeline else []
     params = (list(model_parameters) if model_parameters is not None
               else [p for p in model.parameters() if p.requires_grad])
@@ -107,39 +115,39 @@ def compose(model: torch.nn.Module, cfg: DsConfig, degrees: ParallelDegrees, top
     return Composition(mesh, data_axis, strategy, tied, hooks)
 
 
-def pipeline_mesh(module: PipelineModule, degrees: ParallelDegrees | None = None) -> ParallelMesh:
+def pipeline_mesh(module: PipelineModule, degrees: ParallelDegrees, built_on: ParallelMesh) -> ParallelMesh:
     """The job's mesh for a PipelineModule: its topology, or the module's
-    stages x `degrees`' tensor and sequence axes (default none) x data,
-    made the current mesh that `dsrun.utils.groups` answers from. The
-    current mesh is kept when it has the module's topology or degrees (its
-    layers were built on it); otherwise collective: every rank creates
-    every group."""
+    stages x `degrees`' tensor and sequence axes x data, made the current
+    mesh that `dsrun.utils.groups` answers from. `built_on` (the mesh the
+    script built its layers on) is kept when it has the module's topology
+    or degrees; otherwise collective: every rank creates every group."""
     topology = module.topology()
     if topology is None:
-        degrees = degrees or ParallelDegrees()
-        return declare_mesh(ParallelDegrees(pipe=module.num_stages, model=degrees.model, sequence=degrees.sequence))
-    mine = current()
-    if (mine.topology.get_axis_names(), mine.topology.dims) == (topology.get_axis_names(), topology.dims):
-        return mine
+        return declare_mesh(ParallelDegrees(pipe=module.num_stages, model=degrees.model, sequence=degrees.sequence),
+                            built_on)
+    if (built_on.topology.get_axis_names(), built_on.topology.dims) == (topology.get_axis_names(), topology.dims):
+        return built_on
     mesh = ParallelMesh(topology)
     set_current(mesh)
     return mesh
 
 
-def resolve_degrees(model: torch.nn.Module, source: Any, world: int,
+def resolve_degrees(model: torch.nn.Module, source: Any, world: int, built_on: ParallelMesh,
                     mesh_param: Any = None) -> ParallelDegrees:
     """The job's pipe x tensor x sequence degrees, resolved once from the
     model and the config (see [Note: one declaration of the degrees] in
     runtime/parallel/degrees.py): a PipelineModule's stages (or its
     topology's axes), the tensor degree of a model tp_model_init already
-    sharded (or built from tensor-parallel layers on the current mesh) or
-    else `tensor_parallel.autotp_size`, and `sequence_parallel_size` or
-    `mesh_param`. Data parallelism takes the rest of the world.
+    sharded (or built from tensor-parallel layers on `built_on`, the mesh
+    the script built its layers on) or else `tensor_parallel.autotp_size`,
+    and `sequence_parallel_size` or `mesh_param`. Data parallelism takes
+    the rest of the world.
 
     Raises:
         ConfigError: an invalid `tensor_parallel` section; a PipelineModule's
-            topology differing from the config (pipeline_degrees); autotp_size differing from the degree
-            tp_model_init sharded the model with; the sequence refusals of
+            topology differing from the config (pipeline_degrees); a stage
+            AutoTP cannot shard (check_shardable); autotp_size differing from
+            the degree tp_model_init sharded the model with; the sequence refusals of
             _sequence_size; degrees whose product does not divide the world;
             degrees other than those the script declared with
             init_distributed(config=...).
@@ -147,18 +155,20 @@ def resolve_degrees(model: torch.nn.Module, source: Any, world: int,
     autotp = tensor_parallel_of(source).autotp_size
     sequence = _sequence_size(model, source, world, mesh_param)
     if isinstance(model, PipelineModule):
-        degrees = pipeline_degrees(model, tensor_parallel_of(source), sequence)
+        degrees = pipeline_degrees(model, tensor_parallel_of(source), sequence, built_on)
+        if autotp > 1 and not getattr(model, "ds_autotp_parsed", False):
+            check_shardable(model, autotp, ZERO_INIT)  # this rank's stage; the agreement check tells the others
     elif _is_sharded(model):
-        sharded = current().size("model")
+        sharded = built_on.size("model")
         if autotp not in (1, sharded):
             raise ConfigError(f"tensor_parallel.autotp_size={autotp} but the model is already sharded over "
-                              f"{sharded} ranks (the current mesh's model axis); make them equal (or leave "
+                              f"{sharded} ranks (the model axis it was built on); make them equal (or leave "
                               "the key out)")
         degrees = ParallelDegrees(model=sharded, sequence=sequence)
     else:
         degrees = ParallelDegrees(model=autotp, sequence=sequence)
     degrees.data(world)
-    check_declared(degrees)
+    check_declared(degrees, built_on)
     return degrees
 
 
@@ -212,40 +222,44 @@ def _is_sharded(model: torch.nn.Module) -> bool:
         getattr(p, "tensor_model_parallel", False) for p in model.parameters())
 
 
-def build_mesh(model: torch.nn.Module, cfg: DsConfig, degrees: ParallelDegrees) -> ParallelMesh:
-    """The job's one mesh, with `degrees` (the current mesh when it has
-    them: the model's layers were built on it; else built now and made
+def build_mesh(model: torch.nn.Module, cfg: DsConfig, degrees: ParallelDegrees, built_on: ParallelMesh,
+               device: torch.device) -> ParallelMesh:
+    """The job's one mesh, with `degrees` (`built_on`, the mesh the model's
+    layers were built on, when it has them; else built now and made
     current, collective), after which a model the config asks to shard
     (`tensor_parallel.autotp_size`) and that is not sharded yet is sharded
-    over its model axis, as tp_model_init does (collective).
+    over its model axis, as tp_model_init does (collective; broadcasts
+    through `device`, the backend's).
 
     Raises:
         ConfigError: vocab_parallel asked for a model sharded without it.
     """
     if isinstance(model, PipelineModule):
-        mesh = pipeline_mesh(model, degrees)
+        mesh = pipeline_mesh(model, degrees, built_on)
         if cfg.tensor_parallel.autotp_size > 1 and not _is_sharded(model):
-            shard_stage(model, mesh)
+            shard_stage(model, mesh, full=ZERO_INIT)
         return mesh
-    mesh = declare_mesh(degrees)
+    mesh = declare_mesh(degrees, built_on)
     if not _is_sharded(model):
-        if cfg.tensor_parallel.autotp_size > 1:
-            tp_model_init(model, cfg.tensor_parallel.autotp_size, vocab_parallel=cfg.tensor_parallel.vocab_parallel)
+        tp = cfg.tensor_parallel.autotp_size
+        if tp > 1:
+            apply_autotp(model, plan_autotp(model, tp, cfg.tensor_parallel.vocab_parallel), mesh, device)
     elif cfg.tensor_parallel.vocab_parallel and not getattr(model, "ds_autotp_vocab_parallel", False):
         raise ConfigError("tensor_parallel.vocab_parallel=true but the model was sharded without it; call "
                           "dsrun.tp_model_init(..., vocab_parallel=True) or leave the key to initialize()")
     return mesh
 
 
-def broadcast_module(module: torch.nn.Module, src: int = 0, group=None) -> None:
+def broadcast_module(module: torch.nn.Module, mesh: ParallelMesh, src: int = 0, group=None) -> None:
     """Give every rank of `group` (default: all) global rank `src`'s parameters
     and buffers (different seeds must not diverge). An expert parameter of an
     MoE layer comes instead from the first rank of its expert-data-parallel
-    group (the ranks of an expert-parallel group hold different experts)."""
+    group on `mesh` (the ranks of an expert-parallel group hold different
+    experts)."""
     with torch.no_grad():
         for tensor in list(module.parameters()) + list(module.buffers()):
             if is_expert_param(tensor):
-                experts = expert_groups(expert_group_name_of(tensor))
+                experts = expert_groups(expert_group_name_of(tensor), mesh)
                 comm.broadcast(tensor.data, src=experts.expert_data_parallel.ranks[0],
                                group=experts.expert_data_group)
             else:

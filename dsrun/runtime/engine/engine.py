@@ -21,7 +21,7 @@ from dsrun.runtime.config import DsConfig
 from dsrun.runtime.data_pipeline.curriculum import TokenStepLR, check_takes_seqlen, legacy_scheduler
 from dsrun.runtime.data_pipeline.data_sampling import CurriculumDataLoader, build_curriculum_loader
 from dsrun.runtime.engine.dataloader import DistributedDataLoader
-from dsrun.runtime.parallel.mesh import ParallelMesh, current as current_mesh
+from dsrun.runtime.parallel.mesh import ParallelMesh
 from dsrun.runtime.data_pipeline.data_routing.basic_layer import RandomLayerTokenDrop
 from dsrun.runtime.data_pipeline.data_routing.helper import bind_random_ltd_layers, random_ltd_scheduler
 from dsrun.runtime.strategy.data_parallel import AllReduceStrategy, GradientStrategy
@@ -81,7 +81,8 @@ def build_strategy(cfg: DsConfig, module: torch.nn.Module, optimizer: torch.opti
                                    data_axis=data_axis)
     return AllReduceStrategy(module, optimizer, topology,
                              bucket_size=cfg.zero_optimization.reduce_bucket_size, group=data_group,
-                             division=GradientDivision.from_config(cfg), sparse_gradients=cfg.sparse_gradients)
+                             division=GradientDivision.from_config(cfg), sparse_gradients=cfg.sparse_gradients,
+                             mesh=mesh)
 
 
 class NonFiniteStepsError(RuntimeError):
@@ -125,11 +126,11 @@ class Engine(DeepSpeedEngineCompat, torch.nn.Module):
             `strategy.optimizer`.
         config: the resolved DsConfig.
         topology: this rank's Topology.
+        mesh: the job's ParallelMesh (the one compose built or adopted),
+            kept as `engine.mesh` and handed to the checkpointer.
         split: how the model is split across ranks (a pipeline engine's
             stages, see ModelSplit), for the checkpointer; None: every rank
             holds the whole model.
-        mesh: the job's ParallelMesh (initialize passes the one it built;
-            None: the process-global `current()`), kept as `engine.mesh`.
 
     Attributes:
         mesh: the job's ParallelMesh. module, optimizer, lr_scheduler, train_state (the counters, also
@@ -156,11 +157,10 @@ class Engine(DeepSpeedEngineCompat, torch.nn.Module):
     """
 
     def __init__(self, module: torch.nn.Module, strategy: GradientStrategy,
-                 lr_scheduler: Any, config: DsConfig, topology: Topology,
-                 split: ModelSplit | None = None, mesh: ParallelMesh | None = None) -> None:
+                 lr_scheduler: Any, config: DsConfig, topology: Topology, mesh: ParallelMesh,
+                 split: ModelSplit | None = None) -> None:
         super().__init__()
-        # The job's parallelism mesh, passed on explicitly (the process-global one when none is given).
-        self.mesh = mesh if mesh is not None else current_mesh()
+        self.mesh = mesh  # the job's parallelism mesh, passed on explicitly (never the process-global one)
         self.module = module
         self.strategy = strategy
         self.optimizer = strategy.optimizer

@@ -38,8 +38,9 @@ from dsrun.runtime.lr_schedules import build_lr_scheduler
 from dsrun.runtime.optim.optimizers import build_optimizer
 from dsrun.runtime.parallel.combinations import check_combinations, settings_of, split_experts
 from dsrun.runtime.parallel.degrees import record_declaration
+from dsrun.runtime.parallel.mesh import current
 from dsrun.runtime.parallel.mpu import mesh_from_mpu
-from dsrun.runtime.parallel.pipe.engine import PipelineEngine, check_pipeline_config
+from dsrun.runtime.engine.pipeline_engine import PipelineEngine, check_pipeline_config
 from dsrun.runtime.parallel.pipe.module import PipelineModule
 
 ConfigSource = dict | str | Path | DsConfig
@@ -247,11 +248,14 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
     exit_report.install()  # again after torch's own hook (init_process_group's): ours runs first
     if mpu is not None:  # its groups become the mesh's: [Note: adopting an mpu]
         record_declaration(mesh_from_mpu(mpu), "initialize(mpu=...)")
+    # The one read of the process-global mesh: the one the script built its layers on, kept
+    # by compose when it has the job's degrees ([Note: the declared mesh] in parallel/mesh.py).
+    built_on = current()
     pipeline = isinstance(model, PipelineModule)
     cfg, error = None, None
     try:
         # The batch triple counts the data-parallel ranks, not every rank.
-        degrees = resolve_degrees(model, source, topology.world_size, mesh_param)
+        degrees = resolve_degrees(model, source, topology.world_size, built_on, mesh_param)
         cfg = load_config(source, world_size=degrees.data(topology.world_size))
         if cfg.sequence_parallel_size != degrees.sequence:  # from mesh_param
             cfg = cfg.model_copy(update={"sequence_parallel_size": degrees.sequence})
@@ -273,8 +277,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
     with (memory_profile.phase("initialize", since=started) if cfg.memory_breakdown
           else contextlib.nullcontext()):
         # Every parallelism, in one order: [Note: the order of composition] in compose.py.
-        parts = compose(model, cfg, degrees, topology, lambda params: _build_optimizer(optimizer, params, cfg),
-                        model_parameters)
+        parts = compose(model, cfg, degrees, topology, built_on,
+                        lambda params: _build_optimizer(optimizer, params, cfg), model_parameters)
         mesh, strategy = parts.mesh, parts.strategy
         allocator.trim()  # the model's original storage was just released
         scheduler = _build_scheduler(lr_scheduler, strategy.optimizer, cfg)
@@ -293,7 +297,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
             if loader is not None:
                 engine.set_dataiterator(iter(RepeatingLoader(loader)))
         else:
-            engine = Engine(model, strategy, scheduler, cfg, topology, mesh=mesh)
+            engine = Engine(model, strategy, scheduler, cfg, topology, mesh)
         for hook in parts.pre_step_hooks:
             engine.register_pre_step_hook(hook)
         engine.training_dataloader = loader  # its position is checkpointed

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from dsrun.runtime import comm
 from dsrun.runtime.config import ConfigError, pipeline_of, sequence_parallel_size_of, tensor_parallel_of
-from dsrun.runtime.parallel.mesh import ParallelMesh, current, set_current
+from dsrun.runtime.parallel.mesh import ParallelMesh, set_current
 
 
 @dataclass(frozen=True)
@@ -93,40 +93,43 @@ def record_declaration(mesh: ParallelMesh, source: str) -> None:
     _Declared.mesh, _Declared.source = mesh, source
 
 
-def declare_mesh(degrees: ParallelDegrees) -> ParallelMesh:
-    """The job's mesh with `degrees`: the current one when it has them (the
-    layers built on it keep their groups), else a new pipe x data x
-    sequence x model mesh (ParallelMesh.build) made current -- collective
-    then: every rank creates every group.
+def declare_mesh(degrees: ParallelDegrees, built_on: ParallelMesh) -> ParallelMesh:
+    """The job's mesh with `degrees`: `built_on` (the mesh the script built
+    its layers on: [Note: the declared mesh] in mesh.py) when it has them
+    (those layers keep their groups), else a new pipe x data x sequence x
+    model mesh (ParallelMesh.build) made current -- collective then: every
+    rank creates every group.
 
     Raises:
         ConfigError: the degrees do not divide the world size.
     """
     world = comm.get_world_size()
     degrees.data(world)
-    mesh = current()
-    if ParallelDegrees.of_mesh(mesh) != degrees:
-        mesh = ParallelMesh.build(world, pipe=degrees.pipe, model=degrees.model, sequence=degrees.sequence)
-        set_current(mesh)
+    if ParallelDegrees.of_mesh(built_on) == degrees:
+        return built_on
+    mesh = ParallelMesh.build(world, pipe=degrees.pipe, model=degrees.model, sequence=degrees.sequence)
+    set_current(mesh)
     return mesh
 
 
-def declared_degrees() -> ParallelDegrees | None:
+def declared_degrees(built_on: ParallelMesh) -> ParallelDegrees | None:
     """The degrees the script declared (init_distributed(config=) or an
-    mpu), or None: no declaration, or its mesh is no longer the current
-    one (set_current replaced it, or the process group was re-created)."""
+    mpu), or None: no declaration, or its mesh is not `built_on` (the
+    current mesh when initialize began: set_current replaced the declared
+    one, or the process group was re-created)."""
     mesh = _Declared.mesh
-    if mesh is None or not mesh.belongs_to_current_world() or current() is not mesh:
+    if mesh is None or not mesh.belongs_to_current_world() or built_on is not mesh:
         return None
     return ParallelDegrees.of_mesh(mesh)
 
 
-def check_declared(resolved: ParallelDegrees) -> None:
+def check_declared(resolved: ParallelDegrees, built_on: ParallelMesh) -> None:
     """Raise ConfigError when the script declared other degrees (with
     init_distributed(config=) or an mpu) than `resolved` (initialize's,
-    from its config and the model); checked on every rank alike, before any
-    collective of the mesh or the model."""
-    declared = declared_degrees()
+    from its config and the model); `built_on` is the current mesh when
+    initialize began. Checked on every rank alike, before any collective of
+    the mesh or the model."""
+    declared = declared_degrees(built_on)
     if declared is not None and declared != resolved:
         raise ConfigError(f"{_Declared.source} declared {declared}, but initialize() finds "
                           f"{resolved} from its config and the model; make them agree (the same config for "

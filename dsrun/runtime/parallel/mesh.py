@@ -407,13 +407,33 @@ def set_current(mesh: ParallelMesh | None) -> None:
 
 
 def current() -> ParallelMesh:
-    """The job's mesh: the one given to set_current, or else (or once the
-    default process group it was built on is gone) the pure data-parallel
-    mesh of the default group -- data = world size, every other axis one
-    rank -- built on the first call. Building it creates no process group
-    (see [Note: creating the mesh's groups]), so any rank may call this at
-    any time; before torch.distributed is initialised it is a mesh of one
-    rank."""
+    """The declared mesh (see [Note: the declared mesh]): the one given to
+    set_current, or else (or once the default process group it was built
+    on is gone) the pure data-parallel mesh of the default group -- data =
+    world size, every other axis one rank -- built on the first call.
+    Building it creates no process group (see [Note: creating the mesh's
+    groups]), so any rank may call this at any time; before
+    torch.distributed is initialised it is a mesh of one rank.
+
+    [Note: the declared mesh]
+    The process-global mesh serves what is built before or outside the
+    engine: DeepSpeed's answers (`dsrun.utils.groups`, and the model-parallel
+    rank activation checkpointing seeds its RNG with when no mpu was given)
+    and what a script builds or calls before `initialize` and outside it:
+    Megatron layers given no mesh (tensor/layers.py), MoE layers
+    (expert/layer.py), shard_sequence, sequence_parallel_loss and
+    wrap_hf_attention given no group, `tp_model_init`, and
+    `init_distributed(config=...)`, which declares it. They all read it
+    through this function, the one accessor of the global. `initialize`
+    reads it once, when it begins: it is the mesh the script built its
+    layers on. From there the engine owns the job's mesh (`engine.mesh`):
+    compose keeps the declared one when it has the job's degrees, or builds
+    another and makes it current (so DeepSpeed's answers and the script's
+    layers agree with the engine), and hands it, as an argument, to
+    everything inside the engine -- the strategies, ZeRO's groups, expert
+    groups, the pipeline and the checkpointer. tests/test_import_structure.py
+    lists the modules allowed to call current().
+    """
     if _Current.mesh is not None and _Current.mesh.belongs_to_current_world():
         return _Current.mesh
     default = _Current.default

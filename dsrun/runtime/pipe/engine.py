@@ -1,2 +1,2 @@
-"""DeepSpeed's `deepspeed.runtime.pipe.engine` path; the code is dsrun/runtime/parallel/pipe/engine.py."""
-from dsrun.runtime.parallel.pipe.engine import PipelineEngine  # noqa: F401
+"""DeepSpeed's `deepspeed.runtime.pipe.engine` path; the code is dsrun/runtime/engine/pipeline_engine.py."""
+from dsrun.runtime.engine.pipeline_engine import PipelineEngine  # noqa: F401

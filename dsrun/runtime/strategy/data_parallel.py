@@ -26,6 +26,7 @@ from dsrun.runtime.checkpoint.pieces import HeldPiece
 from dsrun.runtime.comm.collectives import overlapped_all_reduce
 from dsrun.runtime.distributed.dist import Topology
 from dsrun.runtime.parallel.expert.groups import expert_group_name_of, expert_groups, is_expert_param
+from dsrun.runtime.parallel.mesh import ParallelMesh
 from dsrun.runtime.strategy import sparse
 from dsrun.runtime.strategy.hooks import HookSet
 from dsrun.runtime.memory.accounting import tensor_breakdown
@@ -125,7 +126,7 @@ class GradientStrategy(abc.ABC):
         """Run `autograd_call()` -- autograd work that accumulates gradients
         already multiplied by `loss_scale()` into the parameters (e.g. a
         pipeline's weight-gradient pass, [Note: zero bubble's split backward]
-        in dsrun/runtime/parallel/pipe/engine.py) -- as `backward` runs its
+        in dsrun/runtime/engine/pipeline_engine.py) -- as `backward` runs its
         own, with the same reduction when `sync`.
 
         Raises:
@@ -352,11 +353,14 @@ class AllReduceStrategy(GradientStrategy):
         sparse_gradients: reduce the weights of nn.Embedding and
             nn.EmbeddingBag by their rows after the buckets, outside them
             (see [Note: sparse embedding gradients] in sparse.py).
+        mesh: the job's ParallelMesh, whose expert groups the expert
+            parameters are reduced over.
     """
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  topology: Topology, bucket_size: int, group=None,
-                 division: GradientDivision = GradientDivision(), sparse_gradients: bool = False) -> None:
+                 division: GradientDivision = GradientDivision(), sparse_gradients: bool = False, *,
+                 mesh: ParallelMesh) -> None:
         self.optimizer = optimizer
         self.topology = topology
         self._group = group
@@ -364,7 +368,7 @@ class AllReduceStrategy(GradientStrategy):
         self._before, self._after = division.divisors(comm.get_world_size(group))
         self._params = [p for p in module.parameters() if p.requires_grad]
         self._by_rows = sparse.embedding_weights(module) if sparse_gradients else []
-        self._experts = {name: expert_groups(name) for name in
+        self._experts = {name: expert_groups(name, mesh) for name in
                          sorted({expert_group_name_of(p) for p in self._params if is_expert_param(p)})}
         by_rows = {id(p) for p in self._by_rows if not is_expert_param(p)}
         self._by_rows = [p for p in self._by_rows if id(p) in by_rows]

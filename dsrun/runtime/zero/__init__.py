@@ -82,7 +82,7 @@ def build_zero_strategy(cfg, module: torch.nn.Module, optimizer: torch.optim.Opt
         return PartitionedOptimizerStrategy(
             module, optimizer, topology, precision, zero.stage, reduce_bucket_size=zero.reduce_bucket_size,
             allgather_bucket_size=zero.allgather_bucket_size, sub_group_size=zero.sub_group_size,
-            group=group, optimizer_tier=tier, groups=mics)
+            group=group, optimizer_tier=tier, groups=mics, mesh=mesh)
     if zero.stage == 3:
         return PartitionedParamStrategy(
             module, optimizer, topology, precision, GatherPolicy.from_config(cfg), ZeroPPPolicy.from_config(cfg),

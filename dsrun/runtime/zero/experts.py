@@ -43,6 +43,7 @@ import torch
 from dsrun.runtime import comm
 from dsrun.runtime.config import ConfigError
 from dsrun.runtime.parallel.expert.groups import expert_group_name_of, expert_groups, is_expert_param
+from dsrun.runtime.parallel.mesh import ParallelMesh
 from dsrun.runtime.zero.groups import RankGroup, ZeroGroups
 from dsrun.runtime.zero.params import record_of
 
@@ -70,17 +71,17 @@ def _rank_group(mesh_group) -> RankGroup:
     return RankGroup(mesh_group.group, mesh_group.rank, mesh_group.size)
 
 
-def expert_set_groups(name: str, sharded: bool, data_size: int) -> ExpertSetGroups:
-    """The groups of expert group `name` when the dense parameters are
-    sharded over the data axis (`sharded`: stages 1-3) or replicated on it
-    (stage 0 in 16-bit); `data_size` is D. Collective over every rank the
-    first time for a name (see expert/groups.py).
+def expert_set_groups(name: str, sharded: bool, data_size: int, mesh: ParallelMesh) -> ExpertSetGroups:
+    """The groups of expert group `name` on `mesh` (the job's) when the
+    dense parameters are sharded over the data axis (`sharded`: stages 1-3)
+    or replicated on it (stage 0 in 16-bit); `data_size` is D. Collective
+    over every rank the first time for a name (see expert/groups.py).
 
     Raises:
         ConfigError: the expert groups' data axis is not the one ZeRO
             averages over (their sizes differ).
     """
-    experts = expert_groups(name)
+    experts = expert_groups(name, mesh)
     if experts.data_size != data_size:
         raise ConfigError(f"MoE: the expert groups {name} live on a data axis of {experts.data_size} ranks while "
                           f"ZeRO averages over {data_size}; build the MoE layers on the same mesh the engine "

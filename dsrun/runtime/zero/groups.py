@@ -26,16 +26,18 @@ Node-aware schemes need two more groups, built from the node map
 (dsrun/runtime/distributed/nodes.py, learnt by init_distributed):
 
     from dsrun.runtime.zero.groups import node_groups
-    groups = node_groups()      # NodeGroups(intra=RankGroup, inter=RankGroup)
+    groups = node_groups(mesh)  # NodeGroups(intra=RankGroup, inter=RankGroup)
     groups.intra                # this rank's node (LOCAL_WORLD_SIZE ranks)
     groups.inter                # one rank per node: those with this rank's local rank
 
-Creating a process group is collective over EVERY rank of the job (each
-rank creates every node's group, in the same order), so the first call of
-`node_groups()` must be made by all ranks at
-the same point, e.g. while building a strategy; later calls return the
-cached groups without communication. A group of one rank is
-RankGroup.alone() (no communication), the whole job is the default group.
+`mesh` is the job's ParallelMesh, the one place process groups are made
+(the engine's `engine.mesh`). Creating a process group is collective over
+EVERY rank of the job (each rank creates every node's group, in the same
+order), so the first call of `node_groups(mesh)` must be made by all ranks
+at the same point, e.g. while building a strategy; later calls with the
+same mesh return its cached groups without communication. A group of one
+rank is RankGroup.alone() (no communication), the whole job is the default
+group.
 ZeRO++ hpZ's and qgZ's groups split ZeRO's group (the mesh's data axis)
 instead: ParallelMesh.data_blocks, see stage3.py.
 """
@@ -49,7 +51,6 @@ from torch.distributed import ProcessGroup
 from dsrun.runtime import comm
 from dsrun.runtime.config import ConfigError
 from dsrun.runtime.distributed import nodes
-from dsrun.runtime.parallel import mesh
 
 if TYPE_CHECKING:
     from dsrun.runtime.parallel.mesh import ParallelMesh
@@ -138,13 +139,13 @@ class NodeGroups:
     inter: RankGroup
 
 
-def _subgroup(parts: tuple[tuple[int, ...], ...]) -> RankGroup:
+def _subgroup(mesh: "ParallelMesh", parts: tuple[tuple[int, ...], ...]) -> RankGroup:
     """This rank's group among `parts` (disjoint global-rank tuples covering
-    the job), made by the job's parallelism mesh -- the one place process
-    groups are created (collective over all ranks the first time, cached
-    there per default group). The whole job is the default group (None);
-    a rank in no part is alone."""
-    made = mesh.current().make_group(list(parts))
+    the job), made by the job's parallelism mesh `mesh` -- the one place
+    process groups are created (collective over all ranks the first time,
+    cached there). The whole job is the default group (None); a rank in no
+    part is alone."""
+    made = mesh.make_group(list(parts))
     if made is None or made.size == 1:
         return RankGroup.alone()
     if made.size == comm.get_world_size():
@@ -152,11 +153,12 @@ def _subgroup(parts: tuple[tuple[int, ...], ...]) -> RankGroup:
     return RankGroup(made.group, made.rank, made.size)
 
 
-def node_groups() -> NodeGroups:
-    """This rank's intra-node and inter-node groups (see [Note: node groups]).
+def node_groups(mesh: "ParallelMesh") -> NodeGroups:
+    """This rank's intra-node and inter-node groups (see [Note: node groups]),
+    made by `mesh` (the job's ParallelMesh).
 
-    Collective over every rank the first time. Raises nodes.NodeMapError
-    when the node map is unknown (init_distributed not called, or a rank
-    environment that does not describe nodes)."""
+    Collective over every rank the first time for a mesh. Raises
+    nodes.NodeMapError when the node map is unknown (init_distributed not
+    called, or a rank environment that does not describe nodes)."""
     node_map = nodes.require()
-    return NodeGroups(_subgroup(node_map.nodes), _subgroup(node_map.same_local_rank()))
+    return NodeGroups(_subgroup(mesh, node_map.nodes), _subgroup(mesh, node_map.same_local_rank()))

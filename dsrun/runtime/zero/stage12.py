@@ -37,6 +37,7 @@ from dsrun.runtime.distributed.dist import Topology
 from dsrun.runtime.strategy.hooks import HookSet
 from dsrun.runtime.offload.transfer import OFFLOAD_BUCKET_NUMEL
 from dsrun.runtime.optim.precision import PrecisionPolicy
+from dsrun.runtime.parallel.mesh import ParallelMesh
 from dsrun.runtime.zero.collectives import all_gather_region
 from dsrun.runtime.zero.experts import expert_name, expert_set_groups
 from dsrun.runtime.zero.flat_params import FlatParamSet
@@ -61,20 +62,22 @@ class PartitionedOptimizerStrategy(ZeroStrategy):
     optimizer_tier: where masters and optimizer states live (offload/optimizer_tier.py).
     groups: the (shard, replicate) pair to use at stages 1-2 instead of
     sharding over `group` (MiCS: ZeroGroups.mics).
+    mesh: the job's ParallelMesh (the expert parameters' groups).
     Raises ValueError for stage not in (0, 1, 2) or an optimizer with state.
     """
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  topology: Topology, precision: PrecisionPolicy, stage: int,
                  reduce_bucket_size: int, allgather_bucket_size: int, sub_group_size: int = 1_000_000_000,
-                 group=None, optimizer_tier=None, groups: ZeroGroups | None = None):
+                 group=None, optimizer_tier=None, groups: ZeroGroups | None = None, *, mesh: ParallelMesh):
         if stage not in (0, 1, 2):
             raise ValueError(f"PartitionedOptimizerStrategy is stage 0, 1 or 2, got {stage}")
         if stage == 0:
             groups = ZeroGroups.replicated(group)
         elif groups is None:
             groups = ZeroGroups.sharded(group)
-        super().__init__(optimizer, topology, precision, groups, sub_group_size, optimizer_tier=optimizer_tier)
+        super().__init__(optimizer, topology, precision, groups, sub_group_size, optimizer_tier=optimizer_tier,
+                         mesh=mesh)
         self.stage = stage
         self.module = module
         by_group: dict[tuple[int, str], list] = {}
@@ -83,7 +86,7 @@ class PartitionedOptimizerStrategy(ZeroStrategy):
         for p, n, g in trainable:
             restore_full(p, groups.shard.group)  # built under zero.Init: full values back, once
             by_group.setdefault((g, expert_name(p) or ""), []).append((p, n, g))
-        experts = {name: expert_set_groups(name, stage > 0, groups.data_parallel_size)
+        experts = {name: expert_set_groups(name, stage > 0, groups.data_parallel_size, mesh)
                    for name in sorted({name for _, name in by_group if name})}
         for (g, name), members in sorted(by_group.items()):
             device = home_device(members[0][0])

@@ -143,8 +143,8 @@ class PartitionedParamStrategy(ZeroStrategy):
         mesh, data_axis: the parallelism mesh and ZeRO's axis in it
             ("data", or "sequence_data" under sequence parallelism), whose
             group `group` is: hpZ and qgZ split it into blocks
-            (ParallelMesh.data_blocks). Required with hpZ or qgZ
-            (ValueError without).
+            (ParallelMesh.data_blocks); the expert parameters' groups are
+            the mesh's too.
         optimizer_tier: where masters and optimizer states live (offload/optimizer_tier.py).
         param_tier: where the compute partitions live (offload/param_tier.py).
 
@@ -162,13 +162,11 @@ class PartitionedParamStrategy(ZeroStrategy):
                  topology: Topology, precision: PrecisionPolicy, gather: GatherPolicy = GatherPolicy(),
                  zeropp: ZeroPPPolicy = ZeroPPPolicy(), reduce_bucket_size: int = 500_000_000,
                  sub_group_size: int = 1_000_000_000, watchdog_timeout: float | None = None, group=None,
-                 optimizer_tier=None, param_tier=None, groups: ZeroGroups | None = None,
-                 mesh: ParallelMesh | None = None, data_axis: str = "data"):
-        if mesh is None and (zeropp.hpz_partition_size > 1 or zeropp.quantized_gradients):
-            raise ValueError("ZeRO++ hpZ and qgZ split ZeRO's group of the parallelism mesh: pass mesh=")
+                 optimizer_tier=None, param_tier=None, groups: ZeroGroups | None = None, *,
+                 mesh: ParallelMesh, data_axis: str = "data"):
         groups = groups or ZeroGroups.sharded(group)
         super().__init__(optimizer, topology, precision, groups, sub_group_size, watchdog_timeout,
-                         optimizer_tier=optimizer_tier)
+                         optimizer_tier=optimizer_tier, mesh=mesh)
         self.module = module
         self.gather_policy, self.zeropp = gather, zeropp
         self.hpz = (_hpz_group(zeropp.hpz_partition_size, mesh, data_axis)
@@ -206,7 +204,7 @@ class PartitionedParamStrategy(ZeroStrategy):
             members = sorted(members, key=lambda e: (e[2] is None, -1 if e[2] is None else e[2]))
             name = _unit_expert_name(uname, members)
             if name is not None and name not in expert_contexts:  # see [Note: expert partitions]
-                own = expert_set_groups(name, True, groups.data_parallel_size)
+                own = expert_set_groups(name, True, groups.data_parallel_size, mesh)
                 expert_contexts[name] = (own, UnitContext(own.groups.shard, None, self.param_tier, self.watchdog,
                                                           zeropp.weight_block))
             own, unit_context = expert_contexts[name] if name is not None else (None, context)

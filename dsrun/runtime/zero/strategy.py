@@ -45,6 +45,7 @@ from dsrun.runtime.offload.optimizer_tier import OptimizerTier
 from dsrun.runtime.offload.param_tier import ParamTier
 from dsrun.runtime.optim.precision import PrecisionPolicy
 from dsrun.runtime.parallel.expert.names import global_expert_name
+from dsrun.runtime.parallel.mesh import ParallelMesh
 from dsrun.runtime.zero.experts import add_expert_sq_norms
 from dsrun.runtime.zero.flat_params import FlatParamSet, Span
 from dsrun.runtime.zero.groups import ZeroGroups
@@ -76,6 +77,7 @@ class ZeroStrategy(GradientStrategy):
         watchdog_timeout: seconds before a blocked collective is reported.
         optimizer_tier: where masters and optimizer states live (None: with
             the parameters); see dsrun/runtime/offload/optimizer_tier.py.
+        mesh: the job's ParallelMesh (expert parameters' groups and names).
 
     Attributes the optimizer tiers read (offload/optimizer_tier.py):
         sets: the FlatParamSets, in step order.
@@ -93,13 +95,15 @@ class ZeroStrategy(GradientStrategy):
 
     def __init__(self, optimizer: torch.optim.Optimizer, topology: Topology,
                  precision: PrecisionPolicy, groups: ZeroGroups, sub_group_size: int = 1_000_000_000,
-                 watchdog_timeout: float | None = None, optimizer_tier: OptimizerTier | None = None):
+                 watchdog_timeout: float | None = None, optimizer_tier: OptimizerTier | None = None, *,
+                 mesh: ParallelMesh):
         if any(optimizer.state.values()):
             raise ValueError("the optimizer already holds state; give ZeRO a freshly built optimizer "
                              "(load a checkpoint through the engine instead)")
         self.optimizer = optimizer
         self.topology = topology
         self.precision = precision
+        self.mesh = mesh
         self.groups = groups
         self.rank = groups.shard.rank
         self.sub_group_size = sub_group_size
@@ -468,7 +472,8 @@ class ZeroStrategy(GradientStrategy):
                     span, key = next((s, v) for s, v in views if s.lo <= so < s.hi)
                     offset = so - span.lo
                 wlo, whi = even_part(piece.lo, piece.hi, rep.rank, rep.size)
-                name = slot.name if fset.experts is None else global_expert_name(slot.name, fset.params[slot.index])
+                name = (slot.name if fset.experts is None
+                        else global_expert_name(slot.name, fset.params[slot.index], self.mesh))
                 pieces.append(HeldPiece(name, slot.shape, "param", piece.lo, piece.hi, wlo, whi,
                                         value, trainable, key, offset, rep if rep.size > 1 else None))
         return pieces

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dsrun.runtime.parallel.mesh import MeshGroup, ParallelMesh, current, torch_group
+from dsrun.runtime.parallel.mesh import MeshGroup, ParallelMesh, torch_group
 
 
 @dataclass(frozen=True)
@@ -84,15 +84,15 @@ def group_name(ep_size: int) -> str:
     return f"ep_size_{ep_size}"
 
 
-def create_expert_groups(ep_size: int) -> ExpertGroups:
-    """The groups of degree `ep_size` on the current mesh, created on the
-    first call for it (by the members of this rank's groups, which must all
-    call it: see [Note: expert groups]).
+def create_expert_groups(ep_size: int, mesh: ParallelMesh) -> ExpertGroups:
+    """The groups of degree `ep_size` on `mesh` (the engine's; a layer a
+    script builds passes the declared mesh), created on the first call for
+    it (by the members of this rank's groups, which must all call it: see
+    [Note: expert groups]).
 
     Raises:
         ValueError: ep_size < 1 or it does not divide the size of ZeRO's group.
     """
-    mesh = current()
     if _Registry.mesh is not mesh:
         _Registry.mesh, _Registry.groups = mesh, {}
     name = group_name(ep_size)
@@ -107,9 +107,9 @@ def create_expert_groups(ep_size: int) -> ExpertGroups:
     return _Registry.groups[name]
 
 
-def expert_groups(name: str) -> ExpertGroups:
+def expert_groups(name: str, mesh: ParallelMesh) -> ExpertGroups:
     """The groups named `name` ("ep_size_<P>", a parameter's `group_name`) on
-    the current mesh; created when no MoE layer has made them yet (as
+    `mesh`; created when no MoE layer has made them yet (as
     create_expert_groups).
 
     Raises:
@@ -120,12 +120,12 @@ def expert_groups(name: str) -> ExpertGroups:
     if prefix != "ep_size" or not degree.isdigit():
         raise ValueError(f"expert group name {name!r} is not DeepSpeed's 'ep_size_<P>'; expert parameters "
                          "carry the group_name their MoE layer gave them")
-    return create_expert_groups(int(degree))
+    return create_expert_groups(int(degree), mesh)
 
 
-def expert_group_names() -> list[str]:
-    """The names of the expert groups made on the current mesh."""
-    return sorted(_Registry.groups) if _Registry.mesh is current() else []
+def expert_group_names(mesh: ParallelMesh) -> list[str]:
+    """The names of the expert groups made on `mesh`."""
+    return sorted(_Registry.groups) if _Registry.mesh is mesh else []
 
 
 def is_expert_param(param) -> bool:

@@ -33,6 +33,7 @@ from dsrun.runtime.parallel.expert.gating import TopKGate
 from dsrun.runtime.parallel.expert.load import ExpertLoad
 from dsrun.runtime.parallel.expert.routes import combine, dispatch
 from dsrun.runtime.parallel.expert.groups import ExpertGroups, create_expert_groups, group_name
+from dsrun.runtime.parallel.mesh import current
 
 
 class MOELayer(torch.nn.Module):
@@ -109,7 +110,7 @@ class MOELayer(torch.nn.Module):
     def groups(self) -> ExpertGroups:
         """This layer's expert groups on the current mesh (made on the first
         call by the members of this rank's groups, see groups.py)."""
-        return create_expert_groups(self.ep_size)
+        return create_expert_groups(self.ep_size, current())
 
     def forward(self, hidden_states: torch.Tensor, used_token: torch.Tensor | None = None) -> torch.Tensor:
         """hidden_states [..., M] -> [..., M], same dtype. Collective over the

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from dsrun.runtime.parallel.expert.groups import expert_group_name_of, expert_groups, is_expert_param
+from dsrun.runtime.parallel.mesh import ParallelMesh
 
 _EXPERTS = "deepspeed_experts."
 
@@ -32,42 +33,43 @@ def _split(name: str) -> tuple[str, int, str] | None:
     return head + found, int(index), dot + tail
 
 
-def _first_and_count(param: torch.nn.Parameter) -> tuple[int, int]:
-    """(global id of this rank's first expert, E) for an expert parameter."""
-    groups = expert_groups(expert_group_name_of(param))
+def _first_and_count(param: torch.nn.Parameter, mesh: ParallelMesh) -> tuple[int, int]:
+    """(global id of this rank's first expert, E) for an expert parameter of `mesh`'s expert groups."""
+    groups = expert_groups(expert_group_name_of(param), mesh)
     local = getattr(param, "num_local_experts", 1)
     return groups.expert_parallel.rank * local, groups.expert_parallel.size * local
 
 
-def global_expert_name(name: str, param: torch.nn.Parameter) -> str:
+def global_expert_name(name: str, param: torch.nn.Parameter, mesh: ParallelMesh) -> str:
     """`name` (the module's qualified name of `param`) with its local expert
     index made global (see [Note: expert names in checkpoints]); `name`
-    itself for a dense parameter. Reads the expert groups, which exist
-    once a MoE layer was built with torch.distributed initialised."""
+    itself for a dense parameter. Reads the expert groups on `mesh` (the
+    job's)."""
     parts = _split(name) if is_expert_param(param) else None
     if parts is None:
         return name
     head, index, tail = parts
-    first, _ = _first_and_count(param)
+    first, _ = _first_and_count(param, mesh)
     return f"{head}{first + index}{tail}"
 
 
-def all_expert_names(name: str, param: torch.nn.Parameter) -> list[str]:
+def all_expert_names(name: str, param: torch.nn.Parameter, mesh: ParallelMesh) -> list[str]:
     """Every global name `param`'s name stands for across its
-    expert-parallel group (E names for an expert of E, in id order;
-    [`name`] for a dense parameter)."""
+    expert-parallel group on `mesh` (E names for an expert of E, in id
+    order; [`name`] for a dense parameter)."""
     parts = _split(name) if is_expert_param(param) else None
     if parts is None:
         return [name]
     head, index, tail = parts
-    _, count = _first_and_count(param)
+    _, count = _first_and_count(param, mesh)
     local = getattr(param, "num_local_experts", 1)
     if index >= local:
         return [name]
     return [f"{head}{e}{tail}" for e in range(index, count, local)]
 
 
-def expert_holders(param: torch.nn.Parameter):
-    """The ranks holding `param` whole: its expert-data-parallel group (an
-    object with .group, .rank, .size; see parallel/mesh.py MeshGroup)."""
-    return expert_groups(expert_group_name_of(param)).expert_data_parallel
+def expert_holders(param: torch.nn.Parameter, mesh: ParallelMesh):
+    """The ranks holding `param` whole: its expert-data-parallel group on
+    `mesh` (an object with .group, .rank, .size; see parallel/mesh.py
+    MeshGroup)."""
+    return expert_groups(expert_group_name_of(param), mesh).expert_data_parallel

@@ -61,9 +61,8 @@ from dsrun.runtime.activation_checkpointing import checkpointing
 from dsrun.runtime.config import ConfigError
 from dsrun.runtime.observability.logging import logger
 from dsrun.runtime.parallel.degrees import ParallelDegrees
-from dsrun.runtime.parallel.mesh import current
+from dsrun.runtime.parallel.mesh import ParallelMesh
 from dsrun.runtime.parallel.pipe.partition import partition_balanced, partition_uniform
-from dsrun.runtime.parallel.tensor.autotp import check_shardable
 from dsrun.runtime.utils import set_random_seed
 
 __all__ = ["LayerSpec", "PipelineModule", "TiedLayerSpec", "TiedWeightGroup"]
@@ -486,7 +485,8 @@ class PipelineModule(nn.Module):
         return plan
 
 
-def pipeline_degrees(module: PipelineModule, tensor_parallel, sequence: int) -> ParallelDegrees:
+def pipeline_degrees(module: PipelineModule, tensor_parallel, sequence: int,
+                     built_on: ParallelMesh) -> ParallelDegrees:
     """The job's degrees for a PipelineModule: its stages, the config's
     `tensor_parallel.autotp_size` (each stage's layers sharded by name,
     tensor/autotp.py shard_stage) and sequence-parallel degree; or, for a
@@ -496,6 +496,9 @@ def pipeline_degrees(module: PipelineModule, tensor_parallel, sequence: int) -> 
         module: the PipelineModule.
         tensor_parallel: the config's TensorParallelConfig.
         sequence: the config's sequence_parallel_size (already checked).
+        built_on: the mesh the script built its layers on (the current one
+            when initialize began), whose model axis tensor-parallel layers
+            took their groups from.
 
     Raises:
         ConfigError: vocab_parallel with a pipeline (its embedding and output
@@ -507,9 +510,10 @@ def pipeline_degrees(module: PipelineModule, tensor_parallel, sequence: int) -> 
             averaged as data replicas, silently wrong.
     """
     degrees = _pipeline_degrees(module, tensor_parallel, sequence)
-    built_on = current().size("model")  # the model axis the layers took their groups from
-    if degrees.model == 1 < built_on and any(getattr(p, "tensor_model_parallel", False) for p in module.parameters()):
-        raise ConfigError(f"the PipelineModule holds tensor-parallel layers (built on a model axis of {built_on} "
+    model_ranks = built_on.size("model")  # the model axis the layers took their groups from
+    if degrees.model == 1 < model_ranks and any(getattr(p, "tensor_model_parallel", False)
+                                                for p in module.parameters()):
+        raise ConfigError(f"the PipelineModule holds tensor-parallel layers (built on a model axis of {model_ranks} "
                           "ranks) but its degrees have no tensor (model) axis, so its tensor ranks would train "
                           "as data replicas; build it with "
                           "topology=ParallelMesh.build(world, pipe=P, model=T).topology, or declare the "
@@ -525,8 +529,6 @@ def _pipeline_degrees(module: PipelineModule, tensor_parallel, sequence: int) ->
         raise ConfigError("tensor_parallel.vocab_parallel=true with a PipelineModule: the vocabulary-parallel "
                           "embedding and output layer are not supported inside a pipeline; set it to false "
                           "(each stage's q/k/v/o and MLP projections are still sharded)")
-    if autotp > 1 and not getattr(module, "ds_autotp_parsed", False):
-        check_shardable(module, autotp)  # this rank's stage; the agreement check tells the others
     topology = module.topology()
     if topology is None:
         return ParallelDegrees(pipe=module.num_stages, model=autotp, sequence=sequence)

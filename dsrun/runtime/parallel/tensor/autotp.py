@@ -1,6 +1,7 @@
-"""Automatic tensor parallelism (DeepSpeed's AutoTP training,
-`deepspeed.tp_model_init`): replace, in place, the linear layers of an
-ordinary transformer by the Megatron layers of layers.py.
+"""Automatic tensor parallelism (DeepSpeed's AutoTP training): replace, in
+place, the linear layers of an ordinary transformer by the Megatron layers
+of layers.py. `deepspeed.tp_model_init` over it is
+dsrun/runtime/engine/tp_model_init.py.
 
 [Note: which layer goes where]
 A layer is placed by the last component of its module path, as DeepSpeed's
@@ -46,7 +47,7 @@ parameter; see dsrun/runtime/engine/model_parallel.py).
 
 [Note: sharding from one full model]
 tp_model_init first broadcasts the whole model from global rank 0 (unless
-it was built under zero.Init: see partitioned.py), then
+it was built under zero.Init: see dsrun/runtime/zero/tensor_parallel.py), then
 every rank cuts its slices from the same full weights, so the sharded model
 computes what the original did whatever each rank's seed was (the cost: one
 broadcast of the full model). Dropout between a column and a row layer
@@ -62,15 +63,11 @@ from torch import nn
 
 from dsrun.runtime import comm
 from dsrun.runtime.config import ConfigError
-from dsrun.runtime.distributed.dist import init_distributed
 from dsrun.runtime.parallel.expert.layer import MoE
-from dsrun.runtime.parallel.mesh import MeshGroup, ParallelMesh, current, set_current
+from dsrun.runtime.parallel.mesh import MeshGroup, ParallelMesh
+from dsrun.runtime.parallel.tensor.full import PLAIN, FullTensors
 from dsrun.runtime.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
-from dsrun.runtime.parallel.tensor.partitioned import (built_partitioned, full_shape, full_value, model_placement,
-                                                       partition_over_data)
 from dsrun.runtime.parallel.tensor.split import TensorSplit
-from dsrun.runtime.parallel.tensor.vocab import plan_vocabulary, shard_vocabulary
-from dsrun.runtime.zero.init import is_partitioned
 
 COLUMN = frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "c_fc", "fc"})
 FUSED_QKV = frozenset({"c_attn", "qkv"})
@@ -152,7 +149,8 @@ def _replicated_kv(weight: torch.Tensor, heads: _Heads) -> torch.Tensor:
     return per_head.repeat_interleave(heads.tp // heads.kv, dim=0).reshape(-1, *weight.shape[1:])
 
 
-def _record_splits(new: nn.Module, old: nn.Module, leaf: str, heads: _Heads | None, mesh: ParallelMesh) -> None:
+def _record_splits(new: nn.Module, old: nn.Module, leaf: str, heads: _Heads | None, mesh: ParallelMesh,
+                   full: FullTensors) -> None:
     """Give the new layer's parameters the split of the *original* layer's
     tensors (see split.py [Note: the split a parameter carries]): GPT-2's
     Conv1D weight is stored (in, out), a fused q/k/v layer holds three row
@@ -162,16 +160,16 @@ def _record_splits(new: nn.Module, old: nn.Module, leaf: str, heads: _Heads | No
         split = param.tp_split if hasattr(param, "tp_split") else None
         if split is None:  # a row-parallel layer's bias: whole on every rank
             continue
-        full = tuple(full_shape(getattr(old, name)))
+        shape = tuple(full.shape(getattr(old, name)))
         dim, ranges = split.dim, split.ranges
         if leaf in FUSED_QKV:
-            width = full[-1 if name == "weight" and _is_conv1d(old) else 0] // 3
+            width = shape[-1 if name == "weight" and _is_conv1d(old) else 0] // 3
             per = width // tp
             ranges = tuple((block * width + rank * per, block * width + (rank + 1) * per) for block in range(3))
         elif leaf in _KEY_VALUE and heads is not None and heads.kv < tp:
             head = rank // (tp // heads.kv)
             ranges = ((head * heads.head_dim, (head + 1) * heads.head_dim),)
-        param.tp_split = TensorSplit(full, dim, ranges, name == "weight" and _is_conv1d(old), rank, tp)
+        param.tp_split = TensorSplit(shape, dim, ranges, name == "weight" and _is_conv1d(old), rank, tp)
 
 
 def placement_plan(model: nn.Module) -> list[tuple[str, str, nn.Module]]:
@@ -200,10 +198,12 @@ def placement_plan(model: nn.Module) -> list[tuple[str, str, nn.Module]]:
     return plan
 
 
-def _plan_layers(model: nn.Module, tp: int) -> list[tuple[nn.Module, str, nn.Module, _Heads | None]]:
+def _plan_layers(model: nn.Module, tp: int,
+                 full: FullTensors) -> list[tuple[nn.Module, str, nn.Module, _Heads | None]]:
     """(parent, leaf, layer, heads of its attention module or None) of every
-    layer shard_model replaces, checked from the shapes alone (a zero.Init
-    parameter's full shape) so that an error leaves the model unchanged.
+    layer shard_model replaces, checked from the full shapes alone (`full`:
+    see [Note: full tensors] in full.py) so that an error leaves the model
+    unchanged.
 
     Raises:
         ValueError: as shard_model.
@@ -222,13 +222,13 @@ def _plan_layers(model: nn.Module, tp: int) -> list[tuple[nn.Module, str, nn.Mod
             if query is None:
                 raise ValueError(f"tensor parallelism: {path!r} has no query projection beside it "
                                  f"({' / '.join(sorted(_QUERY))}) to count its attention heads")
-            q_out = _weight_shape(getattr(parent, query))[0]
+            q_out = _weight_shape(getattr(parent, query), full)[0]
             attention_heads[parent_path] = _Heads(parent_path or "<model>", parent, config, tp, q_out,
                                                   fused=query in FUSED_QKV)
         if leaf in _QUERY | _KEY_VALUE:  # split by heads, checked by _Heads
             layers.append((parent, leaf, module, attention_heads[parent_path]))
             continue
-        out_features, in_features = _weight_shape(module)
+        out_features, in_features = _weight_shape(module, full)
         split, what = (in_features, "in_features") if leaf in ROW else (out_features, "out_features")
         if split % tp:
             raise ValueError(f"tensor parallelism cannot split layer {path!r}: its {what} = {split} is not "
@@ -237,19 +237,19 @@ def _plan_layers(model: nn.Module, tp: int) -> list[tuple[nn.Module, str, nn.Mod
     return layers
 
 
-def _weight_shape(module: nn.Module) -> tuple[int, int]:
-    """(out, in) of an nn.Linear or a Conv1D, built under zero.Init or not."""
-    shape = tuple(full_shape(module.weight))
+def _weight_shape(module: nn.Module, full: FullTensors) -> tuple[int, int]:
+    """(out, in) of an nn.Linear or a Conv1D, from its weight's full shape."""
+    shape = tuple(full.shape(module.weight))
     return shape[::-1] if _is_conv1d(module) else shape
 
 
 def _build_layer(module: nn.Module, leaf: str, heads: _Heads | None, mesh: ParallelMesh,
-                 dtype: torch.dtype | None) -> nn.Module:
-    """The tensor-parallel layer replacing `module` (its full weight gathered
-    first when built under zero.Init; see partitioned.py)."""
-    weight = full_value(module.weight)
+                 dtype: torch.dtype | None, full: FullTensors) -> nn.Module:
+    """The tensor-parallel layer replacing `module`, cut from its full weight
+    as `full` reads it (gathered first when built under zero.Init)."""
+    weight = full.value(module.weight)
     weight = weight.t() if _is_conv1d(module) else weight
-    bias = full_value(module.bias) if getattr(module, "bias", None) is not None else None
+    bias = full.value(module.bias) if getattr(module, "bias", None) is not None else None
     if leaf in FUSED_QKV:
         weight = _fused_qkv_order(weight, heads.tp)
         bias = _fused_qkv_order(bias, heads.tp) if bias is not None else None
@@ -262,15 +262,17 @@ def _build_layer(module: nn.Module, leaf: str, heads: _Heads | None, mesh: Paral
     return ColumnParallelLinear.from_full(weight, bias, mesh=mesh, dtype=dtype)
 
 
-def shard_model(model: nn.Module, mesh: ParallelMesh, dtype: torch.dtype | None = None) -> nn.Module:
+def shard_model(model: nn.Module, mesh: ParallelMesh, dtype: torch.dtype | None = None,
+                full: FullTensors = PLAIN) -> nn.Module:
     """Replace, in place, the linear layers of `model` by tensor-parallel ones
     over `mesh`'s model axis (see [Note: which layer goes where] and [Note:
     attention heads]); every rank must hold the same full weights, or the
-    same model built under zero.Init (whose layers are gathered one at a
-    time: see partitioned.py [Note: tensor parallelism of a zero.Init
-    model]). Collective over the job when grouped-query key/value heads are
-    replicated (creates the replica groups) or the model was built under
-    zero.Init.
+    same model built under zero.Init with `full` the ZeRO reader of its
+    shards (its layers are gathered one at a time: see
+    dsrun/runtime/zero/tensor_parallel.py [Note: tensor parallelism of a
+    zero.Init model]). Collective over the job when grouped-query key/value
+    heads are replicated (creates the replica groups) or the model was
+    built under zero.Init.
 
     Returns:
         `model` itself.
@@ -281,7 +283,7 @@ def shard_model(model: nn.Module, mesh: ParallelMesh, dtype: torch.dtype | None 
             anything changes.
     """
     tp = mesh.size("model")
-    layers = _plan_layers(model, tp)
+    layers = _plan_layers(model, tp, full)
     if tp == 1:
         return model
     replicas: dict[int, MeshGroup] = {}  # ranks per replicated key/value head -> this rank's group
@@ -289,8 +291,8 @@ def shard_model(model: nn.Module, mesh: ParallelMesh, dtype: torch.dtype | None 
                   if leaf in _QUERY | _KEY_VALUE}
     while layers:  # popped, so that a replaced layer (and its zero.Init shards) is freed at once
         parent, leaf, module, heads = layers.pop(0)
-        new = _build_layer(module, leaf, heads, mesh, dtype)
-        _record_splits(new, module, leaf, heads, mesh)
+        new = _build_layer(module, leaf, heads, mesh, dtype, full)
+        _record_splits(new, module, leaf, heads, mesh, full)
         if leaf in _KEY_VALUE and heads.kv < tp:
             size = tp // heads.kv
             if size not in replicas:
@@ -306,19 +308,20 @@ def shard_model(model: nn.Module, mesh: ParallelMesh, dtype: torch.dtype | None 
     return model
 
 
-def check_shardable(model: nn.Module, tp: int) -> None:
+def check_shardable(model: nn.Module, tp: int, full: FullTensors = PLAIN) -> None:
     """Raise ConfigError when shard_model could not shard `model` over `tp`
     ranks (a layer no rule places, heads or widths `tp` does not divide),
     naming the layer and the numbers; changes nothing, communicates nothing
     (initialize calls it before its first collective, so that a pipeline
     stage that cannot be sharded stops every rank, not only its own)."""
     try:
-        _plan_layers(model, tp)
+        _plan_layers(model, tp, full)
     except ValueError as exc:
         raise ConfigError(f"tensor_parallel.autotp_size={tp}: {exc}") from None
 
 
-def shard_stage(stage: nn.Module, mesh: ParallelMesh, dtype: torch.dtype | None = None) -> nn.Module:
+def shard_stage(stage: nn.Module, mesh: ParallelMesh, dtype: torch.dtype | None = None,
+                full: FullTensors = PLAIN) -> nn.Module:
     """AutoTP of one pipeline stage (`tensor_parallel.autotp_size` with a
     PipelineModule): the stage's layers, which only the ranks of this stage
     hold, are first made equal over `mesh`'s model axis (a broadcast from
@@ -337,89 +340,12 @@ def shard_stage(stage: nn.Module, mesh: ParallelMesh, dtype: torch.dtype | None 
             cannot split; before any communication (initialize checks this
             earlier, on every rank: check_shardable).
     """
-    _plan_layers(stage, mesh.size("model"))
+    _plan_layers(stage, mesh.size("model"), full)
     model_group = mesh.axis_group("model")
     if model_group.size > 1:
         with torch.no_grad():
             for tensor in list(stage.parameters()) + list(stage.buffers()):
                 comm.broadcast(tensor.data, src=model_group.ranks[0], group=model_group.group)
-    shard_model(stage, mesh, dtype)
+    shard_model(stage, mesh, dtype, full)
     stage.ds_autotp_parsed = True
     return stage
-
-
-def tensor_parallel_mesh(tp_size: int) -> ParallelMesh:
-    """The job's mesh with a model axis of `tp_size` (the current one when it
-    already has it, else a new data x model mesh made current; collective)."""
-    mesh = current()
-    if mesh.size("model") == tp_size:
-        return mesh
-    mesh = ParallelMesh.build(comm.get_world_size(), model=tp_size)
-    set_current(mesh)
-    return mesh
-
-
-def tp_model_init(model: nn.Module, tp_size: int, dtype: torch.dtype | None = None,
-                  vocab_parallel: bool = False) -> nn.Module:
-    """DeepSpeed's `deepspeed.tp_model_init`: shard `model` in place over
-    `tp_size` tensor-parallel ranks (see [Note: which layer goes where]).
-    Call on every rank after `dsrun.init_distributed()` (or under the
-    launcher, which it initialises), before `dsrun.initialize`, which then
-    trains it over the data axis. Broadcasts the full model from global
-    rank 0 first ([Note: sharding from one full model]; a zero.Init model's
-    shards already hold rank 0's values and only its buffers and any
-    parameter built outside zero.Init are broadcast); makes the data x
-    model mesh current (so `dsrun.utils.groups` answers the tensor-parallel
-    group); marks the model `ds_autotp_parsed` as DeepSpeed does.
-
-    Args:
-        model: a Hugging Face GPT-2 / Llama / Mistral-style model or
-            examples/gpt_model.py's GPT, on any device.
-        tp_size: tensor-parallel degree; must divide the world size.
-        dtype: cast the model to this dtype (None: keep).
-        vocab_parallel: also split the input embedding and the output
-            layer by vocabulary (see vocab.py [Note: vocabulary-parallel
-            embedding and output layer]); marks the model
-            `ds_autotp_vocab_parallel`.
-
-    A model built under `dsrun.zero.Init()` is sharded without its full
-    weights ever existing on one rank, and left partitioned over the data
-    axis (see partitioned.py [Note: tensor parallelism of a zero.Init
-    model]).
-
-    Returns:
-        `model` itself, sharded.
-
-    Raises:
-        ValueError: tp_size < 1 or not dividing the world size, a layer no
-            rule places (named), heads that tp_size cannot split, an
-            embedding vocab_parallel cannot split (named), a zero.Init
-            model partitioned over fewer ranks than the world; all before
-            anything changes.
-    """
-    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
-        raise ValueError(f"tp_model_init: tp_size={tp_size!r}; give a positive integer")
-    if getattr(model, "ds_autotp_parsed", False):
-        raise ValueError("tp_model_init: this model is already sharded (ds_autotp_parsed); call it once")
-    device = init_distributed().device
-    world = comm.get_world_size()
-    if world % tp_size:
-        raise ValueError(f"tp_model_init: tp_size={tp_size} does not divide the world size {world}")
-    placement_plan(model)  # an unplaceable layer fails before anything changes
-    vocab_plan = plan_vocabulary(model, tp_size) if vocab_parallel and tp_size > 1 else None
-    partitioned = built_partitioned(model)
-    with torch.no_grad():  # zero.Init shards already hold rank 0's values
-        for tensor in [p for p in model.parameters() if not is_partitioned(p)] + list(model.buffers()):
-            on_device = tensor.data.to(device)  # the backend's device (NCCL: cuda)
-            comm.broadcast(on_device, src=0)
-            tensor.data.copy_(on_device)
-    placement = model_placement(model) if partitioned else None
-    mesh = tensor_parallel_mesh(tp_size)
-    shard_model(model, mesh, dtype)
-    if vocab_plan is not None:
-        shard_vocabulary(vocab_plan, mesh, dtype)
-        model.ds_autotp_vocab_parallel = True
-    if partitioned and tp_size > 1:
-        partition_over_data(model, mesh.axis_group("data"), placement, dtype)
-    model.ds_autotp_parsed = True
-    return model

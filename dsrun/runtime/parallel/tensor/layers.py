@@ -62,7 +62,8 @@ def linear_init(weight: torch.Tensor) -> None:
 
 
 def model_group(mesh: ParallelMesh | None) -> MeshGroup:
-    """The model-axis group of `mesh`, or of the current mesh when None."""
+    """The model-axis group of `mesh`, or when None (a layer a script builds
+    itself) of the declared mesh ([Note: the declared mesh] in mesh.py)."""
     return (mesh if mesh is not None else current()).axis_group("model")
 
 

@@ -40,7 +40,7 @@ from torch import nn
 
 from dsrun.runtime.parallel.mesh import ParallelMesh
 from dsrun.runtime.parallel.tensor.layers import ColumnParallelLinear, VocabParallelEmbedding
-from dsrun.runtime.parallel.tensor.partitioned import full_shape, full_value
+from dsrun.runtime.parallel.tensor.full import FullTensors
 
 INPUT_EMBEDDINGS = frozenset({"wte", "embed_tokens", "tok_emb", "word_embeddings"})
 OUTPUT_LAYERS = frozenset({"lm_head", "head"})
@@ -81,9 +81,11 @@ def _input_embedding(model: nn.Module) -> nn.Embedding:
     return named[0]
 
 
-def plan_vocabulary(model: nn.Module, tp: int) -> VocabPlan:
+def plan_vocabulary(model: nn.Module, tp: int, full: FullTensors) -> VocabPlan:
     """Find and check the layers vocabulary parallelism replaces (see [Note:
-    vocabulary-parallel embedding and output layer]); changes nothing.
+    vocabulary-parallel embedding and output layer]) from their full shapes
+    as `full` reads them (see [Note: full tensors] in full.py); changes
+    nothing.
 
     Raises:
         ValueError: no input embedding found, or one of the refusals of the
@@ -91,7 +93,7 @@ def plan_vocabulary(model: nn.Module, tp: int) -> VocabPlan:
     """
     embedding = _input_embedding(model)
     parent, leaf, path = _located(model, embedding)
-    vocab, width = tuple(full_shape(embedding.weight))
+    vocab, width = tuple(full.shape(embedding.weight))
     for option, default in (("padding_idx", None), ("max_norm", None), ("scale_grad_by_freq", False),
                             ("sparse", False)):
         if getattr(embedding, option, default) != default:
@@ -106,9 +108,9 @@ def plan_vocabulary(model: nn.Module, tp: int) -> VocabPlan:
         if out_path.rpartition(".")[2] in OUTPUT_LAYERS and isinstance(module, nn.Linear):
             out_parent, out_leaf, _ = _located(model, module)
             output = (out_parent, out_leaf, module)
-            if tuple(full_shape(module.weight)) != (vocab, width):
+            if tuple(full.shape(module.weight)) != (vocab, width):
                 raise ValueError(f"vocab_parallel: output layer {out_path!r} has weight "
-                                 f"{tuple(full_shape(module.weight))}, not the embedding's ({vocab}, {width}); "
+                                 f"{tuple(full.shape(module.weight))}, not the embedding's ({vocab}, {width}); "
                                  "leave vocab_parallel off")
             break
     tied = output is not None and output[2].weight is embedding.weight
@@ -118,17 +120,18 @@ def plan_vocabulary(model: nn.Module, tp: int) -> VocabPlan:
     return VocabPlan((parent, leaf, embedding), output, tied)
 
 
-def shard_vocabulary(plan: VocabPlan, mesh: ParallelMesh, dtype: torch.dtype | None) -> None:
+def shard_vocabulary(plan: VocabPlan, mesh: ParallelMesh, dtype: torch.dtype | None,
+                     full: FullTensors) -> None:
     """Replace the planned layers in place by a VocabParallelEmbedding and a
     gathering ColumnParallelLinear over `mesh`'s model axis (see [Note:
-    vocabulary-parallel embedding and output layer]). Every rank must hold
-    the same full weights (or the same zero.Init model: each is gathered
-    once, collective)."""
+    vocabulary-parallel embedding and output layer]), cut from the full
+    weights as `full` reads them. Every rank must hold the same full weights
+    (or the same zero.Init model: each is gathered once, collective)."""
     parent, leaf, embedding = plan.embedding
-    weight = full_value(embedding.weight)
+    weight = full.value(embedding.weight)
     dtype = dtype or weight.dtype
     new = VocabParallelEmbedding(weight.shape[0], weight.shape[1], mesh=mesh,
-                                 init_method=lambda full: full.copy_(weight), dtype=dtype, device=weight.device)
+                                 init_method=lambda table: table.copy_(weight), dtype=dtype, device=weight.device)
     new.weight.requires_grad_(embedding.weight.requires_grad)
     setattr(parent, leaf, new)
     if plan.output is None:
@@ -139,7 +142,7 @@ def shard_vocabulary(plan: VocabPlan, mesh: ParallelMesh, dtype: torch.dtype | N
                                     mesh=mesh, init_method=nn.init.zeros_, dtype=dtype, device=new.weight.device)
         head.weight = new.weight  # one parameter: the tie holds
     else:
-        bias = full_value(output.bias) if output.bias is not None else None
-        head = ColumnParallelLinear.from_full(full_value(output.weight), bias, mesh=mesh, gather_output=True,
+        bias = full.value(output.bias) if output.bias is not None else None
+        head = ColumnParallelLinear.from_full(full.value(output.weight), bias, mesh=mesh, gather_output=True,
                                               dtype=dtype)
     setattr(out_parent, out_leaf, head)

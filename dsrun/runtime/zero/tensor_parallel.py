@@ -1,4 +1,7 @@
-"""Automatic tensor parallelism of a model built under `zero.Init`.
+"""Automatic tensor parallelism of a model built under `zero.Init`: the
+parameters' full tensors for AutoTP (ZeroInitTensors, see [Note: full
+tensors] in dsrun/runtime/parallel/tensor/full.py) and their partition
+over the data axis afterwards.
 
 [Note: tensor parallelism of a zero.Init model]
 A model built inside `with dsrun.zero.Init():` holds, on each rank, only its
@@ -12,7 +15,8 @@ model without ever holding its full weights on one rank:
 2. One linear layer at a time, the layer's full weight (and bias) is
    gathered from the zero.Init shards (one all-gather over every rank), this
    rank's tensor-parallel slice is cut from it exactly as for a plain model
-   (autotp.py), and the old layer, with its shards, is dropped.
+   (parallel/tensor/autotp.py, reading it through ZERO_INIT), and the old
+   layer, with its shards, is dropped.
 3. Every parameter is then partitioned again over the data axis only, as
    ZeRO shards a tensor-parallel model: a tensor-parallel slice over the
    data ranks of its model rank, a replicated parameter (embeddings,
@@ -44,6 +48,7 @@ from torch import nn
 
 from dsrun.runtime import comm
 from dsrun.runtime.parallel.mesh import MeshGroup, torch_group
+from dsrun.runtime.parallel.tensor.full import FullTensors
 from dsrun.runtime.zero.init import Placement, gather_full, is_partitioned, partition_param
 from dsrun.runtime.zero.params import record_of
 
@@ -70,18 +75,24 @@ def built_partitioned(model: nn.Module) -> bool:
     return found
 
 
-def full_shape(param: torch.Tensor) -> torch.Size:
-    """The full shape of a parameter, zero.Init-partitioned or not."""
-    return record_of(param).shape if is_partitioned(param) else param.shape
+class ZeroInitTensors(FullTensors):
+    """Full tensors of a model built under zero.Init or not: a zero.Init
+    shard's recorded shape and gathered value, a plain parameter's own."""
+
+    def shape(self, param: torch.Tensor) -> torch.Size:
+        """The full shape of a parameter, zero.Init-partitioned or not."""
+        return record_of(param).shape if is_partitioned(param) else param.shape
+
+    def value(self, param: torch.Tensor) -> torch.Tensor:
+        """The full value of `param`, detached: gathered over every rank for a
+        zero.Init shard (collective; a new tensor), the parameter's own data
+        otherwise."""
+        if is_partitioned(param):
+            return gather_full(param)
+        return param.detach()
 
 
-def full_value(param: torch.Tensor) -> torch.Tensor:
-    """The full value of `param`, detached: gathered over every rank for a
-    zero.Init shard (collective; a new tensor), the parameter's own data
-    otherwise."""
-    if is_partitioned(param):
-        return gather_full(param)
-    return param.detach()
+ZERO_INIT = ZeroInitTensors()
 
 
 def model_placement(model: nn.Module) -> Placement:
@@ -106,7 +117,7 @@ def partition_over_data(model: nn.Module, data: MeshGroup, placement: Placement,
     over the job."""
     with torch.no_grad():
         for p in model.parameters():
-            full = full_value(p)
+            full = ZERO_INIT.value(p)
             if dtype is not None and full.is_floating_point():
                 full = full.to(dtype)
             p.data = full.to(placement.build)

@@ -1,8 +1,8 @@
 """The pipeline engine: DeepSpeed's `PipelineEngine` (`train_batch`,
-`eval_batch`) as one executor of the schedules in schedule.py.
+`eval_batch`) as one executor of the schedules in runtime/parallel/pipe/schedule.py.
 
 [Note: one executor, schedules as data]
-`train_batch` asks schedule.py for this rank's list of actions and runs them
+`train_batch` asks pipe/schedule.py for this rank's list of actions and runs them
 in order; nothing here knows which schedule it runs. Per micro-batch and
 chunk it keeps the stage input (received, or loaded on the first stage), the
 stage output (kept for the backward) and the gradient received for it; a
@@ -11,7 +11,7 @@ backward frees them. A new schedule is a new list, not new engine code.
 [Note: gradients through the strategy]
 Every backward goes through the engine's `GradientStrategy` (ZeRO stage 0
 to 3 over the mesh's data axis; stage 3 gathers each layer's parameters
-inside the forward and backward actions, see stage3.py [Note: hooks]), so
+inside the forward and backward actions, see zero/stage3.py [Note: hooks]), so
 gradient accumulation, loss scaling and the data-parallel reduction are
 the data-parallel engine's. The last stage
 runs `strategy.backward(loss / m)`. Another stage has no loss: it runs the
@@ -36,7 +36,7 @@ forward hook of the module) records the input and output of every module
 that owns parameters. B then asks autograd for the gradients of the stage
 input AND of those module outputs in one `torch.autograd.grad` call: that
 is the input pass, and it computes no weight gradient. W computes, for each
-recorded module that weight_grad.py has a rule for (Linear, LayerNorm,
+recorded module that pipe/weight_grad.py has a rule for (Linear, LayerNorm,
 Embedding), its parameters' gradients from its input and output gradient
 ([Note: weight pass by rule]), and hands all of them to ONE
 `torch.autograd.backward(parameters, gradients)` (one autograd call per
@@ -130,13 +130,12 @@ class PipelineEngine(Engine):
             on elsewhere; see [Note: zero bubble's split backward]).
         action_timing: set True to time every action of `train_batch`
             (off by default); the table of the last such step is then in
-            `last_action_times` (see [Note: per-action timing] in timing.py).
+            `last_action_times` (see [Note: per-action timing] in pipe/timing.py).
     """
 
     def __init__(self, module: PipelineModule, strategy, lr_scheduler, config, topology,
                  mesh: ParallelMesh, tied: TiedGroups) -> None:
-        super().__init__(module, strategy, lr_scheduler, config, topology, split=_model_split(module, mesh))
-        self.mesh = mesh
+        super().__init__(module, strategy, lr_scheduler, config, topology, mesh, split=_model_split(module, mesh))
         self.grid = PipelineParallelGrid(mesh=mesh)
         self.num_stages = module.num_stages
         self.stage_id = module.stage_id
@@ -186,7 +185,7 @@ class PipelineEngine(Engine):
 
     def reset_activation_shape(self) -> None:
         """Kept for DeepSpeed scripts: shapes are exchanged whenever they
-        change (see p2p.py [Note: tensor metadata per micro-batch])."""
+        change (see pipe/p2p.py [Note: tensor metadata per micro-batch])."""
 
     def forward(self, *args, **kwargs):
         raise RuntimeError("a PipelineEngine trains with engine.train_batch() and evaluates with "
@@ -304,7 +303,7 @@ class PipelineEngine(Engine):
         return plan
 
     def _run(self, action, buffers: _Buffers, train: bool, sync: bool = False, compute_loss: bool = True) -> None:
-        """Execute one action (see [Note: the action contract] in schedule.py)."""
+        """Execute one action (see [Note: the action contract] in pipe/schedule.py)."""
         kind = type(action)
         if kind is sched.Forward:
             self._forward(action, buffers, train, compute_loss)
