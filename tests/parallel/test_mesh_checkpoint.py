@@ -82,6 +82,7 @@ class MoEBlock(torch.nn.Module):
         super().__init__()
         from dsrun.moe.layer import MoE
         from dsrun.runtime.parallel.expert.names import global_expert_name
+        from dsrun.runtime.parallel.mesh import current
         _seeded(seed)
         self.input_norm = torch.nn.LayerNorm(WIDTH)
         self.attn = Attention()
@@ -90,7 +91,7 @@ class MoEBlock(torch.nn.Module):
         with torch.no_grad():
             for name, p in self.moe.named_parameters():
                 if ".deepspeed_experts." in name:
-                    expert = int(global_expert_name(name, p).split(".deepspeed_experts.")[1].split(".")[0])
+                    expert = int(global_expert_name(name, p, current()).split(".deepspeed_experts.")[1].split(".")[0])
                     g = torch.Generator().manual_seed(100 * seed + 10 * expert + p.dim())
                     p.copy_(torch.randn(p.shape, generator=g) / WIDTH ** 0.5)
 
