@@ -16,15 +16,24 @@ many calls (one start-up and one process group for many small trainings).
 
 [Note: ranks forked from a torch-loaded server]
 Importing torch and torch._dynamo (which the first torch optimizer imports)
-costs each rank seconds of CPU, most of a small test's time on 2 cores. The
-ranks are therefore forked by multiprocessing's forkserver, which imports
-those two once and nothing else: no dsrun module, no thread, no process
-group exists before the fork, so a rank starts as clean as a spawned one.
-What a fork would take from the server instead of the caller is passed
-explicitly: the environment (os.environ as it is at the call) and the
-stdout/stderr file descriptors (pytest's capture of the current test). A
-forked child ends with os._exit, which skips atexit handlers (dsrun removes
-swap directories and stops its communication thread there), so
+costs each rank seconds of CPU, most of a small test's time on 2 cores; the
+modules of dsrun's runtime that every rank imports (initialize,
+init_distributed, the pipeline, AutoTP) cost it 0.4 s more, and the
+Hugging Face model classes the tests build (GPT-2, Llama, Mistral) 1 s
+more. The ranks are therefore forked by multiprocessing's forkserver, which
+imports these once (a module that cannot be imported, such as transformers
+in a venv without it, is skipped) and nothing else: no thread, no process
+group and no dsrun state exists before the fork (importing dsrun defines
+functions, classes and constants; it starts nothing), so a rank starts as
+clean as a spawned one. What a fork would take from the server instead of
+the caller is passed explicitly: the environment (os.environ as it is at
+the call) and the stdout/stderr file descriptors (pytest's capture of the
+current test). One difference remains: a module-level constant computed
+from the environment at import (checkpoint/rendezvous.py's timeouts) holds
+the environment of the server's start, the first `run_ranks` of the pytest
+process; a test that needs another value sets the constant inside the rank.
+A forked child ends with os._exit, which skips atexit handlers (dsrun
+removes swap directories and stops its communication thread there), so
 `RankProcess` runs them when the target returns, as a spawned interpreter's
 exit would.
 """
@@ -42,7 +51,12 @@ import traceback
 from multiprocessing import reduction
 from typing import Any, Callable
 
-_PRELOAD = ["torch", "torch._dynamo"]  # see [Note: ranks forked from a torch-loaded server]
+# See [Note: ranks forked from a torch-loaded server].
+_PRELOAD = ["torch", "torch._dynamo",
+            "dsrun.runtime.comm.deepspeed_api", "dsrun.runtime.engine.entry", "dsrun.pipe",
+            "dsrun.runtime.parallel.tensor.autotp",
+            "transformers.models.gpt2.modeling_gpt2", "transformers.models.llama.modeling_llama",
+            "transformers.models.mistral.modeling_mistral"]
 
 
 class RankFailed(RuntimeError):

@@ -1,6 +1,7 @@
 """The shard writer on its own: file contents, checksum, and the copy-on-write
 snapshot (training changes tensors while an asynchronous write is half done)."""
 import threading
+import time
 
 import pytest
 import torch
@@ -81,7 +82,10 @@ def test_copy_on_write_snapshot(tmp_path, monkeypatch, pause_at):
     result = {}
     thread = threading.Thread(target=lambda: result.update(out=w.write()))
     thread.start()
-    paused.wait(10)
+    # Until the writer pauses; with pause_at=10**6 it never does, and the release comes after the write.
+    deadline = time.monotonic() + 10
+    while not paused.wait(0.01) and thread.is_alive() and time.monotonic() < deadline:
+        pass
     releaser = threading.Thread(target=w.release, args=(staging,))
     releaser.start()  # blocks until the chunk being hashed is written
     go.set()
