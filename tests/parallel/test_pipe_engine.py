@@ -409,14 +409,19 @@ def _train_counting_step_end(stages: int) -> dict:
     return {"losses": losses, "calls": calls, "norm": engine.get_global_grad_norm()}
 
 
-def test_step_loss_travels_with_the_gradient_norm():
+@pytest.mark.parametrize("stages", [2, 4])
+def test_step_loss_travels_with_the_gradient_norm(stages):
     """The step's loss reaches every stage in the gradient norm's all-reduce
     over the stages ([Note: the step's end]): no broadcast, and every rank
-    of pipe 2 x data 2 returns the same loss, that of one-process training."""
-    results = run_ranks(_train_counting_step_end, 4, 2)
-    reference = _train_reference(2, 4, False)
+    returns the same loss, that of one-process training. Pipe 4 (no
+    replicas) issues that one collective per step and nothing else (no
+    gradient all-reduce over a one-rank group)."""
+    results = run_ranks(_train_counting_step_end, 4, stages)
+    reference = _train_reference(4 // stages, 4, False)
     for r in results:
         assert all(c.get("broadcast", 0) == 0 for c in r["calls"]), r["calls"]
+        if stages == 4:
+            assert all(c.get("all_reduce", 0) == 1 for c in r["calls"]), r["calls"]
         assert r["losses"] == results[0]["losses"]  # bit-identical on every stage and replica
         assert r["norm"] == results[0]["norm"]
     assert results[0]["losses"] == pytest.approx(reference["losses"], rel=1e-4, abs=1e-5)
