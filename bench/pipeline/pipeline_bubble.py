@@ -61,7 +61,19 @@ Reported per configuration, over all timed steps of all repeats:
   largest over data replicas and repeats; ru_maxrss (the whole process) too;
 - CPU share: the rank's CPU seconds over its busy (non-waiting) wall time in
   the schedule: below 1 when ranks outnumber cores and a runnable rank waits
-  for one.
+  for one;
+- replay (pipeline runs): what the step would take with a core per rank,
+  from work the machine's load moves little. Every timed step runs with
+  `engine.action_timing`, which records each action's CPU time on the
+  executor's thread; per stage, the median CPU seconds of one Forward,
+  Backward, BackwardInput and BackwardWeight (over steps, repeats and data
+  replicas) become the costs of `simulate(..., rank_costs=...)` of the
+  rank's own schedule (sends and receives free, no latency). Reported: the
+  replayed schedule time (CPU s), its bubble (idle over makespan, the
+  papers' definition) over the paper's, and its step over 1F1B's replayed
+  step at the same depth. It is a model fed with measurements, not a
+  measured wall time: it leaves out the messages' latency and the
+  executor's work between actions.
 """
 from __future__ import annotations
 
@@ -208,6 +220,8 @@ def _rank(run: Run, s: Shape, global_micro: int, warmup: int, steps: int, torch_
     params = sum(p.numel() for p in engine.module.parameters())
     rows = []
     for i in range(warmup + steps):
+        if run.stages > 1:
+            engine.action_timing = i >= warmup  # CPU time per action, for the replay
         if i == warmup:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")  # VmHWM := VmRSS: the timed steps' own peak
@@ -219,7 +233,8 @@ def _rank(run: Run, s: Shape, global_micro: int, warmup: int, steps: int, torch_
         if i >= warmup:
             bubble = getattr(engine, "last_bubble", {})
             rows.append({"step_s": time.perf_counter() - t0, "cpu_s": c1 - c0,
-                         "wait_s": bubble.get("wait_s", 0.0), "schedule_s": bubble.get("schedule_s", 0.0)})
+                         "wait_s": bubble.get("wait_s", 0.0), "schedule_s": bubble.get("schedule_s", 0.0),
+                         "actions": getattr(engine, "last_action_times", {})})
     return {"stage": stage, "data": data_rank, "params": params, "steps": rows, "hwm_mib": _vm_hwm_mib(),
             "maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024}
 
@@ -265,6 +280,45 @@ def theory_row(run: Run, micro_batches: int) -> dict:
     one_f_one_b = simulate([build_schedule("1f1b", p, r, m) for r in range(p)]).makespan
     return {"paper": theoretical_bubble(run.schedule, p, m, v), "sim own": own, "sim span": res.bubble_fraction,
             "sim step / 1f1b": res.makespan / one_f_one_b}
+
+
+COMPUTE_KINDS = ("Forward", "Backward", "BackwardInput", "BackwardWeight")
+
+
+def replay_costs(launches: list[list[dict]], stages: int) -> list[dict]:
+    """Per stage, {action class: median CPU seconds of one such action} over
+    every timed step of every launch and data replica (the rank results'
+    "actions" tables, see [Note: per-action timing])."""
+    from dsrun.runtime.parallel.pipe import schedule as sched
+
+    samples: dict[tuple[int, str], list[float]] = {}
+    for launch in launches:
+        for rk in launch:
+            for row in rk["steps"]:
+                for kind in COMPUTE_KINDS:
+                    if kind in row["actions"]:
+                        t = row["actions"][kind]
+                        samples.setdefault((rk["stage"], kind), []).append(t["cpu_s"] / t["count"])
+    return [{getattr(sched, kind): statistics.median(samples[(st, kind)]) for kind in COMPUTE_KINDS
+             if (st, kind) in samples} for st in range(stages)]
+
+
+def replay_row(run: Run, micro_batches: int, costs: list[dict]) -> dict:
+    """`simulate` of `run`'s schedules with the measured per-stage `costs`
+    (replay_costs): "step" (the makespan, CPU s), "bubble" (idle over
+    makespan, mean over ranks)."""
+    from dsrun.runtime.parallel.pipe.schedule import build_schedule
+    from dsrun.runtime.parallel.pipe.simulate import simulate
+
+    p, m, v = run.stages, micro_batches, run.virtual
+    res = simulate([build_schedule(run.schedule, p, r, m, v) for r in range(p)], virtual_stages=v, rank_costs=costs)
+    return {"step": res.makespan, "bubble": res.bubble_fraction}
+
+
+def _mean_pass_ms(costs: list[dict], kind: str) -> str:
+    """The mean over stages of one `kind` pass's CPU milliseconds, "-" where none ran."""
+    values = [c[k] for c in costs for k in c if k.__name__ == kind]
+    return f"{statistics.mean(values) * 1e3:.1f}" if values else "-"
 
 
 def deepspeed_status() -> str:
@@ -342,6 +396,20 @@ def report(runs: list[Run], results: dict[str, list[list[dict]]], s: Shape, glob
         print(f"| {r.name} | {m} | {own:.3f} | {span:.3f} | {th['paper']:.3f} | {th['sim own']:.3f} | "
               f"{th['sim span']:.3f} | {span / th['paper']:.2f} | {own / th['sim own']:.2f} | {measured} | "
               f"{th['sim step / 1f1b']:.3f} | {cpu:.2f} |")
+    print("\nReplay with a core per rank (simulate() of each run's schedules with the measured CPU seconds per "
+          "action and stage; see the docstring):\n")
+    print("| run | m | replayed step (CPU s) | replayed bubble | paper | replayed / paper | step / 1f1b replayed | "
+          "F / B / BI / BW ms per pass, mean over stages |")
+    print("|---|---|---|---|---|---|---|---|")
+    costs = {r.name: replay_costs(results[r.name], r.stages) for r in pipes}
+    replayed = {r.name: replay_row(r, global_micro // r.data, costs[r.name]) for r in pipes}
+    for r in pipes:
+        row, paper = replayed[r.name], theory_row(r, global_micro // r.data)["paper"]
+        ref = replayed.get(f"p{r.stages}-1f1b")
+        ratio = f"{row['step'] / ref['step']:.3f}" if ref else "-"
+        passes = " / ".join(_mean_pass_ms(costs[r.name], kind) for kind in COMPUTE_KINDS)
+        print(f"| {r.name} | {global_micro // r.data} | {row['step']:.3f} | {row['bubble']:.3f} | {paper:.3f} | "
+              f"{row['bubble'] / paper:.2f} | {ratio} | {passes} |")
     print("\nPer stage (stage 0 / 1 / ...): measured own, measured span, median wait_s and busy s (schedule_s - "
           "wait_s) per step, CPU share:\n")
     print("| run | own | span | wait s | busy s | CPU share |")

@@ -19,7 +19,8 @@ the dsrun column appears.
 ([Note: per-action timing] in dsrun/runtime/parallel/pipe/timing.py): per
 stage and action kind, the mean count per step and milliseconds per action
 (total, waiting on a neighbour, in the model / autograd, and the rest: the
-executor's own cost), medians over the timed steps of the last repeat.
+executor's own cost; and the executor thread's CPU time), medians over the
+timed steps of the last repeat.
 """
 from __future__ import annotations
 
@@ -52,18 +53,20 @@ def _client_args(case: str, args) -> list[str]:
 
 def _action_table(case: str, result: dict) -> list[str]:
     rows = [f"\nPer-action time, {case} (per step: count; ms per action: total / wait / compute / "
-            "rest = total - wait - compute)\n", "| rank (stage) | action | count | total ms | wait ms | "
-            "compute ms | rest ms | rest ms per step |", "|---|---|---|---|---|---|---|---|"]
+            "rest = total - wait - compute / CPU of the executor's thread)\n", "| rank (stage) | action | count | "
+            "total ms | wait ms | compute ms | rest ms | rest ms per step | CPU ms | CPU ms per step |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for rank in result["actions"]:
         kinds = sorted({k for t in rank["tables"] for k in t})
         for kind in kinds:
             per = [t[kind] for t in rank["tables"] if kind in t]
             count = statistics.median(r["count"] for r in per)
-            med = {f: statistics.median(r[f] / r["count"] for r in per) * 1e3
-                   for f in ("total_s", "wait_s", "compute_s")}
+            med = {f: statistics.median(r.get(f, float("nan")) / r["count"] for r in per) * 1e3
+                   for f in ("total_s", "wait_s", "compute_s", "cpu_s")}
             rest = med["total_s"] - med["wait_s"] - med["compute_s"]
             rows.append(f"| {rank['rank']} ({rank['stage']}) | {kind} | {count:g} | {med['total_s']:.2f} | "
-                        f"{med['wait_s']:.2f} | {med['compute_s']:.2f} | {rest:.2f} | {rest * count:.1f} |")
+                        f"{med['wait_s']:.2f} | {med['compute_s']:.2f} | {rest:.2f} | {rest * count:.1f} | "
+                        f"{med['cpu_s']:.2f} | {med['cpu_s'] * count:.1f} |")
     return rows
 
 

@@ -50,7 +50,9 @@ def test_action_table_counts_every_action_and_leaves_training_unchanged():
             assert 0.0 <= row["wait_s"] <= row["total_s"], kind
             assert 0.0 <= row["compute_s"] <= row["total_s"], kind
             assert row["wait_s"] + row["compute_s"] <= row["total_s"] + 1e-9, kind
+            assert row["cpu_s"] >= 0.0, kind
         assert table["Forward"]["compute_s"] > 0.0 and table["Backward"]["compute_s"] > 0.0
+        assert table["Backward"]["cpu_s"] > 0.0  # autograd's work runs on the executor's thread
         waits = "RecvGrad" if rank["stage"] == 0 else "RecvActivation"
         assert table[waits]["wait_s"] > 0.0  # a receive is counted as waiting on the neighbour
     assert torch.isfinite(torch.tensor(first["losses"])).all()

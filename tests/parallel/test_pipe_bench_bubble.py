@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.pipeline.pipeline_bubble import parse_run, step_bubbles, theory_row
+from bench.pipeline.pipeline_bubble import parse_run, replay_costs, replay_row, step_bubbles, theory_row
 
 
 def _rank(stage: int, data: int, wait: float, schedule: float, cpu: float) -> dict:
@@ -43,3 +43,20 @@ def test_theory_row_zero_bubble_step_against_1f1b():
     row = theory_row(parse_run("p4-zb-h1", 2), 8)
     assert row["sim step / 1f1b"] == pytest.approx(27 / 33)
     assert theory_row(parse_run("p4-1f1b", 2), 8)["sim step / 1f1b"] == pytest.approx(1.0)
+
+
+def _timed_launch(stages: int, passes: dict[str, float], data: int = 2) -> list[dict]:
+    """One launch's rank results whose action tables ran 4 of each pass at `passes` CPU seconds each."""
+    actions = {kind: {"count": 4, "cpu_s": 4 * cost} for kind, cost in passes.items()}
+    return [{"stage": st, "data": d, "steps": [{"actions": actions}] * 2} for st in range(stages) for d in range(data)]
+
+
+def test_replay_of_measured_costs_gives_the_schedules_makespan():
+    # F = 1 ms, B = 2 ms (BI = BW = 1 ms): 1F1B (m + p - 1)(F + B), ZB-H1 m(F + B) + (p - 1)(F + BI - BW)
+    one_f_one_b = replay_row(parse_run("p2-1f1b", 2), 4,
+                             replay_costs([_timed_launch(2, {"Forward": 1e-3, "Backward": 2e-3})], 2))
+    assert one_f_one_b["step"] == pytest.approx(15e-3)
+    assert one_f_one_b["bubble"] == pytest.approx(0.2)  # (p - 1) / (m + p - 1)
+    zero_bubble = replay_row(parse_run("p2-zb-h1", 2), 4, replay_costs(
+        [_timed_launch(2, {"Forward": 1e-3, "BackwardInput": 1e-3, "BackwardWeight": 1e-3})], 2))
+    assert zero_bubble["step"] == pytest.approx(13e-3)

@@ -385,3 +385,43 @@ def test_monitor_reports_the_last_stages_loss(tmp_path):
     name = next(n for n in files if "loss" in n.lower())
     rows = files[name].read_text().strip().splitlines()
     assert float(rows[-1].split(",")[-1]) == pytest.approx(losses[0], rel=1e-6)
+
+
+def _train_counting_step_end(stages: int) -> dict:
+    import torch.nn.functional as F
+
+    import dsrun
+    from dsrun.pipe import PipelineModule
+    from dsrun.runtime.comm import comms_logger
+    from dsrun.runtime.distributed.dist import init_distributed
+    init_distributed()
+    world = torch.distributed.get_world_size()
+    module = PipelineModule(_layers(), num_stages=stages, loss_fn=F.cross_entropy, seed_layers=True,
+                            partition_method="uniform")
+    engine, *_ = dsrun.initialize(model=module, config=_config(stages, world // stages, 4, "1f1b", 0, False, 1))
+    data_rank = engine.grid.get_data_parallel_rank()
+    losses, calls = [], []
+    for step in range(STEPS):
+        before = comms_logger.snapshot()
+        losses.append(float(engine.train_batch(iter([_micro_batch(step, data_rank, j) for j in range(4)]))))
+        after = comms_logger.snapshot()
+        calls.append({op: s.calls - (before[op].calls if op in before else 0) for op, s in after.items()})
+    return {"losses": losses, "calls": calls, "norm": engine.get_global_grad_norm()}
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+def test_step_loss_travels_with_the_gradient_norm(stages):
+    """The step's loss reaches every stage in the gradient norm's all-reduce
+    over the stages ([Note: the step's end]): no broadcast, and every rank
+    returns the same loss, that of one-process training. Pipe 4 (no
+    replicas) issues that one collective per step and nothing else (no
+    gradient all-reduce over a one-rank group)."""
+    results = run_ranks(_train_counting_step_end, 4, stages)
+    reference = _train_reference(4 // stages, 4, False)
+    for r in results:
+        assert all(c.get("broadcast", 0) == 0 for c in r["calls"]), r["calls"]
+        if stages == 4:
+            assert all(c.get("all_reduce", 0) == 1 for c in r["calls"]), r["calls"]
+        assert r["losses"] == results[0]["losses"]  # bit-identical on every stage and replica
+        assert r["norm"] == results[0]["norm"]
+    assert results[0]["losses"] == pytest.approx(reference["losses"], rel=1e-4, abs=1e-5)

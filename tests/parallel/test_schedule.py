@@ -243,3 +243,17 @@ def test_send_nobody_receives_makes_simulate_raise():
     schedules[1] = [a for a in schedules[1] if a.micro_batch != 1]
     with pytest.raises(ScheduleError, match="SendActivation.*never received"):
         simulate(schedules)
+
+
+def test_simulate_with_measured_costs_per_rank():
+    """rank_costs: a last stage twice as slow stretches 1F1B by its own
+    passes; the same costs as the uniform ones give the same step."""
+    schedules = _all_ranks("1f1b", 2, 2)
+    uniform = {Forward: 1.0, BackwardInput: 1.0, BackwardWeight: 1.0, Backward: 2.0}
+    assert simulate(schedules, rank_costs=[uniform, uniform]) == simulate(schedules)
+    # rank 0: F0 [0,1] F1 [1,2]; rank 1: F0 [1,3] B0 [3,7] F1 [7,9] B1 [9,13]; rank 0: B0 [7,9] B1 [13,15]
+    result = simulate(schedules, rank_costs=[{Forward: 1.0, Backward: 2.0}, {Forward: 2.0, Backward: 4.0}])
+    assert result.makespan == 15.0
+    assert [r.busy for r in result.ranks] == [6.0, 12.0]
+    with pytest.raises(ValueError, match="2 dicts for 3 ranks"):
+        simulate(_all_ranks("1f1b", 3, 3), rank_costs=[uniform, uniform])

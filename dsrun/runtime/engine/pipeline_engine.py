@@ -27,6 +27,24 @@ stages (after the data-parallel average, which gives the same sum), and
 check span every stage and tensor-parallel rank (`StageSpan`, set by
 initialize through dsrun/runtime/engine/model_parallel.py).
 
+[Note: the step's end]
+Every rank returns the step's loss (the last stage's mean over its
+micro-batches and its replicas), and the step needs the gradient norm over
+all stages (clipping and the non-finite check skip or scale alike on every
+stage). DeepSpeed's PipelineEngine computes no norm in fp32 without
+clipping and broadcasts the loss after its step; dsrun needs the norm for
+its non-finite check, so the two travel together: the last stage starts
+the all-reduce of its mean loss over its replicas (asynchronously) right
+after its last forward, so that it overlaps the remaining backwards; at
+OptimizerStep the loss (zero on every other stage) is added to the
+strategy's all-reduce of the squared norm over the stages
+(`GradientStrategy.add_to_stage_sum`), and the sum, the last stage's value
+exactly (x + 0 = x), is read back by a step-end hook before the telemetry
+reports the step. One collective over the stages per step, not two (a
+broadcast, then the norm's all-reduce). When the norm's group is not the
+pipe axis alone (tensor parallelism: it spans pipe x model), the loss is
+broadcast over the pipe axis before the step, as before.
+
 [Note: zero bubble's split backward]
 `BackwardInput` (B) must produce the stage input's gradient, which the
 previous stage waits for, without the weight gradients; `BackwardWeight`
@@ -96,6 +114,7 @@ class _Buffers:
     captured: dict = field(default_factory=dict)  # zero bubble: (module, output, version) recorded in forward
     weight_work: dict = field(default_factory=dict)  # zero bubble: what B left for W (see the Note)
     losses: list = field(default_factory=list)   # detached losses (last stage)
+    step_loss: tuple | None = None  # (mean loss, its replica all-reduce handle): see [Note: the step's end]
     logits: list = field(default_factory=list)   # last stage outputs (eval_batch with return_logits)
 
 
@@ -165,6 +184,8 @@ class PipelineEngine(Engine):
         self._plans: dict[tuple[str, int], tuple[list, int]] = {}  # see _training_plan
         self._peers: dict[tuple[type, int], int] = {}  # see _peer
         self._params_of_chunk: dict[int, list[torch.nn.Parameter]] = {}  # see _chunk_params
+        self._loss_in_norm = False  # this step's loss rides the norm's all-reduce ([Note: the step's end])
+        self._step_end_hooks.insert(0, self._loss_from_norm)
 
     # -- DeepSpeed's pipeline API ---------------------------------------------------------
     def is_first_stage(self) -> bool:
@@ -389,6 +410,8 @@ class PipelineEngine(Engine):
                 buffers.logits.append(out)
             if isinstance(loss, torch.Tensor) and loss.numel() == 1:
                 buffers.losses.append(loss.detach().float().reshape(()))
+                if train and len(buffers.losses) == self.micro_batches:
+                    buffers.step_loss = self._start_replica_mean(buffers.losses)
             out = loss
         buffers.outputs[key] = out
 
@@ -510,12 +533,29 @@ class PipelineEngine(Engine):
                 self.strategy.sum_gradients_across(params, group)
         elif kind is sched.ReduceGrads:
             self._link.wait_sends()  # the data-parallel reduction ran inside the last backward
-        else:
-            # Every rank learns the step's loss before the step, so the monitors
-            # (written by rank 0, a first-stage rank) report it.
-            self.agg_train_loss = self._aggregate_loss(buffers.losses, bcast=True, reduce="avg")
-            self._telemetry.observe_loss(self.agg_train_loss)
+        else:  # see [Note: the step's end]
+            value = self._finish_replica_mean(buffers.step_loss or self._start_replica_mean(buffers.losses))
+            stages = self.strategy.stages
+            self._loss_in_norm = self.num_stages > 1 and stages is not None and stages.size == self.num_stages
+            if self._loss_in_norm:
+                self.strategy.add_to_stage_sum(value.reshape(1))
+            else:
+                self.agg_train_loss = self._broadcast_loss(value)
+                self._telemetry.observe_loss(self.agg_train_loss)
             self._optimizer_step()
+
+    def _loss_from_norm(self, _global_steps: int) -> None:
+        """A step-end hook: the step's loss, summed over the stages in the
+        gradient norm's all-reduce (see [Note: the step's end])."""
+        if not self._loss_in_norm:
+            return
+        self._loss_in_norm = False
+        sums = self.strategy.take_stage_sums()
+        if sums is None:
+            raise RuntimeError(f"{type(self.strategy).__name__}.step did not reduce the pipeline's loss with the "
+                               "gradient norm over the stages (GradientStrategy._stage_sq_norm)")
+        self.agg_train_loss = sums[0]
+        self._telemetry.observe_loss(self.agg_train_loss)
 
     def _aggregate_loss(self, losses: list[torch.Tensor], bcast: bool, reduce: str | None):
         """The last stage's losses averaged (over micro-batches, then over the
@@ -528,14 +568,30 @@ class PipelineEngine(Engine):
         gradients follow."""
         if reduce is None:
             return losses
-        value = torch.zeros((), dtype=torch.float32, device=self.device)
+        value = self._finish_replica_mean(self._start_replica_mean(losses))
+        return self._broadcast_loss(value) if bcast else value
+
+    def _start_replica_mean(self, losses: list[torch.Tensor]) -> tuple[torch.Tensor, Any]:
+        """On the last stage (with losses), their mean and the asynchronous
+        all-reduce of it over the stage's replicas (the sequence_data group;
+        None with one replica); elsewhere a zero and None."""
+        if not (self.is_last_stage() and losses):
+            return torch.zeros((), dtype=torch.float32, device=self.device), None
+        value = torch.stack(losses).mean()
         replicas = self.mesh.axis_group("sequence_data")
-        if self.is_last_stage() and losses:
-            value = torch.stack(losses).mean()
-            if replicas.size > 1:
-                comm.all_reduce(value, group=replicas.group)
-                value = value / replicas.size
-        if bcast and self.num_stages > 1:
+        return value, (comm.all_reduce(value, group=replicas.group, async_op=True) if replicas.size > 1 else None)
+
+    def _finish_replica_mean(self, pending: tuple[torch.Tensor, Any]) -> torch.Tensor:
+        """Wait for `_start_replica_mean`'s all-reduce: the mean over the replicas."""
+        value, handle = pending
+        if handle is None:
+            return value
+        handle.wait()
+        return value / self.mesh.axis_group("sequence_data").size
+
+    def _broadcast_loss(self, value: torch.Tensor) -> torch.Tensor:
+        """`value` from the last stage on every stage (a broadcast over the pipe axis)."""
+        if self.num_stages > 1:
             comm.broadcast(value, src=self.mesh.stage_to_global(self.num_stages - 1), group=self.mesh.group("pipe"))
         return value
 

@@ -23,7 +23,7 @@ import torch
 from dsrun.runtime.memory import allocator
 from dsrun.runtime import comm
 from dsrun.runtime.checkpoint.pieces import HeldPiece
-from dsrun.runtime.comm.collectives import overlapped_all_reduce
+from dsrun.runtime.comm.collectives import CompletedWork, overlapped_all_reduce
 from dsrun.runtime.distributed.dist import Topology
 from dsrun.runtime.parallel.expert.groups import expert_group_name_of, expert_groups, is_expert_param
 from dsrun.runtime.parallel.mesh import ParallelMesh
@@ -117,6 +117,8 @@ class GradientStrategy(abc.ABC):
     topology: Topology
     hooks: HookSet | None = None  # what `_register_hooks` registered (see [Note: strategy hooks] in hooks.py)
     stages: StageSpan | None = None  # set by `span_stages` when this rank holds one part of the model
+    _stage_extra: torch.Tensor | None = None  # see `add_to_stage_sum`
+    _stage_sums: torch.Tensor | None = None
 
     @abc.abstractmethod
     def backward(self, loss: torch.Tensor, *, sync: bool, retain_graph: bool) -> None:
@@ -220,15 +222,38 @@ class GradientStrategy(abc.ABC):
         too (see StageSpan); called once, before the first backward."""
         self.stages = stages
 
+    def add_to_stage_sum(self, values: torch.Tensor) -> None:
+        """Sum `values` (1-D, fp32) over the stage span (StageSpan.group) in
+        the same all-reduce as the next `step`'s gradient norm, so that a
+        pipeline's step-end values (its loss) need no collective of their
+        own; `take_stage_sums` returns the sums after that step. Every rank of
+        the span must add values of the same length before the same step.
+        Without a stage span, nothing reduces them (`take_stage_sums` then
+        returns None)."""
+        self._stage_extra = values.reshape(-1)
+
+    def take_stage_sums(self) -> torch.Tensor | None:
+        """The sums of what `add_to_stage_sum` gave, reduced by the last
+        `step` (1-D fp32, the same on every rank of the span), once; None when
+        no step has reduced them since (no stage span)."""
+        sums, self._stage_sums = self._stage_sums, None
+        return sums
+
     def _stage_sq_norm(self, sq: torch.Tensor, duplicate_sq: torch.Tensor | float) -> torch.Tensor:
         """This rank's squared norm `sq` (shape (1,), fp32, already summed over
         its data-parallel group) minus that of its duplicate gradients, summed
-        over the stages (collective over `stages.group`); `sq` itself when the
+        over the stages (collective over `stages.group`), together with any
+        values of `add_to_stage_sum` (one all-reduce); `sq` itself when the
         model is not split."""
         if self.stages is None:
             return sq
-        sq = sq - duplicate_sq
+        sq = (sq - duplicate_sq).reshape(1)
+        extra, self._stage_extra = self._stage_extra, None
+        if extra is not None:
+            sq = torch.cat([sq, extra.to(device=sq.device, dtype=sq.dtype)])
         comm.all_reduce(sq, group=self.stages.group)
+        if extra is not None:
+            self._stage_sums, sq = sq[1:], sq[:1]
         return sq
 
     def sum_gradients_across(self, params: list[torch.nn.Parameter], group) -> None:
@@ -263,6 +288,7 @@ class _Bucket:
     params: list[torch.nn.Parameter]
     flat: torch.Tensor
     group: object = None  # the process group it is summed over (None: every rank)
+    alone: bool = False  # the group is this rank alone (a pipeline stage without replicas): nothing to sum
     ready: set[int] = dataclasses.field(default_factory=set)
     handle: comm.Handle | None = None
 
@@ -376,7 +402,7 @@ class AllReduceStrategy(GradientStrategy):
         self._names = {id(p): n for n, p in module.named_parameters()}
         self._buckets = [
             _Bucket(ps, torch.zeros(sum(p.numel() for p in ps), dtype=ps[0].dtype, device=ps[0].device),
-                    self._reduction_group(ps[0]))
+                    self._reduction_group(ps[0]), alone=comm.get_world_size(self._reduction_group(ps[0])) == 1)
             for ps in plan_buckets([p for p in reversed(self._params) if id(p) not in by_rows], bucket_size,
                                    key=lambda p: expert_group_name_of(p) if is_expert_param(p) else None)
         ]
@@ -434,7 +460,8 @@ class AllReduceStrategy(GradientStrategy):
             bucket = self._buckets[self._next_bucket]
             if self._before != 1.0:
                 bucket.flat.div_(self._before)
-            bucket.handle = overlapped_all_reduce(bucket.flat, group=bucket.group)
+            # a one-rank group would still cost a hand-off to gloo's thread and back
+            bucket.handle = CompletedWork() if bucket.alone else overlapped_all_reduce(bucket.flat, group=bucket.group)
             self._next_bucket += 1
 
     def _flush(self) -> None:

@@ -68,13 +68,19 @@ _SEND_OF = {RecvActivation: SendActivation, RecvGrad: SendGrad}
 
 def simulate(schedules: list[list[Action]], forward_cost: float = 1.0,
              backward_input_cost: float = 1.0, backward_weight_cost: float = 1.0,
-             virtual_stages: int = 1, p2p_latency: float = 0.0) -> SimulationResult:
+             virtual_stages: int = 1, p2p_latency: float = 0.0,
+             rank_costs: list[dict[type, float]] | None = None) -> SimulationResult:
     """Run one step of ``schedules`` (``schedules[r]`` is rank r's list, as
     from ``build_schedule``) with the given costs per chunk pass.
 
     A ``Backward`` costs ``backward_input_cost + backward_weight_cost``;
     loads, sends, receives and the step-end actions cost nothing, and a
     received tensor is ready ``p2p_latency`` after its send was issued.
+    ``rank_costs`` (one dict per rank: action class -> cost of one such
+    action on that rank, e.g. measured) replaces those costs: an action
+    class missing from a rank's dict costs nothing there. A cost of a
+    receive is spent once its message has arrived (the copy out), not
+    while waiting.
 
     Activation memory: a micro-batch counts as in flight on a rank from its
     ``Forward`` until the ``Backward`` or ``BackwardWeight`` that frees it.
@@ -94,9 +100,12 @@ def simulate(schedules: list[list[Action]], forward_cost: float = 1.0,
     p = len(schedules)
     if p == 0:
         raise ValueError("simulate() needs one schedule per rank, got none")
-    costs = {Forward: forward_cost, BackwardInput: backward_input_cost,
-             BackwardWeight: backward_weight_cost,
-             Backward: backward_input_cost + backward_weight_cost}
+    if rank_costs is not None and len(rank_costs) != p:
+        raise ValueError(f"simulate(): rank_costs has {len(rank_costs)} dicts for {p} ranks")
+    uniform = {Forward: forward_cost, BackwardInput: backward_input_cost,
+               BackwardWeight: backward_weight_cost,
+               Backward: backward_input_cost + backward_weight_cost}
+    costs = rank_costs if rank_costs is not None else [uniform] * p
     ranks = [_Rank(rank, p, virtual_stages, actions) for rank, actions in enumerate(schedules)]
     sent: dict[tuple, float] = {}  # (send type, micro_batch, peer rank, peer chunk) -> issue time
     received: set[tuple] = set()
@@ -112,7 +121,7 @@ def simulate(schedules: list[list[Action]], forward_cost: float = 1.0,
                         break
                     r.clock = max(r.clock, sent[key] + p2p_latency)
                     received.add(key)
-                r.run(action, costs, sent)
+                r.run(action, costs[r.rank], sent)
                 progress = True
     blocked = [r for r in ranks if r.pc < len(r.actions)]
     if blocked:
