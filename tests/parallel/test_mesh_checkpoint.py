@@ -141,7 +141,7 @@ def _global_slices(engine) -> dict:
     """_slices keyed by global names (an expert by its global id)."""
     from dsrun.runtime.parallel.expert.names import global_expert_name
     params = dict(engine.module.named_parameters())
-    return {global_expert_name(name, params[name]): held for name, held in _slices(engine).items()}
+    return {global_expert_name(name, params[name], engine.mesh): held for name, held in _slices(engine).items()}
 
 
 def _save(pipe: int, tensor: int, sequence: int, stage: int, path: str, ep: int = 0):
