@@ -14,9 +14,11 @@ linger = float(args[2]) if len(args) > 2 else 0.0
 if os.fork() == 0:
     os.setsid()
     if os.fork() == 0:
-        if pidfile:
-            with open(f"{pidfile}.rank{os.environ['RANK']}", "w") as f:
+        if pidfile:  # written whole, then renamed: a reader never sees an empty file
+            target = f"{pidfile}.rank{os.environ['RANK']}"
+            with open(f"{target}.tmp", "w") as f:
                 f.write(str(os.getpid()))
+            os.replace(f"{target}.tmp", target)
         print("daemon started", flush=True)
         time.sleep(120)  # holds the inherited stdout/stderr pipes all along
         os._exit(0)
