@@ -33,11 +33,18 @@ system-packages:
 demo: $(VENV)/.installed
 	$(VENV)/bin/dsrun --num_procs 2 examples/train_gpt.py --config examples/configs/gpt_demo.json
 
+# Two pytest-xdist workers: most tests wait on their ranks' processes more than
+# they compute, so two at a time fill two cores (tests/conftest.py keeps the
+# tests that share a daemon or a launched run on one worker). TEST_WORKERS=0
+# runs everything in one process.
+TEST_WORKERS ?= 2
+PYTEST = $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
+
 test: install system-packages
-	$(PY) -m pytest -q --durations=25
+	$(PYTEST) --durations=25
 
 test-quick: install system-packages
-	$(PY) -m pytest -q -m "not slow"
+	$(PYTEST) -m "not slow"
 
 # On one GPU: every stage, precision, offload and zero.Init configuration of the
 # GPT beside plain PyTorch, as one table (bench/gpu/README.md); non-zero exit on
