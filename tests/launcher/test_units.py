@@ -57,8 +57,9 @@ def test_node_job_line_from_another_version_is_rejected_by_name():
 
 
 def test_the_node_agent_imports_no_heavy_package():
-    """The agent starts once per node and job; see [Note: no pydantic in the agent] in dsrun/launcher/records.py."""
-    heavy = ["torch", "numpy", "pydantic", "rich", "paramiko", "yaml"]
+    """The agent starts once per node and job; see [Note: no pydantic in the agent] in dsrun/launcher/records.py
+    and [Note: no psutil in the agent] in dsrun/launcher/proctree.py."""
+    heavy = ["torch", "numpy", "pydantic", "rich", "paramiko", "yaml", "psutil"]
     code = f"import sys, dsrun.launcher.agent; print([m for m in {heavy!r} if m in sys.modules])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
