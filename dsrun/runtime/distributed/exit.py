@@ -4,14 +4,17 @@ garbage collector (`gc.freeze`), so that interpreter teardown does not walk them
 [Note: a cheap exit]
 Python's exit with torch loaded costs about 0.5 CPU-s per process: `python -c
 "import torch"` takes 1.51-1.65 CPU-s, 0.96-1.07 when it ends with os._exit(0)
-and 1.06-1.18 when it ends with gc.freeze() (2-core Xeon, torch 2.13). Most
-of it is the garbage collector: after the exit handlers, finalization
-collects again and again while it clears the modules, and every collection
-walks all of torch's hundreds of thousands of objects. A node's launcher
-work is a fraction of that (bench/launcher/README.md), so this step is run
-by every rank that called `init_distributed`, as the last thing of dsrun's
-exit handler (`dist._leave`) on a clean exit. A failing rank already ends
-with os._exit(1) there.
+and 1.06-1.18 when it ends with gc.freeze() (2-core Xeon, torch 2.13): most
+of the exit is the cyclic garbage collector examining torch's objects
+(about 170,000 with gc.get_objects()) while the interpreter finalizes,
+which it skips for frozen objects. A 2-rank gloo job's rank (torch,
+init_distributed, one all-reduce) took 2.11 CPU-s before this step and
+1.71 with it, against 1.45 when it ends with os._exit(0)
+(bench/launcher/rank_exit.py); a node's whole launcher work is 0.3-0.45
+CPU-s (bench/launcher/README.md). So this step is run by every rank that
+called `init_distributed`, as the last thing of dsrun's exit handler
+(`dist._leave`) on a clean exit. A failing rank already ends with
+os._exit(1) there.
 
 What is kept, and why:
 - Every exit handler runs. Handlers registered after `init_distributed` run
