@@ -55,7 +55,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fanout import RANK_SCRIPT, _sshd_children_cpu, _wait_sessions_gone, run_case  # noqa: E402
+from fanout import RANK_SCRIPT, _sshd_children_cpu, _wait_sessions_gone, compile_trees, run_case  # noqa: E402
 from tests.multinode.sshd import loopback_sshd  # noqa: E402
 
 from dsrun.launcher.job import NodeJob  # noqa: E402
@@ -120,6 +120,7 @@ def main() -> None:
     parser.add_argument("--base", type=Path, help="a worktree of another commit, measured beside this one")
     args = parser.parse_args()
     trees = {"this tree": ROOT, **({"base": args.base.resolve()} if args.base else {})}
+    compile_trees(trees.values())
     py = sys.executable
     cum: dict[str, list[float]] = {}
 

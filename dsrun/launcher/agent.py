@@ -74,13 +74,12 @@ import time
 from pathlib import Path
 from typing import BinaryIO
 
-import psutil
-
 from dsrun.env import HEARTBEAT_FILE
 from dsrun.launcher.env import rank_argv, rank_process_env
 from dsrun.launcher.failure import RankFailure, StderrTail, by_root_cause, exit_status, signal_name
 from dsrun.launcher.hang import HANG_EXIT_CODE, HANG_REASON, HangReport, HangWatch, likely_causes
 from dsrun.launcher.job import InvalidNodeJob, NodeJob
+from dsrun.launcher.proctree import EXITED, children_map, descendants
 from dsrun.runtime.offload import registry
 
 _PR_SET_PDEATHSIG = 1
@@ -170,13 +169,14 @@ def kill_descendants(spare: set[int], timeout: float = 2.0) -> list[int]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         found = []
-        for proc in psutil.Process().children(recursive=True):
-            try:
-                if proc.pid not in spare and proc.status() != psutil.STATUS_ZOMBIE:
-                    proc.send_signal(signal.SIGKILL)
-                    found.append(proc.pid)
-            except psutil.NoSuchProcess:
+        for pid, state in descendants(os.getpid()):
+            if pid in spare or state in EXITED:
                 continue
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                continue
+            found.append(pid)
         if not found:
             break
         killed += found
@@ -578,15 +578,15 @@ def _adopted_groups(spare: set[int]) -> set[int]:
     collects, and the watchdog); return the process groups of the live ones (orphans adopted as
     subreaper, see [Note: agent process tree])."""
     groups = set()
-    for child in psutil.Process().children():
+    for pid, state in children_map().get(os.getpid(), ()):
         try:
-            if child.pid in spare:
+            if pid in spare:
                 continue
-            if child.status() == psutil.STATUS_ZOMBIE:
-                os.waitpid(child.pid, os.WNOHANG)
+            if state in EXITED:
+                os.waitpid(pid, os.WNOHANG)
             else:
-                groups.add(os.getpgid(child.pid))
-        except (psutil.NoSuchProcess, ProcessLookupError, ChildProcessError):
+                groups.add(os.getpgid(pid))
+        except (ProcessLookupError, ChildProcessError):
             continue
     return groups - {os.getpgrp()}
 

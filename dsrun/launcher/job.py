@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 import os
 import time
-import uuid
 from dataclasses import dataclass, field
 
 from dsrun.launcher.records import parse_record, record_json
@@ -27,7 +26,7 @@ def new_job_id() -> str:
     It is exported to every rank as DSRUN_JOB_ID, which also lets tools find
     every process of a job (each rank carries it in its environment).
     """
-    return f"dsrun-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
+    return f"dsrun-{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(4).hex()}"
 
 
 class InvalidNodeJob(ValueError):

@@ -5,6 +5,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 import warnings
 
 import pytest
@@ -14,6 +15,7 @@ from dsrun.launcher.env import rank_argv, rank_process_env
 from dsrun.launcher.failure import TAIL_LINES, TRACEBACK_MAX_LINES, RankFailure, StderrTail, exit_status, signal_name
 from dsrun.launcher.job import InvalidNodeJob, NodeJob
 from dsrun.launcher.ports import PortError, choose_master_port, is_local_address
+from dsrun.launcher.proctree import EXITED, children_map, descendants
 
 
 def _job(**changes) -> NodeJob:
@@ -57,13 +59,36 @@ def test_node_job_line_from_another_version_is_rejected_by_name():
 
 
 def test_the_node_agent_imports_no_heavy_package():
-    """The agent starts once per node and job; see [Note: no pydantic in the agent] in dsrun/launcher/records.py."""
-    heavy = ["torch", "numpy", "pydantic", "rich", "paramiko", "yaml"]
+    """The agent starts once per node and job; see [Note: no pydantic in the agent] in dsrun/launcher/records.py
+    and [Note: no psutil in the agent] in dsrun/launcher/proctree.py."""
+    heavy = ["torch", "numpy", "pydantic", "rich", "paramiko", "yaml", "psutil"]
     code = f"import sys, dsrun.launcher.agent; print([m for m in {heavy!r} if m in sys.modules])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_process_tree_finds_a_child_named_with_spaces_and_parentheses_then_its_zombie():
+    """proctree parses /proc/<pid>/stat after the name's last ")"; an exited, unreaped child is EXITED."""
+    code = ("import ctypes, sys; ctypes.CDLL(None).prctl(15, b'a) (b c', 0, 0, 0); "  # 15: PR_SET_NAME
+            "print('named', flush=True); sys.stdin.read()")
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert child.stdout.readline() == b"named\n"
+        with open(f"/proc/{child.pid}/stat", "rb") as f:
+            assert b"(a) (b c)" in f.read()
+        assert dict(children_map()[os.getpid()])[child.pid] not in EXITED
+        assert child.pid in dict(descendants(os.getpid()))
+        child.stdin.close()
+        for _ in range(6000):  # until the child has exited; it stays a zombie until waited for
+            if dict(descendants(os.getpid())).get(child.pid) in EXITED:
+                break
+            time.sleep(0.01)
+        assert dict(descendants(os.getpid()))[child.pid] in EXITED
+    finally:
+        child.kill()
+        child.wait()
 
 
 def test_rank_environment_on_a_second_node_and_precedence():

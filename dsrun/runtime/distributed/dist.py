@@ -31,6 +31,7 @@ from dsrun.launcher.ports import DEFAULT_MASTER_PORT
 from dsrun.runtime.memory import allocator
 from dsrun.runtime.distributed import discovery, rendezvous
 from dsrun.runtime.distributed import nodes as nodes_mod
+from dsrun.runtime.distributed.exit import freeze_for_exit
 from dsrun.runtime.observability import heartbeat
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
@@ -227,7 +228,9 @@ def _leave() -> None:
     group dsrun created is destroyed while the interpreter is still whole (no
     collective is issued), and a garbage collection frees gloo objects held
     in reference cycles (a clean-clone CI run saw two MoE jobs end 134 on one
-    rank after their last line; not reproduced since). After an uncaught
+    rank after their last line; not reproduced since); then the rank's files
+    are flushed and the collector stops looking at what is alive, which
+    makes the rest of the exit cheap ([Note: a cheap exit], exit.py). After an uncaught
     exception (sys.last_value is set before atexit runs) the group is NOT
     torn down -- the rank is failing, and a teardown that waits on peers must
     not delay or hang it -- and the process ends here with Python's status
@@ -251,3 +254,4 @@ def _leave() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
     gc.collect()  # gloo objects (work handles, groups) held in reference cycles go now, not in teardown
+    freeze_for_exit()  # the collector skips everything alive now: see [Note: a cheap exit]

@@ -10,7 +10,6 @@ DSRUN_JOB_ID) nothing is registered. No torch import: the agent uses it.
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import tempfile
@@ -29,6 +28,8 @@ def _entry(path: Path) -> Path | None:
     job = JOB_ID.read()
     if not job:
         return None
+    import hashlib  # here, not at the top: only ranks hash, and the agent imports this module on every node
+
     return registry_dir(job) / hashlib.sha1(str(path).encode()).hexdigest()
 
 
