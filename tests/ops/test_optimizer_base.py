@@ -1,6 +1,6 @@
-"""OptimizerBase: an eager run does not import torch._dynamo; once it is imported, torch's wrapper is used.
-
-See [Note: torch._dynamo on the eager path] (dsrun/ops/optimizer_base.py).
+"""An eager run does not import torch._dynamo (dsrun's optimizers, a pipeline's
+parameter count on the meta device); once it is imported, the optimizers call
+torch's wrapper. See [Note: torch._dynamo on the eager path] (dsrun/ops/optimizer_base.py).
 """
 import subprocess
 import sys
@@ -17,7 +17,9 @@ from dsrun.ops.lion import Lion
 ROOT = Path(__file__).resolve().parents[2]
 
 # One process-wide eager run: a one-rank engine with dsrun's AdamW trains, saves
-# and loads a checkpoint; Lion and FusedLamb add groups, step, zero and reload.
+# and loads a checkpoint; Lion and FusedLamb add groups, step, zero and reload; a
+# PipelineModule counts an embedding's and a normal_-initialised layer's parameters
+# on the meta device ("parameters" partitioning) and builds them for real.
 EAGER_RUN = textwrap.dedent("""
     import sys
     import torch
@@ -43,6 +45,18 @@ EAGER_RUN = textwrap.dedent("""
         opt.step()
         opt.zero_grad()
         opt.load_state_dict(opt.state_dict())
+    from dsrun.pipe import LayerSpec, PipelineModule
+
+    class Normal(torch.nn.Linear):
+        def reset_parameters(self):
+            torch.nn.init.normal_(self.weight, std=0.02)
+            self.bias.data.normal_()
+
+    pipe = PipelineModule([LayerSpec(torch.nn.Embedding, 11, 6), LayerSpec(Normal, 6, 3)], num_stages=1,
+                          partition_method="parameters")
+    assert pipe.parts == [0, 2], pipe.parts
+    assert sum(p.numel() for p in pipe.parameters()) == 11 * 6 + 6 * 3 + 3
+    assert all(p.device.type == "cpu" and float(p.std()) > 0 for p in pipe.parameters())
     print(type(engine.optimizer).__name__, "torch._dynamo" in sys.modules)
 """)
 
