@@ -29,6 +29,7 @@ import torch
 from dsrun.ops import cuda_adam
 from dsrun.ops.builder import get_op
 from dsrun.ops.isa import ISA_NAMES, choose_isa
+from dsrun.ops.optimizer_base import OptimizerBase
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _NONE = 3
@@ -220,7 +221,7 @@ def _check_hyperparams(name: str, lr: float, betas, eps: float, weight_decay: fl
                          f"weight_decay={weight_decay} (need lr, eps, weight_decay >= 0 and two betas in [0, 1))")
 
 
-class NativeAdam(torch.optim.Optimizer):
+class NativeAdam(OptimizerBase):
     """Base class of dsrun's Adam optimizers; see [Note: native Adam optimizers].
 
     Not used directly: build CPUAdam, DeepSpeedCPUAdam or FusedAdam. Its

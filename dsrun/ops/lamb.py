@@ -31,6 +31,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from dsrun.ops.optimizer_base import OptimizerBase
+
 __all__ = ["FusedLamb", "lamb_trust_ratios", "Segmented"]
 
 
@@ -77,7 +79,7 @@ def apply_segment_scaled(param: torch.Tensor, update: torch.Tensor, segments: li
         p[lo:hi].add_(u[lo:hi], alpha=-step_size * c)
 
 
-class FusedLamb(Segmented, torch.optim.Optimizer):
+class FusedLamb(Segmented, OptimizerBase):
     """LAMB with DeepSpeed's `FusedLamb` signature and arithmetic (module docstring).
 
     Args:

@@ -13,8 +13,10 @@ from typing import Callable
 
 import torch
 
+from dsrun.ops.optimizer_base import OptimizerBase
 
-class Lion(torch.optim.Optimizer):
+
+class Lion(OptimizerBase):
     """Lion with decoupled weight decay (Chen et al. 2023, "Symbolic Discovery of
     Optimization Algorithms", Algorithm 2).
 

@@ -7,11 +7,17 @@ TinyNet on 2 gloo ranks at ZeRO 0-3 in fp32 and bf16 (BF16_Optimizer's
 fp32 weights of its zero_to_fp32, the full Adam states, the losses of the
 next steps. The imported checkpoint must hold exactly those weights and
 states, and dsrun resumed from it must continue with DeepSpeed's losses.
+The fixtures are kept beside the DeepSpeed install, keyed on everything that
+makes them (see `_fixture_key`), so a later run reuses them only where a new
+run of make_fixtures.py would write the same files.
 """
 import fcntl
+import hashlib
 import json
 import os
 import pickle
+import platform
+import shutil
 import subprocess
 import sys
 
@@ -53,17 +59,44 @@ def _install_deepspeed() -> str:
     return CACHE
 
 
+def _fixture_key(ds_path: str) -> str:
+    """A digest of what the fixtures depend on: the generating code (every file
+    of tests/checkpoint/deepspeed), the installed DeepSpeed and its
+    dependencies (their dist-info names carry the versions), torch's version and
+    the CPU kernels it dispatches to (bf16 rounding), Python and the machine."""
+    h = hashlib.sha256()
+    gen = os.path.join(HERE, "deepspeed")
+    for name in sorted(n for n in os.listdir(gen) if n.endswith(".py")):
+        with open(os.path.join(gen, name), "rb") as f:
+            h.update(name.encode() + b"\0" + f.read() + b"\0")
+    dists = sorted(n for n in os.listdir(ds_path) if n.endswith(".dist-info"))
+    h.update(repr((dists, torch.__version__, torch.backends.cpu.get_cpu_capability(), sys.version,
+                   platform.machine())).encode())
+    return h.hexdigest()[:24]
+
+
 @pytest.fixture(scope="module")
-def fixtures(tmp_path_factory):
-    """{case: DeepSpeed save directory} made by the real DeepSpeed."""
+def fixtures():
+    """{case: DeepSpeed save directory} made by the real DeepSpeed (read only:
+    the directories are shared between runs with the same `_fixture_key`)."""
     path = _install_deepspeed()
-    out = str(tmp_path_factory.mktemp("deepspeed"))
-    env = {**os.environ, "PYTHONPATH": path, "DS_ACCELERATOR": "cpu"}
-    done = subprocess.run([sys.executable, os.path.join(HERE, "deepspeed", "make_fixtures.py"), out], env=env,
-                          capture_output=True, text=True, timeout=600)
-    if done.returncode:
-        pytest.fail(f"DeepSpeed could not make the fixtures:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
-    return {case: os.path.join(out, case) for case in sorted(os.listdir(out))}
+    root = CACHE + "-fixtures"
+    out = os.path.join(root, _fixture_key(path))
+    os.makedirs(root, exist_ok=True)
+    with open(root + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.isfile(os.path.join(out, ".complete")):
+            shutil.rmtree(root, ignore_errors=True)  # fixtures of other keys are stale
+            tmp = out + ".tmp"
+            os.makedirs(tmp)
+            env = {**os.environ, "PYTHONPATH": path, "DS_ACCELERATOR": "cpu"}
+            done = subprocess.run([sys.executable, os.path.join(HERE, "deepspeed", "make_fixtures.py"), tmp],
+                                  env=env, capture_output=True, text=True, timeout=600)
+            if done.returncode:
+                pytest.fail(f"DeepSpeed could not make the fixtures:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
+            open(os.path.join(tmp, ".complete"), "w").close()
+            os.rename(tmp, out)
+    return {case: os.path.join(out, case) for case in sorted(os.listdir(out)) if case != ".complete"}
 
 
 def _expected(ds_dir):

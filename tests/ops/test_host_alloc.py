@@ -5,38 +5,48 @@ page faults, cached plus live bytes stay under the peak of live bytes
 transparent huge pages, and kernels that use torch's raw allocation path
 still work.
 
-Each case runs in a fresh interpreter: the allocator is installed for a
-whole process, once.
+Each case runs in a fresh process, a one-rank `run_ranks` (forked from the
+torch-loaded server, [Note: ranks forked from a torch-loaded server] in
+tests/dist_helpers.py, where nothing installed the allocator): the allocator is
+installed for a whole process, once.
 """
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 import textwrap
 
 import pytest
+
+from tests.dist_helpers import RankFailed, run_ranks
 
 NUMEL = 3_150_000  # 12.6 MB of fp32: a unit of the 48M GPT
 PAGES = -(-NUMEL * 4 // 4096)
 BLOCK = PAGES * 4096  # bytes: sizes are rounded up to whole pages
 
 
+def _exec(code: str, env: dict[str, str]) -> dict:
+    """The rank: `code` run with `env` added to the environment; returns its `out`."""
+    os.environ.update(env)
+    scope: dict = {}
+    exec(code, scope)
+    return scope["out"]
+
+
+def _in_fresh_process(code: str, **env: str) -> dict:
+    return run_ranks(_exec, 1, code, {"DSRUN_MALLOC": "1", **env}, timeout=300)[0]
+
+
 def _run(body: str, **env: str) -> dict:
     code = textwrap.dedent("""
-        import json, resource, threading, torch
+        import resource, threading, torch
         from dsrun.runtime.memory import allocator
-        torch.set_num_threads(1)
         installed = allocator.use_returning_allocator()
         def faults():
             return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         out = {"installed": installed}
-    """) + textwrap.dedent(body) + "\nprint(json.dumps(out))\n"
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "DSRUN_MALLOC": "1", **env})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    """) + textwrap.dedent(body)
+    return _in_fresh_process(code, **env)
 
 
 REUSE = f"""
@@ -176,7 +186,7 @@ def test_adopt_parameters_moves_only_unaliased_large_ones():
     parameter built before the allocator moves into a 2 MiB-aligned block with
     its values; one whose storage a kept view shares, and a small one, stay."""
     code = textwrap.dedent("""
-        import json, torch
+        import torch
         torch.manual_seed(0)
         big, shared, small = (torch.nn.Parameter(torch.randn(n)) for n in (600_000, 600_000, 1000))
         view = shared[:10]  # another tensor on shared's storage
@@ -185,15 +195,12 @@ def test_adopt_parameters_moves_only_unaliased_large_ones():
         from dsrun.runtime.memory import allocator
         allocator.use_returning_allocator()
         moved = allocator.adopt_parameters([big, shared, small])
-        print(json.dumps({"moved": moved, "big_aligned": big.data_ptr() % (2 << 20) == 0,
-                          "same": [p.data_ptr() == b for p, b in zip((big, shared, small), before)],
-                          "equal": all(torch.equal(p, v) for p, v in zip((big, shared, small), values)),
-                          "view_follows": view.data_ptr() == shared.data_ptr()}))
+        out = {"moved": moved, "big_aligned": big.data_ptr() % (2 << 20) == 0,
+               "same": [p.data_ptr() == b for p, b in zip((big, shared, small), before)],
+               "equal": all(torch.equal(p, v) for p, v in zip((big, shared, small), values)),
+               "view_follows": view.data_ptr() == shared.data_ptr()}
     """)
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "DSRUN_MALLOC": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    r = _in_fresh_process(code)
     assert r["moved"] == 2_400_000 and r["big_aligned"] and r["same"] == [False, True, True], r
     assert r["equal"] and r["view_follows"], r
 
@@ -202,6 +209,7 @@ def test_adopt_parameters_moves_only_unaliased_large_ones():
                                                   ("abc", "-1", "1.5")] + [("DSRUN_HOST_HUGEPAGES", "yes", "1")])
 def test_bad_environment_is_a_clear_error(variable, value, words):
     code = "from dsrun.runtime.memory import allocator; allocator.use_returning_allocator()"
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "DSRUN_MALLOC": "1", variable: value})
-    assert proc.returncode != 0 and variable in proc.stderr and words in proc.stderr
+    with pytest.raises(RankFailed) as failed:
+        _in_fresh_process(code, **{variable: value})
+    message = str(failed.value)
+    assert variable in message and words in message, message

@@ -45,7 +45,7 @@ module = PipelineModule(layers, num_stages=2, loss_fn=torch.nn.CrossEntropyLoss(
 data = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randint(0, 3, (64,)))
 engine, *_ = dsrun.initialize(model=module, training_data=data, config={
     "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": MICRO_BATCHES,
-    "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    "optimizer": {"type": "Adam", "params": {"lr": 0.1}}})
 for step in range(1, 4):
     engine.train_batch()
     print(f"step {step} done", flush=True)

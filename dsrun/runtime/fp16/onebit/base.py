@@ -37,6 +37,7 @@ import abc
 
 import torch
 
+from dsrun.ops.optimizer_base import OptimizerBase
 from dsrun.runtime import comm
 from dsrun.runtime.comm.compressed import compressed_all_reduce, server_chunk_numel
 
@@ -54,7 +55,7 @@ def adam_state(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> dict:
 
 
 
-class CompressedCommOptimizer(torch.optim.Optimizer, abc.ABC):
+class CompressedCommOptimizer(OptimizerBase, abc.ABC):
     """Base class: see [Note: the optimizer owns gradient communication].
 
     Subclasses call `_setup_comm(cuda_aware, comm_backend_name)` in their

@@ -55,6 +55,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from dsrun.runtime import comm
 from dsrun.runtime.activation_checkpointing import checkpointing
@@ -140,12 +141,35 @@ def _layer_type_name(layer: Any) -> str | None:
     return getattr(layer, "__name__", None)
 
 
+class _NoMetaNormal(TorchFunctionMode):
+    """`Tensor.normal_` on a meta tensor returns it untouched.
+
+    A meta tensor has no values to fill, but torch's meta kernel of normal_
+    is a Python reference wrapped in torch._disable_dynamo, whose first call
+    imports torch._dynamo: about 1 CPU-second in every rank that counts a
+    LayerSpec holding an nn.Embedding or a normal_ init (uniform_, fill_ and
+    zero_ have C++ meta kernels). See [Note: torch._dynamo on the eager path]
+    in dsrun/ops/optimizer_base.py. Shape and dtype are unchanged either way.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _NORMAL_FILLS:  # nn.init.normal_ comes here itself (tensor= by keyword); what it calls does not
+            target = args[0] if args else kwargs.get("tensor")
+            if isinstance(target, torch.Tensor) and target.is_meta:
+                return target
+        return func(*args, **kwargs)
+
+
+_NORMAL_FILLS = (torch.Tensor.normal_, torch.nn.init.normal_)
+
+
 def _trainable_parameters(layer: Any) -> int:
     """The number of trainable parameter elements of a layer; a LayerSpec is
     built on the meta device for this, so no memory is allocated."""
     if isinstance(layer, LayerSpec):
         try:
-            with torch.device("meta"):
+            with torch.device("meta"), _NoMetaNormal():
                 layer = layer.build()
         except Exception as e:
             raise RuntimeError(f"partition_method='parameters' builds each LayerSpec on the meta device to count "
