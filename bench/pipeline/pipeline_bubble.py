@@ -71,9 +71,15 @@ Reported per configuration, over all timed steps of all repeats:
   rank's own schedule (sends and receives free, no latency). Reported: the
   replayed schedule time (CPU s), its bubble (idle over makespan, the
   papers' definition) over the paper's, and its step over 1F1B's replayed
-  step at the same depth. It is a model fed with measurements, not a
-  measured wall time: it leaves out the messages' latency and the
-  executor's work between actions.
+  step at the same depth; beside them the paper's bubble with the measured
+  passes (ZB-H1's (p-1)(F+B-W) / (m(F+B+W) + (p-1)(F+B-W)) with F, BI, BW
+  the stages' mean CPU seconds; 1F1B's and interleaved's do not depend on
+  the costs), and the replay on this machine's shape: the WORLD ranks
+  sharing CORES cores (`simulate_on_cores`: while n ranks have work each
+  runs at min(1, cores / n) of a core), where an idle rank's core goes to a
+  busy one and only the moments with fewer busy ranks than cores are lost.
+  It is a model fed with measurements, not a measured wall time: it leaves
+  out the messages' latency and the executor's work between actions.
 """
 from __future__ import annotations
 
@@ -97,6 +103,7 @@ from bench.step_time.gpt_step import LR, WEIGHT_DECAY, Block, Shape
 from tests.dist_helpers import run_ranks
 
 WORLD = 4
+CORES = 2  # the machine these runs were sized for: 4 ranks time-share 2 cores (the replay on cores)
 MODELS = {
     "48m": Shape(d=512, layers=10, heads=8, vocab=32000, seq=256, micro=2, bucket=5_000_000),
     "bench": Shape(d=256, layers=8, heads=4, vocab=2048, seq=256, micro=2, bucket=5_000_000),
@@ -306,13 +313,24 @@ def replay_costs(launches: list[list[dict]], stages: int) -> list[dict]:
 def replay_row(run: Run, micro_batches: int, costs: list[dict]) -> dict:
     """`simulate` of `run`'s schedules with the measured per-stage `costs`
     (replay_costs): "step" (the makespan, CPU s), "bubble" (idle over
-    makespan, mean over ranks)."""
-    from dsrun.runtime.parallel.pipe.schedule import build_schedule
-    from dsrun.runtime.parallel.pipe.simulate import simulate
+    makespan, mean over ranks), "paper measured" (the paper's bubble with
+    the measured passes, mean over stages: for zb-h1 F, BI, BW; the others'
+    formulas do not depend on the costs), and "step on cores" (the makespan
+    when the run's WORLD ranks share CORES cores, `simulate_on_cores`; the
+    data replicas run the same schedules, so each pipeline gets
+    CORES / data cores)."""
+    from dsrun.runtime.parallel.pipe import schedule as sched
+    from dsrun.runtime.parallel.pipe.simulate import simulate, simulate_on_cores
 
     p, m, v = run.stages, micro_batches, run.virtual
-    res = simulate([build_schedule(run.schedule, p, r, m, v) for r in range(p)], virtual_stages=v, rank_costs=costs)
-    return {"step": res.makespan, "bubble": res.bubble_fraction}
+    schedules = [sched.build_schedule(run.schedule, p, r, m, v) for r in range(p)]
+    res = simulate(schedules, virtual_stages=v, rank_costs=costs)
+    mean = lambda kind: statistics.mean(c[kind] for c in costs) if all(kind in c for c in costs) else 1.0  # noqa: E731
+    paper = sched.theoretical_bubble(run.schedule, p, m, v, mean(sched.Forward), mean(sched.BackwardInput),
+                                     mean(sched.BackwardWeight)) if run.schedule == "zb-h1" else \
+        sched.theoretical_bubble(run.schedule, p, m, v)
+    return {"step": res.makespan, "bubble": res.bubble_fraction, "paper measured": paper,
+            "step on cores": simulate_on_cores(schedules, costs, CORES * p / WORLD, v)}
 
 
 def _mean_pass_ms(costs: list[dict], kind: str) -> str:
@@ -398,18 +416,22 @@ def report(runs: list[Run], results: dict[str, list[list[dict]]], s: Shape, glob
               f"{th['sim step / 1f1b']:.3f} | {cpu:.2f} |")
     print("\nReplay with a core per rank (simulate() of each run's schedules with the measured CPU seconds per "
           "action and stage; see the docstring):\n")
-    print("| run | m | replayed step (CPU s) | replayed bubble | paper | replayed / paper | step / 1f1b replayed | "
+    print(f"| run | m | replayed step (CPU s) | replayed bubble | paper | replayed / paper | paper, measured passes "
+          f"| replayed / it | step / 1f1b replayed | replayed step, {WORLD} ranks on {CORES} cores (s) | / 1f1b's | "
           "F / B / BI / BW ms per pass, mean over stages |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     costs = {r.name: replay_costs(results[r.name], r.stages) for r in pipes}
     replayed = {r.name: replay_row(r, global_micro // r.data, costs[r.name]) for r in pipes}
     for r in pipes:
         row, paper = replayed[r.name], theory_row(r, global_micro // r.data)["paper"]
         ref = replayed.get(f"p{r.stages}-1f1b")
         ratio = f"{row['step'] / ref['step']:.3f}" if ref else "-"
+        on_cores = f"{row['step on cores'] / ref['step on cores']:.3f}" if ref else "-"
         passes = " / ".join(_mean_pass_ms(costs[r.name], kind) for kind in COMPUTE_KINDS)
         print(f"| {r.name} | {global_micro // r.data} | {row['step']:.3f} | {row['bubble']:.3f} | {paper:.3f} | "
-              f"{row['bubble'] / paper:.2f} | {ratio} | {passes} |")
+              f"{row['bubble'] / paper:.2f} | {row['paper measured']:.3f} | "
+              f"{row['bubble'] / row['paper measured']:.2f} | {ratio} | {row['step on cores']:.3f} | {on_cores} | "
+              f"{passes} |")
     print("\nPer stage (stage 0 / 1 / ...): measured own, measured span, median wait_s and busy s (schedule_s - "
           "wait_s) per step, CPU share:\n")
     print("| run | own | span | wait s | busy s | CPU share |")

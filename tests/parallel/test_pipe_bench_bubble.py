@@ -60,3 +60,8 @@ def test_replay_of_measured_costs_gives_the_schedules_makespan():
     zero_bubble = replay_row(parse_run("p2-zb-h1", 2), 4, replay_costs(
         [_timed_launch(2, {"Forward": 1e-3, "BackwardInput": 1e-3, "BackwardWeight": 1e-3})], 2))
     assert zero_bubble["step"] == pytest.approx(13e-3)
+    # this machine's shape: a pipeline of 2 stages gets 1 of the 2 cores (2 replicas), so all its work in a row
+    assert one_f_one_b["step on cores"] == pytest.approx(24e-3)
+    assert zero_bubble["step on cores"] == pytest.approx(24e-3)
+    # F = BI = BW: the paper's bubble with the measured passes is its F = B = W figure
+    assert zero_bubble["paper measured"] == pytest.approx(theory_row(parse_run("p2-zb-h1", 2), 4)["paper"])

@@ -387,7 +387,7 @@ def test_monitor_reports_the_last_stages_loss(tmp_path):
     assert float(rows[-1].split(",")[-1]) == pytest.approx(losses[0], rel=1e-6)
 
 
-def _train_counting_step_end(stages: int) -> dict:
+def _train_counting_step_end(stages: int, zero_stage: int = 0) -> dict:
     import torch.nn.functional as F
 
     import dsrun
@@ -398,7 +398,8 @@ def _train_counting_step_end(stages: int) -> dict:
     world = torch.distributed.get_world_size()
     module = PipelineModule(_layers(), num_stages=stages, loss_fn=F.cross_entropy, seed_layers=True,
                             partition_method="uniform")
-    engine, *_ = dsrun.initialize(model=module, config=_config(stages, world // stages, 4, "1f1b", 0, False, 1))
+    engine, *_ = dsrun.initialize(model=module, config=_config(stages, world // stages, 4, "1f1b", zero_stage, False,
+                                                                1))
     data_rank = engine.grid.get_data_parallel_rank()
     losses, calls = [], []
     for step in range(STEPS):
@@ -406,7 +407,7 @@ def _train_counting_step_end(stages: int) -> dict:
         losses.append(float(engine.train_batch(iter([_micro_batch(step, data_rank, j) for j in range(4)]))))
         after = comms_logger.snapshot()
         calls.append({op: s.calls - (before[op].calls if op in before else 0) for op, s in after.items()})
-    return {"losses": losses, "calls": calls, "norm": engine.get_global_grad_norm()}
+    return {"losses": losses, "calls": calls, "norm": engine.get_global_grad_norm(), "stage": engine.stage_id}
 
 
 @pytest.mark.parametrize("stages", [2, 4])
@@ -424,4 +425,18 @@ def test_step_loss_travels_with_the_gradient_norm(stages):
             assert all(c.get("all_reduce", 0) == 1 for c in r["calls"]), r["calls"]
         assert r["losses"] == results[0]["losses"]  # bit-identical on every stage and replica
         assert r["norm"] == results[0]["norm"]
+    assert results[0]["losses"] == pytest.approx(reference["losses"], rel=1e-4, abs=1e-5)
+
+
+@pytest.mark.parametrize("zero_stage,all_reduces", [(1, (4, 5)), (2, (7, 8))])
+def test_zero_norm_carries_the_stage_duplicates(zero_stage, all_reduces):
+    """With ZeRO 1/2 in a pipeline the squared norm of a stage's duplicate
+    gradients rides in the shard group's norm all-reduce (it had one of its
+    own: 5 / 6 and 8 / 9 all-reduces per step on the first / last stage
+    before); losses still those of one-process training, equal on every rank."""
+    results = run_ranks(_train_counting_step_end, 4, 2, zero_stage)
+    reference = _train_reference(2, 4, False)
+    for r in results:
+        assert all(c.get("all_reduce", 0) == all_reduces[r["stage"]] for c in r["calls"]), r["calls"]
+        assert r["losses"] == results[0]["losses"]
     assert results[0]["losses"] == pytest.approx(reference["losses"], rel=1e-4, abs=1e-5)

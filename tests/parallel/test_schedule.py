@@ -24,7 +24,7 @@ from dsrun.runtime.parallel.pipe.schedule import (
     peer,
     theoretical_bubble,
 )
-from dsrun.runtime.parallel.pipe.simulate import ScheduleError, simulate
+from dsrun.runtime.parallel.pipe.simulate import ScheduleError, simulate, simulate_on_cores
 
 
 def _cases():
@@ -257,3 +257,21 @@ def test_simulate_with_measured_costs_per_rank():
     assert [r.busy for r in result.ranks] == [6.0, 12.0]
     with pytest.raises(ValueError, match="2 dicts for 3 ranks"):
         simulate(_all_ranks("1f1b", 3, 3), rank_costs=[uniform, uniform])
+
+
+@pytest.mark.parametrize("name,v", [("1f1b", 1), ("zb-h1", 1), ("interleaved", 2)])
+def test_simulate_on_shared_cores(name, v):
+    """Ranks sharing cores: a core per rank is `simulate`'s step, one core
+    runs all the work back to back, and 4 ranks on 2 cores (F = 1, B = 2,
+    m = 8) take 1F1B 51 and ZB-H1 49 units: at most 2 of 96 units of
+    bubble are left to remove, the 48 of the work split over 2 cores being
+    the floor."""
+    schedules = _all_ranks(name, 4, 8, v)
+    costs = [{Forward: 1.0 / v, Backward: 2.0 / v, BackwardInput: 1.0, BackwardWeight: 1.0}] * 4
+    alone = simulate(schedules, virtual_stages=v, rank_costs=costs).makespan
+    assert simulate_on_cores(schedules, costs, 4, v) == pytest.approx(alone)
+    assert simulate_on_cores(schedules, costs, 1, v) == pytest.approx(96.0)
+    assert simulate_on_cores(schedules, costs, 2, v) == pytest.approx({"1f1b": 51.0, "zb-h1": 49.0,
+                                                                       "interleaved": 48.75}[name])
+    with pytest.raises(ValueError, match="cores must be > 0"):
+        simulate_on_cores(schedules, costs, 0, v)

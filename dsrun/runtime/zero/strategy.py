@@ -170,12 +170,17 @@ class ZeroStrategy(GradientStrategy):
 
     def _global_sq_norm(self) -> float:
         """Sum of squares of every averaged gradient shard over the shard group
-        (one collective; see [Note: one small collective per step]; two more
+        (one collective, carrying a pipeline stage's duplicates too; see
+        [Note: one small collective per step]; two more
         per expert group name, see [Note: expert partitions] in experts.py)."""
         sq = self._local_sq([f for f in self.sets if f.experts is None])
+        # a pipeline stage's duplicates ride in the same all-reduce (no collective of their own)
+        dup = self._duplicate_sq() if self.stages is not None else None
         with self.watchdog.waiting("all-reduce of the gradient norm (optimizer step)"):
             if self.groups.shard.size > 1:
-                comm.all_reduce(sq, group=self.groups.shard.group)
+                both = sq if dup is None else torch.cat([sq, dup])
+                comm.all_reduce(both, group=self.groups.shard.group)
+                sq, dup = (both, None) if dup is None else (both[:1], both[1:])
             experts = {f.experts.name: f.experts for f in self.sets if f.experts is not None}
             if experts:  # each expert shard once (see [Note: expert partitions] in experts.py)
                 local = {name: self._local_sq([f for f in self.sets if f.experts is not None
@@ -184,7 +189,7 @@ class ZeroStrategy(GradientStrategy):
                 sq = sq + add_expert_sq_norms(local, experts)
         if self.stages is not None:
             with self.watchdog.waiting("all-reduce of the gradient norm over the pipeline stages"):
-                sq = self._stage_sq_norm(sq, self._duplicate_sq())
+                sq = self._stage_sq_norm(sq, dup)
         return float(sq.item())  # the one host sync of the step
 
     def _local_sq(self, sets: list[FlatParamSet]) -> torch.Tensor:
@@ -218,17 +223,16 @@ class ZeroStrategy(GradientStrategy):
         return all(dup)
 
     def _duplicate_sq(self) -> torch.Tensor:
-        """Squared norm of the stage duplicates' gradients (see StageSpan),
-        summed over the shard group (collective over it); experts are left
-        out (see `_duplicate_set`)."""
+        """This rank's squared norm of its pieces of the stage duplicates'
+        gradients (see StageSpan), (1,) fp32 on the device, no communication
+        (`_global_sq_norm` sums it over the shard group in the norm's
+        all-reduce); experts are left out (see `_duplicate_set`)."""
         sq = torch.zeros(1, dtype=torch.float32, device=self.topology.device)
         for p in self.managed_params():
             if id(p) in self.stages.duplicates and record_of(p).fset.experts is None:
                 rec = record_of(p)
                 piece = rec.fset.local_piece_tensor(rec.fset.partition_of(rec.fset.grad_view), rec.slot)
                 sq += piece.square().sum()
-        if self.groups.shard.size > 1:
-            comm.all_reduce(sq, group=self.groups.shard.group)
         return sq
 
     def sum_gradients_across(self, params: list[torch.nn.Parameter], group) -> None:

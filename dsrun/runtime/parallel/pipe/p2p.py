@@ -3,15 +3,22 @@ next stage, their gradients come back.
 
 [Note: tensor metadata per micro-batch]
 A stage's output is a tensor or a tuple of tensors whose shapes may change
-from one micro-batch to the next (variable sequence lengths). Before each
-activation message the sender sends a header: one int64 `n`, then, when
-`n > 0`, `n` int64s describing every tensor (dtype code, requires_grad,
-ndim, shape...). `n = 0` means "the same tensors as the previous message to
-this rank", so an unchanged shape costs one 8-byte message and a changed one
-is always announced (DeepSpeed sends the shapes once, for the first
-micro-batch only, and breaks on variable lengths). Gradients travel back
-without a header: they have the shapes of the activations that were sent,
-which the sending side kept.
+from one micro-batch to the next (variable sequence lengths). Both ends
+remember the last shapes that went between them (per peer), so an
+activation whose shapes did not change is ONE message: an 8-byte mark 0,
+then every tensor's bytes, each at a 64-byte aligned offset (`_layout`),
+copied into one buffer by the sender and received as views of one fresh
+buffer (one send and one receive call per activation, and one wake-up of a
+sleeping receiver, instead of a header message and one message per tensor).
+When they changed, the sender sends, in the size the receiver expects (the
+old shapes' packed size; 8 bytes before the first message), the mark `n >
+0`, then a header of `n` int64s describing every tensor (dtype code,
+requires_grad, ndim, shape...), then each tensor as its own message. So an
+unchanged shape costs 8 bytes beside the data and a changed one is always
+announced (DeepSpeed sends the shapes once, for the first micro-batch only,
+and breaks on variable lengths). Gradients travel back without a header:
+they have the shapes of the activations that were sent, which the sending
+side kept.
 
 Messages to one rank are matched in the order they were sent; activations
 and gradients use different tags so that the two streams between a pair of
@@ -32,7 +39,7 @@ transport; every message of the pair then uses it. Sends stay asynchronous:
 a message that fits the ring's free slots is copied at once, the rest of a
 larger one by the channel's sender thread (see [Note: asynchronous channel
 sends] in shm_comm.py), and `wait_sends` waits for all of them. A receiver
-whose sender died fails within about a millisecond, naming it; one whose
+whose sender died fails within about 16 ms, naming it; one whose
 sender is alive but silent fails after DSRUN_SHM_TIMEOUT (300 s), where
 gloo would wait for the process group's timeout. The comms logger counts
 the messages under "isend"/"irecv" either way, with transport "shm" or
@@ -40,6 +47,7 @@ the messages under "isend"/"irecv" either way, with transport "shm" or
 """
 from __future__ import annotations
 
+import math
 import time
 from typing import Sequence
 
@@ -85,6 +93,21 @@ def _header(tensors: Tensors) -> list[int]:
     return out
 
 
+_ALIGN = 64  # bytes: where each tensor starts in a packed message (any dtype's alignment, a cache line)
+
+
+def _layout(specs) -> tuple[list[int], int]:
+    """The byte offset of every tensor of `specs` (as `_parse` returns) in a
+    packed activation message, and the message's size: the 8-byte mark
+    first, each tensor from the next multiple of `_ALIGN`."""
+    offsets, end = [], 8
+    for dtype, _, shape in specs:
+        start = -(-end // _ALIGN) * _ALIGN
+        offsets.append(start)
+        end = start + math.prod(shape) * dtype.itemsize
+    return offsets, end
+
+
 def _parse(header: list[int]) -> list[tuple[torch.dtype, bool, tuple[int, ...]]]:
     specs, i = [], 0
     while i < len(header):
@@ -114,43 +137,56 @@ class StageLink:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.wait_seconds = 0.0
-        self._sent_header: dict[int, list[int]] = {}
-        self._recv_specs: dict[int, list] = {}
+        # per peer, the last shapes sent / received: (header or specs, their packed layout)
+        self._sent: dict[int, tuple[list[int], tuple[list[int], int]]] = {}
+        self._recv_specs: dict[int, tuple[list, tuple[list[int], int]]] = {}
         self._pending: list = []  # (handle, tensors kept alive until the send completes)
         self._shm = ShmPeers(device)
-        # The "same shapes" header, sent by reference (never written: an
-        # asynchronous send may still read it), and the length receives reuse
-        # (a receive completes before it returns).
-        self._unchanged = torch.zeros(1, dtype=torch.int64, device=device)
-        self._length = torch.empty(1, dtype=torch.int64, device=device)
 
     def send_activations(self, value, dst: int) -> None:
-        """Send a stage output (tensor or tuple) to rank `dst`, announcing its
-        shapes when they changed (see [Note: tensor metadata per micro-batch])."""
+        """Send a stage output (tensor or tuple) to rank `dst`: one packed
+        message when its shapes are those of the last one to `dst`, else the
+        announcement, the header and the tensors (see [Note: tensor metadata
+        per micro-batch])."""
         outputs = as_tensors(value, "a pipeline stage output")
         header = _header(outputs)
-        tensors = tuple(t.detach().contiguous() for t in outputs)
-        if self._sent_header.get(dst) == header:
-            self._isend([self._unchanged, *tensors], dst, ACTIVATION_TAG)
+        tensors = [t.detach().contiguous() for t in outputs]
+        last = self._sent.get(dst)
+        if last is not None and last[0] == header:
+            offsets, size = last[1]
+            packed = torch.empty(size, dtype=torch.uint8, device=self.device)
+            packed[:8].view(torch.int64).zero_()
+            for t, at in zip(tensors, offsets):
+                packed[at:at + t.numel() * t.element_size()].copy_(t.reshape(-1).view(torch.uint8))
+            self._isend([packed], dst, ACTIVATION_TAG)
             return
-        self._sent_header[dst] = header
-        self._isend([torch.tensor([len(header)], dtype=torch.int64, device=self.device),
-                     torch.tensor(header, dtype=torch.int64, device=self.device), *tensors], dst, ACTIVATION_TAG)
+        # the announcement, in the size the receiver expects: the last shapes' packed message
+        mark = torch.zeros(last[1][1] if last is not None else 8, dtype=torch.uint8, device=self.device)
+        mark[:8].view(torch.int64).fill_(len(header))
+        self._sent[dst] = (header, _layout(_parse(header)))
+        self._isend([mark, torch.tensor(header, dtype=torch.int64, device=self.device), *tensors], dst,
+                    ACTIVATION_TAG)
 
     def recv_activations(self, src: int) -> Tensors:
         """Receive a stage input from rank `src`: fresh tensors, those whose
         sender required grad marked `requires_grad` (leaves of this stage's graph)."""
         started = time.perf_counter()
-        length = self._recv(self._length, src, ACTIVATION_TAG).item()
-        if length > 0:
-            header = torch.empty(length, dtype=torch.int64, device=self.device)
-            self._recv(header, src, ACTIVATION_TAG)
-            self._recv_specs[src] = _parse(header.tolist())
-        out = []
-        for dtype, grad, shape in self._recv_specs[src]:
-            t = torch.empty(shape, dtype=dtype, device=self.device)
-            self._recv(t, src, ACTIVATION_TAG)
-            out.append(t.requires_grad_(grad and dtype.is_floating_point))
+        known = self._recv_specs.get(src)
+        packed = self._recv(torch.empty(known[1][1] if known is not None else 8, dtype=torch.uint8,
+                                        device=self.device), src, ACTIVATION_TAG)
+        length = packed[:8].view(torch.int64).item()
+        if length == 0:  # the last shapes, packed in this one message
+            specs, (offsets, _) = known
+            out = [packed[at:at + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+                   for (dtype, _, shape), at in zip(specs, offsets)]
+        else:
+            header = self._recv(torch.empty(length, dtype=torch.int64, device=self.device), src, ACTIVATION_TAG)
+            specs = _parse(header.tolist())
+            self._recv_specs[src] = (specs, _layout(specs))
+            out = [self._recv(torch.empty(shape, dtype=dtype, device=self.device), src, ACTIVATION_TAG)
+                   for dtype, _, shape in specs]
+        for t, (dtype, grad, _) in zip(out, specs):
+            t.requires_grad_(grad and dtype.is_floating_point)
         self.wait_seconds += time.perf_counter() - started
         return tuple(out)
 
