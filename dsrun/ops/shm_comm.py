@@ -332,8 +332,14 @@ def world_group_from_env(barrier: Callable[[], None], group: str = "world",
     world = int(environ.get("WORLD_SIZE", "1"))
     if not available() or environ.get("LOCAL_WORLD_SIZE") != str(world):
         return None
-    job = JOB_ID.read() or f"{environ.get('MASTER_ADDR', 'local')}_{environ.get('MASTER_PORT', '0')}"
-    return ShmGroup(segment_name(job, group), int(environ.get("RANK", "0")), world, barrier, slot_bytes=slot_bytes)
+    return ShmGroup(segment_name(job_name(), group), int(environ.get("RANK", "0")), world, barrier,
+                    slot_bytes=slot_bytes)
+
+
+def job_name() -> str:
+    """What names this job's segments: DSRUN_JOB_ID, or MASTER_ADDR_MASTER_PORT
+    under torchrun, so concurrent jobs never share one."""
+    return JOB_ID.read() or f"{os.environ.get('MASTER_ADDR', 'local')}_{os.environ.get('MASTER_PORT', '0')}"
 
 
 def channel_name(job_id: str, link: int, src: int, dst: int, tag: int) -> str:
