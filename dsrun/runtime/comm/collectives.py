@@ -340,9 +340,10 @@ def release(group: ProcessGroup | None = None) -> None:
 
 
 def uses_shm(group: ProcessGroup | None = None) -> bool:
-    """True when contiguous CPU tensors of supported dtypes in `group` go over
-    shared memory (see [Note: choosing the transport]). Every rank must call
-    it at the same point the first time (it may open the shm group)."""
+    """True when contiguous CPU tensors of supported dtypes in `group` (None:
+    the default group) go over shared memory (see [Note: choosing the
+    transport]). Every rank of the group must call it at the same point the
+    first time (it may open the group's shm segment)."""
     return _world_shm(group) is not None
 
 
