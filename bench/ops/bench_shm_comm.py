@@ -4,12 +4,12 @@
 
 Per size, fp32, each rank with one torch thread: gloo all_reduce (the
 baseline), gloo reduce_scatter_tensor, all_gather_into_tensor and
-all_to_all_single (the MoE layer's exchange, which has no shm path), and
-dsrun's shm all_reduce, reduce_scatter, all_gather and broadcast. shm
-all_gather stages 1/world of the size and reads the rest; an all-to-all
-on shared memory would stage the whole input and read as much, so that row
-is the nearest to one. The size is the
-full tensor (all_reduce input, reduce_scatter input, all_gather output).
+all_to_all_single (the MoE layer's and Ulysses' exchange), and dsrun's shm
+all_reduce, reduce_scatter, all_gather, broadcast and all_to_all (equal
+blocks, and "uneven": the same bytes cut into blocks of 1..world rows of
+32 floats per rank pair, as Ulysses cuts heads the ranks do not divide).
+The size is the full tensor (all_reduce input, reduce_scatter input,
+all_gather output, all_to_all input and output).
 Times are rank 0's, each call preceded by a barrier; rounds interleave the
 cases. With --deepspeed DIR (a directory holding the deepspeed package),
 DeepSpeed's CPU shared-memory all_reduce (deepspeed.comm.inference_all_reduce
@@ -55,6 +55,17 @@ def rank_main(rank: int, world: int, port: int, sizes: list[int], repeats: int, 
         full = torch.randn(n)
         part = torch.randn(n // world)
         exchanged = torch.empty(n)
+        # Uneven blocks: rank i sends rank j a share (1 + (i + j) % world) of its rows.
+        rows = n // 32
+        shares = [[1 + (i + j) % world for j in range(world)] for i in range(world)]
+        send_rows = [rows * shares[rank][j] // sum(shares[rank]) for j in range(world)]
+        send_rows[-1] += rows - sum(send_rows)
+        every = [[rows * shares[i][j] // sum(shares[i]) for j in range(world)] for i in range(world)]
+        for i in range(world):
+            every[i][-1] += rows - sum(every[i])
+        recv_rows = [every[i][rank] for i in range(world)]
+        full_rows = torch.randn(rows, 32)
+        exchanged_rows = torch.empty(sum(recv_rows), 32)
         cases = {
             "gloo all_reduce": lambda: dist.all_reduce(full),
             "gloo reduce_scatter": lambda: dist.reduce_scatter_tensor(part, full),
@@ -64,6 +75,8 @@ def rank_main(rank: int, world: int, port: int, sizes: list[int], repeats: int, 
             "shm reduce_scatter": lambda: group.reduce_scatter(part, full),
             "shm all_gather": lambda: group.all_gather(full, part),
             "shm broadcast": lambda: group.broadcast(full, 0),
+            "shm all_to_all": lambda: group.all_to_all(exchanged, full),
+            "shm all_to_all uneven": lambda: group.all_to_all(exchanged_rows, full_rows, recv_rows, send_rows),
         }
         if ds_all_reduce is not None:
             cases["deepspeed shm all_reduce"] = lambda: ds_all_reduce(full)

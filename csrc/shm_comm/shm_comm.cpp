@@ -48,6 +48,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <string>
 
@@ -78,6 +79,7 @@ struct Call {
   int32_t root;    // broadcast source, else -1
   int32_t reduce;  // Op for reductions, else -1
   uint64_t seq;    // 1 for the group's first call, then +1 per call
+  int64_t most;    // all_to_all: this rank's largest block sent or received, in bytes (not compared)
 };
 
 struct alignas(64) RankCtl {
@@ -174,11 +176,11 @@ int barrier(Group& g, char* err, int errlen) {
 }
 
 // ---- the call check (see [Note: shm call check]) --------------------------
-enum CallOp { BARRIER = 0, ALL_REDUCE = 1, REDUCE_SCATTER = 2, ALL_GATHER = 3, BROADCAST = 4 };
+enum CallOp { BARRIER = 0, ALL_REDUCE = 1, REDUCE_SCATTER = 2, ALL_GATHER = 3, BROADCAST = 4, ALL_TO_ALL = 5 };
 
 const char* call_name(int op) {
-  static const char* names[] = {"barrier", "all_reduce", "reduce_scatter", "all_gather", "broadcast"};
-  return op >= 0 && op <= BROADCAST ? names[op] : "unknown collective";
+  static const char* names[] = {"barrier", "all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all"};
+  return op >= 0 && op <= ALL_TO_ALL ? names[op] : "unknown collective";
 }
 
 const char* dtype_name(int dtype) {  // the order of DTYPE_CODES in shm_comm.py
@@ -196,8 +198,13 @@ void describe(const Call& c, char* out, size_t len) {
     snprintf(out, len, "barrier (call #%llu)", static_cast<unsigned long long>(c.seq));
     return;
   }
+  if (c.op == ALL_TO_ALL && c.count < 0) {
+    snprintf(out, len, "all_to_all(%s, uneven blocks) (call #%llu)", dtype_name(c.dtype),
+             static_cast<unsigned long long>(c.seq));
+    return;
+  }
   snprintf(out, len, "%s(%lld %s elements%s%s) (call #%llu)", call_name(c.op), static_cast<long long>(c.count),
-           dtype_name(c.dtype), c.op == ALL_GATHER ? " per rank" : "", extra,
+           dtype_name(c.dtype), c.op == ALL_GATHER ? " per rank" : c.op == ALL_TO_ALL ? " per block" : "", extra,
            static_cast<unsigned long long>(c.seq));
 }
 
@@ -393,7 +400,7 @@ void dsrun_shm_close(void* h) {
 int dsrun_shm_unlink(const char* name) { return shm_unlink(name) == 0 ? 0 : -errno; }
 
 int dsrun_shm_barrier(void* h, char* err, int errlen) {
-  return checked_barrier(*static_cast<Group*>(h), Call{BARRIER, -1, 0, -1, -1, 0}, err, errlen);
+  return checked_barrier(*static_cast<Group*>(h), Call{BARRIER, -1, 0, -1, -1, 0, 0}, err, errlen);
 }
 
 // data [n] in place. Returns 0 or -1 with a message.
@@ -411,7 +418,7 @@ int dsrun_shm_all_reduce(void* h, void* data, int64_t n, int dtype, int op, char
     set_err(err, errlen, "world size %d above 1024", g.world);
     return -1;
   }
-  const Call call{ALL_REDUCE, dtype, n, -1, op, 0};
+  const Call call{ALL_REDUCE, dtype, n, -1, op, 0, 0};
   if (n == 0) return checked_barrier(g, call, err, errlen);
   for (int64_t off = 0; off < n; off += chunk) {
     const int64_t c = n - off < chunk ? n - off : chunk;
@@ -449,7 +456,7 @@ int dsrun_shm_reduce_scatter(void* h, void* out, const void* in, int64_t n, int 
     set_err(err, errlen, "slot too small for world size %d", g.world);
     return -1;
   }
-  const Call call{REDUCE_SCATTER, dtype, n, -1, op, 0};
+  const Call call{REDUCE_SCATTER, dtype, n, -1, op, 0, 0};
   if (n == 0) return checked_barrier(g, call, err, errlen);
   for (int64_t off = 0; off < n; off += chunk) {
     const int64_t c = n - off < chunk ? n - off : chunk;
@@ -475,7 +482,7 @@ int dsrun_shm_all_gather(void* h, void* out, const void* in, int64_t nbytes, int
   Group& g = *static_cast<Group*>(h);
   const int64_t chunk = g.slot_bytes;
   char* o = static_cast<char*>(out);
-  const Call call{ALL_GATHER, dtype, count, -1, -1, 0};
+  const Call call{ALL_GATHER, dtype, count, -1, -1, 0, 0};
   if (nbytes == 0) return checked_barrier(g, call, err, errlen);
   for (int64_t off = 0; off < nbytes; off += chunk) {
     const int64_t c = nbytes - off < chunk ? nbytes - off : chunk;
@@ -496,7 +503,7 @@ int dsrun_shm_broadcast(void* h, void* data, int64_t nbytes, int src, int dtype,
   Group& g = *static_cast<Group*>(h);
   const int64_t chunk = g.slot_bytes;
   char* d = static_cast<char*>(data);
-  const Call call{BROADCAST, dtype, count, src, -1, 0};
+  const Call call{BROADCAST, dtype, count, src, -1, 0, 0};
   if (nbytes == 0) return checked_barrier(g, call, err, errlen);
   for (int64_t off = 0; off < nbytes; off += chunk) {
     const int64_t c = nbytes - off < chunk ? nbytes - off : chunk;
@@ -504,6 +511,80 @@ int dsrun_shm_broadcast(void* h, void* data, int64_t nbytes, int src, int dtype,
     if (g.rank == src) memcpy(g.slot(b, src), d + off, c);
     if (off == 0 ? checked_barrier(g, call, err, errlen) : barrier(g, err, errlen)) return -1;
     if (g.rank != src) memcpy(d + off, g.slot(b, src), c);
+  }
+  return 0;
+}
+
+// [Note: shm all-to-all] Each rank's slot is cut into world sub-slots, one
+// per destination: a 64-byte header holding the whole block's size, then up
+// to `cap` bytes of the block. In step s every rank copies bytes
+// [s*cap, (s+1)*cap) of its block for rank j into sub-slot j (its own block
+// goes straight from input to output), all meet at a barrier, then each
+// copies its piece from sub-slot `rank` of every other rank. Blocks may
+// differ in size (all_to_all with split sizes); the number of steps is set
+// by the largest block any rank sends or receives, which each rank publishes
+// in its call descriptor (Call::most) and every rank reads after the first
+// barrier, so all take the same steps. After that barrier each receiver also
+// checks the sizes in the headers against what it expects: a disagreement
+// fails that rank and flags the group, so the others fail at their next
+// barrier on it (at once when the exchange takes more steps).
+int dsrun_shm_all_to_all(void* h, void* out, const void* in, const int64_t* send_bytes, const int64_t* send_off,
+                         const int64_t* recv_bytes, const int64_t* recv_off, int dtype, int64_t count, char* err,
+                         int errlen) {
+  Group& g = *static_cast<Group*>(h);
+  const int64_t sub = g.slot_bytes / g.world / 64 * 64;
+  const int64_t cap = sub - 64;
+  if (cap < 64) {
+    set_err(err, errlen, "slot of %lld bytes too small for an all_to_all over %d ranks",
+            static_cast<long long>(g.slot_bytes), g.world);
+    return -1;
+  }
+  const char* s = static_cast<const char*>(in);
+  char* o = static_cast<char*>(out);
+  int64_t most = 0;
+  for (int j = 0; j < g.world; ++j) {
+    if (j == g.rank) continue;
+    if (send_bytes[j] > most) most = send_bytes[j];
+    if (recv_bytes[j] > most) most = recv_bytes[j];
+  }
+  Call call{ALL_TO_ALL, dtype, count, -1, -1, 0, most};
+  memcpy(o + recv_off[g.rank], s + send_off[g.rank], send_bytes[g.rank]);
+  int64_t steps = 1;
+  for (int64_t step = 0; step < steps; ++step) {
+    const int b = static_cast<int>(g.step++ % 2);
+    char* mine = g.slot(b, g.rank);
+    const int64_t lo = step * cap;
+    for (int j = 0; j < g.world; ++j) {
+      if (j == g.rank) continue;
+      char* sj = mine + j * sub;
+      memcpy(sj, &send_bytes[j], sizeof(int64_t));
+      if (send_bytes[j] > lo) memcpy(sj + 64, s + send_off[j] + lo, std::min(cap, send_bytes[j] - lo));
+    }
+    if (step == 0) {
+      if (checked_barrier(g, call, err, errlen)) return -1;
+      const int parity = static_cast<int>(g.calls % 2);
+      int64_t largest = 0;
+      for (int r = 0; r < g.world; ++r) largest = std::max(largest, g.ctl(r)->call[parity].most);
+      steps = largest > cap ? (largest + cap - 1) / cap : 1;
+      for (int r = 0; r < g.world; ++r) {
+        int64_t sent;
+        memcpy(&sent, g.slot(b, r) + g.rank * sub, sizeof(int64_t));
+        if (r != g.rank && sent != recv_bytes[r]) {
+          int expected = -1;
+          g.hdr()->abort_rank.compare_exchange_strong(expected, g.rank);
+          set_err(err, errlen,
+                  "all_to_all: rank %d sends %lld bytes to rank %d, which expects %lld; the split sizes "
+                  "must agree (rank i's input split j = rank j's output split i)",
+                  r, static_cast<long long>(sent), g.rank, static_cast<long long>(recv_bytes[r]));
+          return -1;
+        }
+      }
+    } else if (barrier(g, err, errlen)) {
+      return -1;
+    }
+    for (int r = 0; r < g.world; ++r)
+      if (r != g.rank && recv_bytes[r] > lo)
+        memcpy(o + recv_off[r] + lo, g.slot(b, r) + g.rank * sub + 64, std::min(cap, recv_bytes[r] - lo));
   }
   return 0;
 }

@@ -12,6 +12,8 @@ semantics.
     group.reduce_scatter(out, inp)         # inp [world * n] -> out [n]
     group.all_gather(out, inp)             # inp [n] -> out [world * n]
     group.broadcast(t, src=0)
+    group.all_to_all(out, inp)             # inp [world * n] -> out [world * n], block j to rank j
+    group.all_to_all(out, inp, out_splits, in_splits)  # uneven blocks (rows of dim 0)
 
 Point-to-point, between two ranks of this node (pipeline activations and
 gradients, dsrun/runtime/parallel/pipe/p2p.py):
@@ -100,6 +102,9 @@ def _native():
                                              ctypes.c_int, ctypes.c_int64, *err]
         lib.dsrun_shm_broadcast.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
                                             ctypes.c_int, ctypes.c_int64, *err]
+        sizes = ctypes.POINTER(ctypes.c_int64)
+        lib.dsrun_shm_all_to_all.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, sizes, sizes, sizes,
+                                             sizes, ctypes.c_int, ctypes.c_int64, *err]
         lib.dsrun_shm_chan_open.restype = ctypes.c_void_p
         lib.dsrun_shm_chan_open.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                                             ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_double, *err]
@@ -179,7 +184,7 @@ class ShmGroup:
             self._h = None
 
     def __del__(self):
-        if hasattr(self, "_cond"):  # __init__ got that far
+        if getattr(self, "_h", None):  # __init__ got that far
             self.close()
 
     def _call(self, fn, *args) -> None:
@@ -243,6 +248,75 @@ class ShmGroup:
                    DTYPE_CODES.get(tensor.dtype, _OTHER_DTYPE), tensor.numel())
         return tensor
 
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_splits: list[int] | None = None,
+                   input_splits: list[int] | None = None) -> torch.Tensor:
+        """Personalised exchange (any dtype): block j of `input` goes to rank j
+        and `output` holds, in rank order, the block each rank sent here
+        ([Note: shm all-to-all] in csrc/shm_comm/shm_comm.cpp).
+
+        Without splits both tensors have world x n elements cut into equal
+        blocks of n. With splits (torch's all_to_all_single convention) the
+        blocks are runs of rows along dim 0: input_splits[j] rows go to rank j
+        and output_splits[i] rows come from rank i; rank i's input_splits[j]
+        must equal rank j's output_splits[i]. `output` must not overlap
+        `input`. Returns output.
+
+        Raises:
+            ValueError: not contiguous CPU tensors, different dtypes, sizes
+                that do not match the splits or the group.
+            ShmCollectiveError: a rank failed or the ranks' calls or split
+                sizes disagree (the rank that sees it fails at once, the others
+                at their next call on the group).
+        """
+        self._check("all_to_all output", output, False)
+        self._check("all_to_all input", input, False)
+        world = self.world_size
+        if input.dtype != output.dtype:
+            raise ValueError(f"all_to_all: input is {input.dtype}, output {output.dtype}; they must match")
+        es = input.element_size()
+        if output_splits is None and input_splits is None:
+            if input.numel() % world or output.numel() != input.numel():
+                raise ValueError(f"all_to_all: input and output must have the same number of elements, a "
+                                 f"multiple of the group's {world} ranks; got {input.numel()} and {output.numel()}")
+            n = input.numel() // world
+            send = recv = [n * es] * world
+            count = n
+        else:
+            send = self._block_bytes("input", input, input_splits)
+            recv = self._block_bytes("output", output, output_splits)
+            if send[self.rank] != recv[self.rank]:
+                raise ValueError(f"all_to_all: rank {self.rank} sends itself {send[self.rank]} bytes but expects "
+                                 f"{recv[self.rank]}; input_splits[{self.rank}] must equal "
+                                 f"output_splits[{self.rank}]")
+            count = -1
+        array = ctypes.c_int64 * world
+        self._call(self._lib.dsrun_shm_all_to_all, output.data_ptr(), input.data_ptr(), array(*send),
+                   array(*_offsets(send)), array(*recv), array(*_offsets(recv)),
+                   DTYPE_CODES.get(input.dtype, _OTHER_DTYPE), count)
+        return output
+
+    def _block_bytes(self, what: str, t: torch.Tensor, splits: list[int] | None) -> list[int]:
+        """Bytes of each rank's block of `t`: `splits` rows of dim 0 each, or equal blocks."""
+        world, nbytes = self.world_size, t.numel() * t.element_size()
+        if splits is None:
+            if t.dim() == 0 or t.shape[0] % world:
+                raise ValueError(f"all_to_all: {what} of shape {tuple(t.shape)} cannot be cut into {world} "
+                                 "equal blocks along dim 0; pass its split sizes")
+            return [nbytes // world] * world
+        if len(splits) != world or any(s < 0 for s in splits) or t.dim() == 0 or sum(splits) != t.shape[0]:
+            raise ValueError(f"all_to_all: {what} splits {list(splits)} must be {world} sizes >= 0 summing to "
+                             f"dim 0 of {tuple(t.shape)}")
+        row = nbytes // t.shape[0] if t.shape[0] else 0
+        return [s * row for s in splits]
+
+
+def _offsets(sizes: list[int]) -> list[int]:
+    out, total = [], 0
+    for s in sizes:
+        out.append(total)
+        total += s
+    return out
+
 
 def world_group_from_env(barrier: Callable[[], None], group: str = "world",
                          slot_bytes: int = DEFAULT_SLOT_BYTES) -> ShmGroup | None:
@@ -258,8 +332,14 @@ def world_group_from_env(barrier: Callable[[], None], group: str = "world",
     world = int(environ.get("WORLD_SIZE", "1"))
     if not available() or environ.get("LOCAL_WORLD_SIZE") != str(world):
         return None
-    job = JOB_ID.read() or f"{environ.get('MASTER_ADDR', 'local')}_{environ.get('MASTER_PORT', '0')}"
-    return ShmGroup(segment_name(job, group), int(environ.get("RANK", "0")), world, barrier, slot_bytes=slot_bytes)
+    return ShmGroup(segment_name(job_name(), group), int(environ.get("RANK", "0")), world, barrier,
+                    slot_bytes=slot_bytes)
+
+
+def job_name() -> str:
+    """What names this job's segments: DSRUN_JOB_ID, or MASTER_ADDR_MASTER_PORT
+    under torchrun, so concurrent jobs never share one."""
+    return JOB_ID.read() or f"{os.environ.get('MASTER_ADDR', 'local')}_{os.environ.get('MASTER_PORT', '0')}"
 
 
 def channel_name(job_id: str, link: int, src: int, dst: int, tag: int) -> str:

@@ -10,9 +10,13 @@ reduce-scatters are all-reduces of the zero-padded region
 all of it inter-node.
 
     plain stage 3:  inter 1.5 B (forward gathers) + 1.5 B (backward) + 1.5 B (gradients) + S, intra 0
-    hpZ:            inter 1.5 B + 0 + 1.5 B + S,  intra 1.0 B (backward gathers over 2 ranks: 2(2-1)/2 x B)
-    hpZ + qwZ:      inter Q + 0 + 1.5 B + S,      intra 1.0 B
+    hpZ:            inter 1.5 B + 0 + 1.5 B + S,  intra 0.5 B (backward gathers over 2 ranks)
+    hpZ + qwZ:      inter Q + 0 + 1.5 B + S,      intra 0.5 B
     qwZ:            inter 2Q + 1.5 B + S,         intra 0
+
+The intra-node hpZ groups (2 ranks of one node) are served by shared memory,
+whose native all-gather moves (2-1)/2 x B; without the native op they would
+be gloo's all-reduce of the padded region, 2(2-1)/2 x B = 1.0 B.
 
 S: the two 1-element fp32 all-reduces of a step (loss average, gradient
 norm). Q: the int8 forward all-gathers, 3/4 of 4 ranks' messages of
@@ -25,6 +29,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dsrun.ops import shm_comm
 from dsrun.runtime.comm.quantized import message_numel
 from tests.dist_helpers import as_nodes, run_ranks
 from tests.zero.models import TinyGPT, base_config, batches, full_param, mean_loss_step, param_groups
@@ -107,8 +112,9 @@ def test_hpz_matches_plain_stage3_and_keeps_backward_gathers_inside_nodes(precis
     B = sum(plain["units"])
     S = 2 * 4 * 1.5  # two 1-element fp32 all-reduces over 4 ranks
     Q = sum(3 * message_numel(n // 4, QWZ_BLOCK) for n in plain["numels"])
-    expected = {"plain": (4.5 * B + S, 0.0), "hpz": (3.0 * B + S, 1.0 * B),
-                "hpz_qwz": (Q + 1.5 * B + S, 1.0 * B), "qwz": (2 * Q + 1.5 * B + S, 0.0)}
+    intra = 0.5 * B if shm_comm.available() else 1.0 * B
+    expected = {"plain": (4.5 * B + S, 0.0), "hpz": (3.0 * B + S, intra),
+                "hpz_qwz": (Q + 1.5 * B + S, intra), "qwz": (2 * Q + 1.5 * B + S, 0.0)}
     for rank, r in enumerate(res):
         for name, (inter, intra) in expected.items():
             got = _inter_intra(r[name]["per_step"])

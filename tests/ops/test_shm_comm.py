@@ -167,3 +167,52 @@ def test_crash_of_one_rank_is_an_error_not_a_hang():
 
 def test_segment_names_are_safe():
     assert shm_comm.segment_name("job/1 2", "dp:0") == "/dsrun-job_1_2-dp_0"
+
+
+def _all_to_all_vs_gloo(name: str) -> str:
+    """shm all_to_all against gloo's all_to_all_single: equal and uneven
+    blocks, several steps (4 KiB slots), empty blocks, any dtype."""
+    import torch.distributed as dist
+    g = _group(name, slot_bytes=4096)
+    rank, world = g.rank, g.world_size
+    for dtype in (torch.float32, torch.bfloat16, torch.int64):
+        for n in (0, 1, 700):  # elements per block; 700 fp32 take several 4 KiB steps at 4 ranks
+            inp = _data(rank, world * n, torch.float32).mul(10).to(dtype)
+            ours, ref = torch.empty_like(inp), torch.empty_like(inp)
+            g.all_to_all(ours, inp)
+            dist.all_to_all_single(ref, inp)
+            assert torch.equal(ours, ref), ("equal", dtype, n)
+    # Uneven rows of a 2-D tensor: rank i sends (i + 2 j) % 5 * 37 rows to rank j (some zero).
+    width = 3
+    send = [(rank + 2 * j) % 5 * 37 for j in range(world)]
+    recv = [(i + 2 * rank) % 5 * 37 for i in range(world)]
+    inp = _data(rank, sum(send) * width, torch.float32).view(-1, width)
+    ours, ref = inp.new_empty(sum(recv), width), inp.new_empty(sum(recv), width)
+    g.all_to_all(ours, inp, recv, send)
+    dist.all_to_all_single(ref, inp, recv, send)
+    assert torch.equal(ours, ref), "uneven"
+    with pytest.raises(ValueError, match="same number of elements"):
+        g.all_to_all(torch.empty(world * 2), torch.empty(world * 3))
+    # Split sizes that do not agree between ranks: the receiver that sees it
+    # fails at once, the others at their next call on the group.
+    send = [1] * world
+    if rank == 0:
+        send[1] = 2
+    try:
+        g.all_to_all(torch.empty(world), torch.ones(sum(send)), [1] * world, send)
+        g.barrier()
+        got = "no error"
+    except shm_comm.ShmCollectiveError as e:
+        got = str(e)
+    expected = "rank 0 sends 8 bytes to rank 1, which expects 4" if rank == 1 else "rank 1 failed"
+    assert expected in got, got
+    g.close()
+    dist.barrier()
+    return "ok"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_all_to_all_matches_gloo(world):
+    name = shm_comm.segment_name(uuid.uuid4().hex[:8], f"a2a{world}")
+    assert run_ranks(_all_to_all_vs_gloo, world, name, timeout=180) == ["ok"] * world
+    assert not os.path.exists("/dev/shm" + name)

@@ -4,6 +4,7 @@ parallelism against the same experts all on one rank (gloo)."""
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -422,3 +423,28 @@ def test_world4_ep2_matches_all_experts_local_and_trains_alike():
     assert want_loss[-1] < want_loss[0]  # it trains
     assert got_loss == pytest.approx(want_loss, rel=1e-5) and got_norm == pytest.approx(want_norm, rel=1e-5)
     assert all(r["got"] == results[0]["got"] for r in results)
+
+
+def _ep2_training(shm_env: str) -> dict:
+    os.environ["DSRUN_SHM_COMM"] = shm_env
+    import dsrun
+    from dsrun.runtime import comm
+    dsrun.init_distributed()
+    losses, norms, _ = _train(2, None)
+    ops = comm.comms_logger.snapshot()
+    return {"losses": losses, "norms": norms, "all_to_all": ops["all_to_all_single"].transports,
+            "all_reduce": ops["all_reduce"].transports}
+
+
+def test_ep2_on_4_ranks_trains_alike_over_shared_memory_and_gloo():
+    """ep=2 x expert-data=2: the MoE all-to-alls and the expert-data
+    all-reduces over shared memory (expert and expert-data subgroups served
+    by shm) give gloo's losses and norms (sums in another order: 1e-6)."""
+    shm = run_ranks(_ep2_training, 4, "1", timeout=180)
+    gloo = run_ranks(_ep2_training, 4, "0", timeout=180)
+    for r in range(4):
+        assert set(shm[r]["all_to_all"]) == {"shm"} and set(gloo[r]["all_to_all"]) == {"torch"}
+        assert set(shm[r]["all_reduce"]) == {"shm"}
+        assert shm[r]["losses"] == pytest.approx(gloo[r]["losses"], rel=1e-6)
+        assert shm[r]["norms"] == pytest.approx(gloo[r]["norms"], rel=1e-6)
+    assert len(set(gloo[0]["losses"])) == 4 and min(gloo[0]["norms"]) > 0  # four real steps

@@ -1,6 +1,7 @@
 """The pipeline's point-to-point traffic goes over shared-memory channels
 between ranks of one node (p2p.py [Note: the transport of a stage link]),
-and over gloo with DSRUN_SHM_COMM=0 or across nodes; training matches the
+as do the data groups' all-reduces (comm/collectives.py [Note: choosing the
+transport]), and over gloo with DSRUN_SHM_COMM=0 or across nodes; training matches the
 one-process reference either way."""
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ def _train_and_count(ranks_per_node: int | None, schedule: str, virtual: int) ->
     result = _train_pipeline(2, 4, schedule, 0, False, virtual, True)
     stats = comms_logger.snapshot()
     result["transports"] = {op: stats[op].transports for op in ("isend", "irecv") if op in stats}
+    result["all_reduce"] = stats["all_reduce"].transports if "all_reduce" in stats else {}
     return result
 
 
@@ -28,6 +30,8 @@ def test_stages_on_one_node_use_shared_memory(schedule, virtual):
     for r in results:
         assert set(r["transports"]) == {"isend", "irecv"}, r["transports"]
         assert all(set(t) == {"shm"} for t in r["transports"].values()), r["transports"]
+        # The data groups inside the pipeline (ranks 0, 2 and 1, 3) reduce over shared memory too.
+        assert set(r["all_reduce"]) == {"shm"}, r["all_reduce"]
 
 
 def test_gloo_without_shm_or_across_nodes(monkeypatch):
@@ -38,6 +42,7 @@ def test_gloo_without_shm_or_across_nodes(monkeypatch):
     # 2 "nodes" of one rank each: stage 0 and stage 1 are on different nodes.
     for r in run_ranks(_train_and_count, 2, 1, "1f1b", 1):
         assert all(set(t) == {"torch"} for t in r["transports"].values()), r["transports"]
+        assert set(r["all_reduce"]) <= {"torch"}, r["all_reduce"]
 
 
 def _messages():

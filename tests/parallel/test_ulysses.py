@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from dsrun.ops import shm_comm
 from tests.dist_helpers import run_ranks
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}  # fp32: the sharded and whole computations sum in different orders
@@ -72,6 +73,9 @@ def _check_attention(heads: int, kv_heads: int, batch_dim_idx: int, kv_sent: int
     gathered = B * N * my_heads * D  # the whole sequence of this rank's heads, back to the tokens' ranks
     calls = _calls("all_to_all_single")
     assert calls == (1 + 1, (scattered + gathered) * 4), calls
+    # The sequence group is on this node: both exchanges (uneven ones too) go over shared memory.
+    transport = "shm" if shm_comm.available() else "torch"
+    assert comms_logger.snapshot()["all_to_all_single"].transports == {transport: 2}
     torch.testing.assert_close(out, shard_sequence(want, seq_dim, mesh.group("sequence")), **EXACT)
     comms_logger.reset()
     out.backward(shard_sequence(grad_out, seq_dim, mesh.group("sequence")))

@@ -1,7 +1,7 @@
 """The communication layer's shared-memory transport (comm/collectives.py
 [Note: choosing the transport]) on 2 real ranks: chosen on one node, same
-results as gloo, falls back per group and per call, and DSRUN_SHM_COMM=0
-turns it off."""
+results as gloo, serves subgroups too, falls back per call, and
+DSRUN_SHM_COMM=0 turns it off."""
 from __future__ import annotations
 
 import pytest
@@ -59,12 +59,15 @@ def _collectives(shm_env: str) -> dict:
     out["main_transports"] = {op: s.transports for op, s in main.items()}
     out["main_bytes"] = {op: s.bytes for op, s in main.items()}
 
-    # Fallbacks: a subgroup, an unsupported dtype and an unsupported op stay on torch.distributed.
+    # A subgroup on this node is served too; an unsupported dtype and an
+    # unsupported op stay on torch.distributed.
     comm.comms_logger.reset()
     sub = dist.new_group(ranks=list(range(world)))
     t = _data(rank, N, torch.float32)
     comm.all_reduce(t, group=sub)
     out["subgroup_sum"] = t
+    out["subgroup_transports"] = comm.comms_logger.snapshot()["all_reduce"].transports
+    comm.comms_logger.reset()
     t = _data(rank, N, torch.float64)
     comm.all_reduce(t)
     out["float64_sum"] = t
@@ -86,7 +89,8 @@ def test_shm_transport_matches_gloo_and_falls_back():
         assert shm[r]["main_transports"] == {op: {"shm": n} for op, n in expected.items()}
         assert gloo[r]["main_transports"] == {op: {"torch": n} for op, n in expected.items()}
         assert shm[r]["main_bytes"] == gloo[r]["main_bytes"]  # same accounting on either transport
-        assert shm[r]["fallback_transports"] == {"torch": 3} == gloo[r]["fallback_transports"]
+        assert shm[r]["fallback_transports"] == {"torch": 2} == gloo[r]["fallback_transports"]
+        assert shm[r]["subgroup_transports"] == {"shm": 1} and gloo[r]["subgroup_transports"] == {"torch": 1}
         for key, value in gloo[r].items():
             if isinstance(value, torch.Tensor):
                 # Two ranks: one rounding of the exact sum either way, so bit-identical.

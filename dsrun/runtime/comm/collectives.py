@@ -16,10 +16,14 @@ Each tensor collective runs on one of two transports, recorded per call in
   ZeRO's traffic model assumes.
 - "torch": torch.distributed (gloo on CPU, nccl on GPU), for everything else.
 The choice has two levels:
-1. Per process group, once (cached): only the default (world) group of a
-   gloo job can be served by shm, and only when every rank is on this node
-   (LOCAL_WORLD_SIZE == WORLD_SIZE), the native op loaded on every rank and
-   DSRUN_SHM_COMM is not "0". Subgroups always use torch.distributed.
+1. Per process group, once (cached): a gloo group of two or more ranks --
+   the default (world) group or any subgroup (expert, expert-data, the
+   data groups inside a pipeline, tensor groups ...) -- is served by shm
+   when every rank of it is on this node (LOCAL_WORLD_SIZE == WORLD_SIZE,
+   or the node map puts the group on one node), the native op loaded on
+   every rank of it and DSRUN_SHM_COMM is not "0" there. Each served group
+   has its own segment; `release(group)` (DeepSpeed's
+   destroy_process_group calls it) or a new default group closes them.
 2. Per call: the tensors must be contiguous CPU tensors and, for reductions,
    fp32/bf16/fp16 with SUM, MAX or MIN; else the call falls back to
    torch.distributed (same semantics, same errors). These properties are
@@ -44,7 +48,13 @@ element all_reduce(MIN) that each can use shm (environment, native op), and
 after opening that each succeeded; otherwise all stay on torch.distributed.
 A rank that disagreed alone would otherwise wait in a barrier or a
 collective the others never enter. A new default group (destroy and
-re-init) gets a new choice.
+re-init) gets a new choice. A subgroup is opened the same way, on its first
+collective (or `uses_shm(group)`), with the agreement, the barriers and the
+overlap mode's agreement over the subgroup's ranks only: its ranks issue its
+collectives in the same order, so that point is again common to them, and
+ranks outside it take no part. The first call on a group blocks until
+every rank of it arrives, even with async_op=True (the agreement is
+synchronous), as every later shm call does ([Note: shm is synchronous]).
 
 [Note: shm is synchronous]
 The shm collectives return when the result is in place; with async_op=True
@@ -76,7 +86,7 @@ how they run:
 The ranks agree on the mode when the shm group opens (one 2-element
 all_reduce); if they differ, all use "sync" and a warning says so, because
 "torch" on some ranks and shm on others would deadlock. Elsewhere (no
-shm: GPU, several nodes, subgroups) it is torch.distributed's async
+shm: GPU, groups across nodes) it is torch.distributed's async
 collective whatever the mode.
 Why "thread" is the default: with 2 ranks on 2 cores there is no idle core
 to hide the copies in, so overlap cannot remove their CPU time (about 70 ms
@@ -173,14 +183,27 @@ class _ThenWork(dist.Work):
         return self._done
 
 
-class _WorldShm:
-    """The transport choice for the current default group (see [Note: when the shm group is created])."""
+class _Choice:
+    """The transport chosen for one process group: its ShmGroup (None: torch.distributed)
+    and how its overlapped collectives run (agreed by its ranks)."""
 
-    # The default group the choice was made for, weakly: holding a destroyed
-    # group alive until exit would tear gloo down at interpreter shutdown.
+    __slots__ = ("shm", "overlap")
+
+    def __init__(self, shm: shm_comm.ShmGroup | None, overlap: str) -> None:
+        self.shm, self.overlap = shm, overlap
+
+
+class _WorldShm:
+    """The transport choices made for the current default group and its
+    subgroups (see [Note: when the shm group is created])."""
+
+    # The default group the choices were made for, weakly: holding a
+    # destroyed group alive until exit would tear gloo down at interpreter
+    # shutdown. Subgroups are keys of a weak dictionary for the same reason.
     pg: weakref.ref | None = None
     group: shm_comm.ShmGroup | None = None
-    overlap: str = "sync"  # what overlapped_all_reduce does on this group (agreed by all ranks)
+    overlap: str = "sync"  # what overlapped_all_reduce does on the world group (agreed by all ranks)
+    subgroups: "weakref.WeakKeyDictionary[ProcessGroup, _Choice]" = weakref.WeakKeyDictionary()
 
 
 def _shm_enabled_by_env() -> bool:
@@ -193,18 +216,19 @@ def overlap_mode() -> str:
     return COMM_OVERLAP.read()
 
 
-def _all_ranks_agree(ok: bool) -> bool:
+def _all_ranks_agree(ok: bool, group: ProcessGroup | None = None) -> bool:
     flag = torch.tensor([int(ok)], dtype=torch.int32)
-    dist.all_reduce(flag, op=ReduceOp.MIN)  # set-up traffic, not counted
+    dist.all_reduce(flag, op=ReduceOp.MIN, group=group)  # set-up traffic, not counted
     return bool(flag.item())
 
 
-def _agreed_overlap_mode() -> str:
-    """The DSRUN_COMM_OVERLAP of every rank, or "sync" (with a warning) where
-    they differ: "torch" on some ranks and shm on others would deadlock."""
+def _agreed_overlap_mode(group: ProcessGroup | None = None) -> str:
+    """The DSRUN_COMM_OVERLAP of every rank of `group`, or "sync" (with a
+    warning) where they differ: "torch" on some ranks and shm on others would
+    deadlock."""
     index = OVERLAP_MODES.index(overlap_mode())
     extremes = torch.tensor([index, -index], dtype=torch.int32)
-    dist.all_reduce(extremes, op=ReduceOp.MIN)  # set-up traffic, not counted
+    dist.all_reduce(extremes, op=ReduceOp.MIN, group=group)  # set-up traffic, not counted
     low, high = int(extremes[0]), -int(extremes[1])
     if low != high:
         log.warning("dsrun.comm: DSRUN_COMM_OVERLAP differs between ranks (%s ... %s); using sync",
@@ -213,53 +237,113 @@ def _agreed_overlap_mode() -> str:
     return OVERLAP_MODES[low]
 
 
-def _open_world_shm() -> shm_comm.ShmGroup | None:
-    """The ShmGroup over the default group, or None; collective over every rank."""
-    world = dist.get_world_size()
-    if world == 1 or dist.get_backend() != "gloo":
-        return None  # the same answer on every rank: no agreement needed
+def _on_this_node(group: ProcessGroup | None) -> bool:
+    """True when every rank of `group` runs on this node: the whole job does
+    (LOCAL_WORLD_SIZE == WORLD_SIZE), or the node map puts the group's ranks
+    on one node."""
     env = os.environ
-    able = (_shm_enabled_by_env() and env.get("LOCAL_WORLD_SIZE") == env.get("WORLD_SIZE") == str(world)
-            and env.get("RANK") == str(dist.get_rank()) and shm_comm.available())
-    if not _all_ranks_agree(able):
+    if (env.get("LOCAL_WORLD_SIZE") == env.get("WORLD_SIZE") == str(dist.get_world_size())
+            and env.get("RANK") == str(dist.get_rank())):
+        return True
+    node_map = nodes.current()
+    return (group is not None and node_map is not None
+            and node_map.within_one_node(dist.get_process_group_ranks(group)))
+
+
+def _open_shm(group: ProcessGroup | None) -> shm_comm.ShmGroup | None:
+    """The ShmGroup over `group` (None: the default group), or None;
+    collective over the group's ranks. Every rank of the group agrees that it
+    can use shm before the segment is opened, and that it opened it after;
+    otherwise all keep torch.distributed."""
+    size = dist.get_world_size(group)
+    if size == 1 or dist.get_backend(group) != "gloo":
+        return None  # the same answer on every rank: no agreement needed
+    able = _shm_enabled_by_env() and shm_comm.available() and _on_this_node(group)
+    if not _all_ranks_agree(able, group):
         return None
-    group, error = None, None
+    shm, error = None, None
     try:
-        group = shm_comm.world_group_from_env(barrier=dist.barrier)
+        # The world keeps its segment name; a subgroup's is named after
+        # torch's group name, which its ranks share and which differs between
+        # groups of other ranks (groups of the same ranks open one after the
+        # other, each name removed once mapped: [Note: shm crash safety]).
+        tag = "world" if group is None else f"pg{group.group_name}"
+        shm = shm_comm.ShmGroup(shm_comm.segment_name(shm_comm.job_name(), tag), dist.get_rank(group), size,
+                                barrier=lambda: dist.barrier(group=group))
     except shm_comm.ShmCollectiveError as e:
         error = e
-    if not _all_ranks_agree(group is not None):
-        if group is not None:
-            group.close()
+    if not _all_ranks_agree(shm is not None, group):
+        if shm is not None:
+            shm.close()
         log.warning("dsrun.comm: shared-memory collectives unavailable on some rank (%s); "
                     "using torch.distributed", error or "another rank failed")
         return None
-    return group
+    return shm
 
 
-def _world_shm(group: ProcessGroup | None) -> shm_comm.ShmGroup | None:
-    """The ShmGroup serving `group`, or None when torch.distributed serves it.
-    Collective on the first call for a new default group."""
+def _forget_all() -> None:
+    """Close every ShmGroup of the old default group (after the
+    communication thread has run what is queued on them)."""
+    comm_thread.shutdown()  # runs what is queued on the old groups, forgets its errors
+    for choice in list(_WorldShm.subgroups.values()):
+        if choice.shm is not None:
+            choice.shm.close()
+    _WorldShm.subgroups.clear()
+    if _WorldShm.group is not None:
+        _WorldShm.group.close()
+        _WorldShm.group = None
+    _WorldShm.pg = None
+
+
+def _choice(group: ProcessGroup | None) -> _Choice | None:
+    """The transport of `group`: None when torch.distributed serves it (not
+    initialised, or no shm), else its ShmGroup and overlap mode. Collective
+    over the group's ranks on the first call for a group."""
     if not dist.is_initialized():
         return None
     world = dist.group.WORLD
-    if group is not None and group is not world:
-        return None
     if _WorldShm.pg is None or _WorldShm.pg() is not world:
-        if _WorldShm.group is not None:
-            comm_thread.shutdown()  # runs what is queued on the old group, forgets its errors
-            _WorldShm.group.close()
-            _WorldShm.group = None
-        _WorldShm.group = _open_world_shm()
+        _forget_all()
+        _WorldShm.group = _open_shm(None)
         _WorldShm.overlap = _agreed_overlap_mode() if _WorldShm.group is not None else "sync"
         _WorldShm.pg = weakref.ref(world)
-    return _WorldShm.group
+    if group is None or group is world:
+        return _Choice(_WorldShm.group, _WorldShm.overlap) if _WorldShm.group is not None else None
+    choice = _WorldShm.subgroups.get(group)
+    if choice is None:
+        if dist.get_rank(group) < 0:
+            return None  # not a member: torch.distributed raises its own error
+        shm = _open_shm(group)
+        choice = _Choice(shm, _agreed_overlap_mode(group) if shm is not None else "sync")
+        _WorldShm.subgroups[group] = choice
+    return choice if choice.shm is not None else None
+
+
+def _world_shm(group: ProcessGroup | None) -> shm_comm.ShmGroup | None:
+    """The ShmGroup serving `group` (the default group or a subgroup), or
+    None when torch.distributed serves it. Collective on the first call."""
+    choice = _choice(group)
+    return None if choice is None else choice.shm
+
+
+def release(group: ProcessGroup | None = None) -> None:
+    """Close the shared-memory segment serving `group` (None: the default
+    group and every subgroup), before the group is destroyed; what the
+    communication thread has queued runs first. Not collective."""
+    if group is None or group is dist.group.WORLD:
+        _forget_all()
+        return
+    choice = _WorldShm.subgroups.pop(group, None)
+    if choice is not None and choice.shm is not None:
+        comm_thread.drain()
+        choice.shm.close()
 
 
 def uses_shm(group: ProcessGroup | None = None) -> bool:
-    """True when contiguous CPU tensors of supported dtypes in `group` go over
-    shared memory (see [Note: choosing the transport]). Every rank must call
-    it at the same point the first time (it may open the shm group)."""
+    """True when contiguous CPU tensors of supported dtypes in `group` (None:
+    the default group) go over shared memory (see [Note: choosing the
+    transport]). Every rank of the group must call it at the same point the
+    first time (it may open the group's shm segment)."""
     return _world_shm(group) is not None
 
 
@@ -322,7 +406,7 @@ def _overlapped(name: str, counted: list[torch.Tensor], group: ProcessGroup | No
     before the returned handle's `wait()` returns."""
     world, inter_node = get_world_size(group), nodes.spans_nodes(group)
     beat_seq = heartbeat.collective_entered(name, world, sum(t.numel() * t.element_size() for t in counted))
-    mode = _WorldShm.overlap if shm is not None else TORCH
+    mode = _choice(group).overlap if shm is not None else TORCH
     if mode == "sync":
         with timed() as t:
             comm_thread.drain()
@@ -421,9 +505,8 @@ def overlapped_all_gather(pairs: list[tuple[torch.Tensor, torch.Tensor]],
 def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None = None,
               async_op: bool = False) -> Handle | None:
     """Overwrite `tensor` on every rank with global rank `src`'s copy."""
-    # shm serves only the world group, where global rank == group rank.
     return _issue("broadcast", tensor, group, async_op, lambda: _served(group, tensor),
-                  lambda shm: shm.broadcast(tensor, src),
+                  lambda shm: shm.broadcast(tensor, src if group is None else dist.get_group_rank(group, src)),
                   lambda: dist.broadcast(tensor, src=src, group=group, async_op=async_op))
 
 
@@ -450,9 +533,11 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group: ProcessG
                       async_op: bool = False) -> Handle | None:
     """Personalised exchange: `input` (shape [world*n], any dtype) is cut into
     world equal blocks; block j goes to rank j, and `output` ([world*n]) holds
-    block `rank` of every rank, in rank order. Always torch.distributed
-    (gloo or nccl): shm has no all-to-all."""
-    return _issue("all_to_all_single", input, group, async_op, None, None,
+    block `rank` of every rank, in rank order. On a group shm serves (see
+    [Note: choosing the transport]) it runs there, synchronously; `output`
+    must then not overlap `input`."""
+    return _issue("all_to_all_single", input, group, async_op, lambda: _served(group, output, input),
+                  lambda shm: shm.all_to_all(output, input),
                   lambda: dist.all_to_all_single(output, input, group=group, async_op=async_op))
 
 

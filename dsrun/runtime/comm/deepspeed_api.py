@@ -121,6 +121,7 @@ def is_available() -> bool:
 
 
 def destroy_process_group(group: ProcessGroup | None = None) -> None:
+    collectives.release(group)  # its shared-memory segment, if shm served it
     dist.destroy_process_group(group)
 
 

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
-from dsrun.runtime.comm.collectives import Handle, _issue
+from dsrun.runtime.comm.collectives import Handle, _issue, _served
 
 
 def _total(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -51,8 +51,11 @@ def all_to_all(output_tensor_list: list[torch.Tensor], input_tensor_list: list[t
 def all_to_all_single_split(output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int] | None,
                             input_split_sizes: list[int] | None, group: ProcessGroup | None = None,
                             async_op: bool = False) -> Handle | None:
-    """all_to_all_single with uneven blocks: input rows [sum(in[:j]), +in[j]) go to rank j."""
-    return _issue("all_to_all_single", input, group, async_op, None, None,
+    """all_to_all_single with uneven blocks: input rows [sum(in[:j]), +in[j]) go to rank j.
+    On a group shm serves it runs there (comm/collectives.py [Note: choosing
+    the transport]); `output` must then not overlap `input`."""
+    return _issue("all_to_all_single", input, group, async_op, lambda: _served(group, output, input),
+                  lambda shm: shm.all_to_all(output, input, output_split_sizes, input_split_sizes),
                   lambda: dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes,
                                                  group=group, async_op=async_op))
 
