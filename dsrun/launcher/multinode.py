@@ -230,7 +230,7 @@ def _run(opts: MultinodeOptions, rc: RankCommand, launcher: str, console: Consol
     # Local ranks inherit this process's environment (CUDA_VISIBLE_DEVICES included) through the agent.
     inherited: dict[str, str] = {}
     if launcher == "local":
-        master_addr, port = _local_rendezvous(rc, console)
+        master_addr, port = _local_rendezvous(rc, job_id, console)
         inherited = dict(os.environ)
 
     def jobs_for(addr: str, port: int, hosts: list[str] | None = None, restart: int = 0) -> list[NodeJob]:
@@ -375,7 +375,7 @@ def _local_attempt(jobs_for, inherited: dict[str, str], addr: str, port: int, op
     return attempt
 
 
-def _local_rendezvous(rc: RankCommand, console: Console) -> tuple[str, int]:
+def _local_rendezvous(rc: RankCommand, job_id: str, console: Console) -> tuple[str, int]:
     """MASTER_ADDR and MASTER_PORT of a one-node launch: the address must be this machine's.
 
     Raises:
@@ -389,7 +389,7 @@ def _local_rendezvous(rc: RankCommand, console: Console) -> tuple[str, int]:
         raise ValueError(f"--master_addr {addr} is not an address of this machine, but every rank of this "
                          "launch runs here, rank 0's rendezvous included; leave --master_addr out "
                          "(127.0.0.1) or give one of this machine's addresses")
-    port, notice = choose_master_port(addr, rc.master_port)
+    port, notice = choose_master_port(addr, rc.master_port, job_id)
     if notice:
         console.print(f"dsrun: {notice}")
     return addr, port

@@ -9,6 +9,11 @@ only be made on the master's own host; for a remote master the port is
 used as given. Between the check and rank 0's bind another process could
 take the port (a race no launcher can close without passing the socket
 itself); the job then fails at rendezvous with an "address in use" error.
+So a one-node launch without --master_port does not start from one
+well-known port (29500, DeepSpeed's and torchrun's default): two jobs
+started together on one machine would both find it free and race for it.
+It tries ports derived from its job id instead, as an SSH launch does
+(`placement.derived_port`), which two jobs share only by chance.
 """
 from __future__ import annotations
 
@@ -68,13 +73,15 @@ def is_local_address(addr: str) -> bool:
     return any(ipaddress.ip_address(ip.split("%")[0]).is_loopback or ip in own for ip in resolved)
 
 
-def choose_master_port(master_addr: str, requested: int | None) -> tuple[int, str | None]:
-    """The port for the rendezvous and a one-line notice if dsrun picked it.
+def choose_master_port(master_addr: str, requested: int | None, job_id: str,
+                       candidates: int = 8) -> tuple[int, str | None]:
+    """The port for the rendezvous and a one-line notice if dsrun had to fall back.
 
-    With no `requested` port: DEFAULT_MASTER_PORT if free, else a free port
-    (with a notice saying so). With a `requested` port that is busy on this
-    host: PortError naming the port and how to fix it. A master on another
-    host is not checked.
+    With no `requested` port: the first free one of `candidates` ports
+    derived from `job_id` (see [Note: port check]), else a free port from
+    the kernel (with a notice saying so). With a `requested` port that is
+    busy on this host: PortError naming the port and how to fix it. A master
+    on another host is not checked.
     """
     if not is_local_address(master_addr):
         return requested or DEFAULT_MASTER_PORT, None
@@ -85,10 +92,12 @@ def choose_master_port(master_addr: str, requested: int | None) -> tuple[int, st
                 "on it); pass a free port, or leave --master_port out and dsrun picks one"
             )
         return requested, None
-    if port_is_free(DEFAULT_MASTER_PORT):
-        return DEFAULT_MASTER_PORT, None
+    from dsrun.launcher.placement import derived_port  # here: ranks import this module, not rich
+    for index in range(candidates):
+        if port_is_free(port := derived_port(job_id, index)):
+            return port, None
     port = free_port()
     return port, (
-        f"port {DEFAULT_MASTER_PORT} is in use; using MASTER_PORT={port} instead "
+        f"the {candidates} ports derived from job {job_id} are in use; using MASTER_PORT={port} instead "
         "(pass --master_port to choose)"
     )

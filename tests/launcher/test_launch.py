@@ -13,6 +13,7 @@ import psutil
 import pytest
 
 from dsrun.launcher.job import local_node_job
+from dsrun.launcher.placement import derived_port
 
 from conftest import SCRIPTS
 
@@ -163,24 +164,13 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_busy_default_port_is_replaced_and_said(launcher):
-    holder = socket.socket()
-    # SO_REUSEADDR as the launcher's own check uses it: an earlier job's socket in
-    # TIME_WAIT on 29500 must not make this bind fail and leave the port looking free.
-    holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        holder.bind(("", 29500))
-        holder.listen()
-    except OSError:
-        pass  # already listened on (another job on this machine): the case under test all the same
-    try:
-        result = launcher.run("--num_procs", "1", str(SCRIPTS / "print_env.py"))
-    finally:
-        holder.close()
+def test_default_port_is_derived_from_the_job_id(launcher):
+    """Without --master_port the rendezvous port is one derived from the job id, not 29500 (see ports.py)."""
+    result = launcher.run("--num_procs", "1", str(SCRIPTS / "print_env.py"))
     assert result.returncode == 0, result.stderr
-    port = _rank_records(result.stdout)[0]["env"]["MASTER_PORT"]
-    assert port != "29500"
-    assert f"port 29500 is in use; using MASTER_PORT={port} instead" in result.stderr
+    env = _rank_records(result.stdout)[0]["env"]
+    assert int(env["MASTER_PORT"]) in [derived_port(env["DSRUN_JOB_ID"], i) for i in range(8)]
+    assert "in use" not in result.stderr
 
 
 def test_busy_explicit_port_is_an_error(launcher):

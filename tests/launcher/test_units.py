@@ -14,6 +14,7 @@ from dsrun import numpy_warning
 from dsrun.launcher.env import rank_argv, rank_process_env
 from dsrun.launcher.failure import TAIL_LINES, TRACEBACK_MAX_LINES, RankFailure, StderrTail, exit_status, signal_name
 from dsrun.launcher.job import InvalidNodeJob, NodeJob
+from dsrun.launcher.placement import derived_port
 from dsrun.launcher.ports import PortError, choose_master_port, is_local_address
 from dsrun.launcher.proctree import EXITED, children_map, descendants
 
@@ -172,13 +173,35 @@ def test_failure_record_line_round_trip():
     assert RankFailure.from_line("[rank 0] ordinary output") is None
 
 
+def _listen(port: int) -> socket.socket:
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("", port))
+    sock.listen()
+    return sock
+
+
+def test_default_master_port_is_the_first_free_port_derived_from_the_job_id():
+    """Jobs started together on one machine do not race for 29500: each tries its own derived ports."""
+    job = f"test-{os.getpid()}-{time.monotonic_ns()}"
+    first, second = derived_port(job, 0), derived_port(job, 1)
+    assert choose_master_port("127.0.0.1", None, job) == (first, None)
+    with _listen(first):
+        assert choose_master_port("127.0.0.1", None, job) == (second, None)
+        with _listen(second):
+            port, notice = choose_master_port("127.0.0.1", None, job, candidates=2)
+    assert port not in (first, second)
+    assert notice == (f"the 2 ports derived from job {job} are in use; using MASTER_PORT={port} instead "
+                      "(pass --master_port to choose)")
+
+
 def test_choose_master_port():
     with socket.socket() as holder:
         holder.bind(("", 0))
         holder.listen()
         busy = holder.getsockname()[1]
         with pytest.raises(PortError, match=f"--master_port {busy} is already in use"):
-            choose_master_port("127.0.0.1", busy)
+            choose_master_port("127.0.0.1", busy, "job")
         # A remote master cannot be checked from here: the port is used as given.
-        assert choose_master_port("203.0.113.7", busy) == (busy, None)
+        assert choose_master_port("203.0.113.7", busy, "job") == (busy, None)
     assert is_local_address("localhost") and not is_local_address("203.0.113.7")
