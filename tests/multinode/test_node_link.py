@@ -53,8 +53,10 @@ def test_bytes_between_nodes_cross_the_link_and_bytes_inside_a_node_do_not(tmp_p
         assert free["world"] <= 4 * message * ITERS, free  # and not more than the ring plus headers
         # The nodes' own all-reduces stay inside them (only the barriers around the phase cross).
         assert free["node"] < 0.02 * message * ITERS, free
-        # dsrun's shared-memory transport never carries a collective between the nodes.
-        assert set(free["transports"]) == {"torch"}, free
+        # dsrun's shared-memory transport never carries a collective between the nodes, and carries
+        # the all-reduces of a group inside one node.
+        assert free["world_transports"] == {"torch": ITERS}, free
+        assert free["node_transports"] == {"shm": ITERS}, free
         link.set_rate("16mbit")  # 2 MB/s each way
         slow = probe(cluster, link, wrapper, hosts)
     # At 2 MB/s the 1.5 messages each way per all-reduce take at least 1.5 * 2 MiB / 2 MB/s = 1.57 s.

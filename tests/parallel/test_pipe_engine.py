@@ -428,12 +428,17 @@ def test_step_loss_travels_with_the_gradient_norm(stages):
     assert results[0]["losses"] == pytest.approx(reference["losses"], rel=1e-4, abs=1e-5)
 
 
-@pytest.mark.parametrize("zero_stage,all_reduces", [(1, (4, 5)), (2, (7, 8))])
-def test_zero_norm_carries_the_stage_duplicates(zero_stage, all_reduces):
+@pytest.mark.parametrize("zero_stage,shm,all_reduces", [(1, False, (4, 5)), (2, False, (7, 8)), (1, True, (2, 3)),
+                                                       (2, True, (2, 3))])
+def test_zero_norm_carries_the_stage_duplicates(monkeypatch, zero_stage, shm, all_reduces):
     """With ZeRO 1/2 in a pipeline the squared norm of a stage's duplicate
     gradients rides in the shard group's norm all-reduce (it had one of its
     own: 5 / 6 and 8 / 9 all-reduces per step on the first / last stage
-    before); losses still those of one-process training, equal on every rank."""
+    before, on gloo, where ZeRO's reduce-scatters and all-gathers are
+    all-reduces; shared memory runs those natively, leaving 2 / 3); losses
+    still those of one-process training, equal on every rank."""
+    if not shm:
+        monkeypatch.setenv("DSRUN_SHM_COMM", "0")
     results = run_ranks(_train_counting_step_end, 4, 2, zero_stage)
     reference = _train_reference(2, 4, False)
     for r in results:

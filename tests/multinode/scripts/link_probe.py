@@ -6,10 +6,10 @@ tests/multinode/netns_link.py). Through dsrun.comm, every rank all-reduces
 node's group ([0, 1] or [2, 3]). Rank 0 runs on node-a, where the veth
 counters live, reads them around each phase (between barriers) and prints
 
-    PROBE {"world": BYTES, "node": BYTES, "world_seconds": S, "transports": {...}}
+    PROBE {"world": BYTES, "node": BYTES, "world_seconds": S, "world_transports": {...}, "node_transports": {...}}
 
 with the link bytes of each phase, the world phase's seconds, and the
-transports the comms logger recorded for all_reduce.
+transports the comms logger recorded for each phase's all-reduces.
 """
 import argparse
 import json
@@ -52,9 +52,16 @@ def phase(group) -> tuple[int, float]:
     return link_bytes() - before, seconds
 
 
+def transports() -> dict[str, int]:
+    record = comms_logger.snapshot()["all_reduce"]
+    comms_logger.reset()
+    return dict(record.transports)
+
+
 comms_logger.reset()
 world, world_seconds = phase(None)
+world_transports = transports()
 node, _ = phase(mine)
 if rank == 0:
     print("PROBE " + json.dumps({"world": world, "node": node, "world_seconds": world_seconds,
-                                 "transports": comms_logger.snapshot()["all_reduce"].transports}), flush=True)
+                                 "world_transports": world_transports, "node_transports": transports()}), flush=True)
