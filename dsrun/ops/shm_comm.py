@@ -53,6 +53,7 @@ import collections
 import ctypes
 import os
 import threading
+from itertools import accumulate
 from typing import Callable
 
 import torch
@@ -291,7 +292,7 @@ class ShmGroup:
             count = -1
         array = ctypes.c_int64 * world
         self._call(self._lib.dsrun_shm_all_to_all, output.data_ptr(), input.data_ptr(), array(*send),
-                   array(*_offsets(send)), array(*recv), array(*_offsets(recv)),
+                   array(*accumulate(send[:-1], initial=0)), array(*recv), array(*accumulate(recv[:-1], initial=0)),
                    DTYPE_CODES.get(input.dtype, _OTHER_DTYPE), count)
         return output
 
@@ -308,14 +309,6 @@ class ShmGroup:
                              f"dim 0 of {tuple(t.shape)}")
         row = nbytes // t.shape[0] if t.shape[0] else 0
         return [s * row for s in splits]
-
-
-def _offsets(sizes: list[int]) -> list[int]:
-    out, total = [], 0
-    for s in sizes:
-        out.append(total)
-        total += s
-    return out
 
 
 def world_group_from_env(barrier: Callable[[], None], group: str = "world",
