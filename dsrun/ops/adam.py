@@ -381,10 +381,7 @@ class CPUAdam(NativeAdam):
 
     @torch.no_grad()
     def step(self, closure=None, grad_scale: float = 1.0):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = self.closure_loss(closure)
         for group in self.param_groups:
             hyper = adam_hyperparams(group, self)
             for p in group["params"]:
@@ -490,10 +487,7 @@ class FusedAdam(NativeAdam):
 
     @torch.no_grad()
     def step(self, closure=None, grad_scale: float = 1.0):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = self.closure_loss(closure)
         for group in self.param_groups:
             hyper = adam_hyperparams(group, self)
             # (device, dtype, step) -> [(param, work param, grad, exp_avg, exp_avg_sq)]

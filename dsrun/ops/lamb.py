@@ -130,10 +130,7 @@ class FusedLamb(Segmented, OptimizerBase):
             grad_norms: per group, the (scaled) global gradient norm, used
                 with max_grad_norm > 0 (DeepSpeed's clipping hook).
         """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = self.closure_loss(closure)
         self.lamb_coeffs.clear()
         norms = grad_norms if grad_norms is not None else [None] * len(self.param_groups)
         for group, norm in zip(self.param_groups, norms):

@@ -57,10 +57,7 @@ class Lion(OptimizerBase):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):
         """One Lion update of every parameter with a gradient; returns closure's loss."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = self.closure_loss(closure)
         for group in self.param_groups:
             lr, (beta1, beta2), wd = group["lr"], group["betas"], group["weight_decay"]
             for p in group["params"]:

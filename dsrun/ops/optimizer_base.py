@@ -18,7 +18,7 @@ as torch.optim.Optimizer does.
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -36,6 +36,15 @@ class OptimizerBase(_Optimizer):
     and errors); see [Note: torch._dynamo on the eager path]. dsrun's own
     optimizers derive from it.
     """
+
+    @staticmethod
+    def closure_loss(closure: Callable[[], Any] | None) -> Any:
+        """What `closure` returns (the loss), run with autograd enabled since
+        `step()` runs under torch.no_grad(); None when there is no closure."""
+        if closure is None:
+            return None
+        with torch.enable_grad():
+            return closure()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if _dynamo_loaded():

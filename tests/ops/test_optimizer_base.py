@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dsrun.ops.adam import DeepSpeedCPUAdam
+from dsrun.ops.adam import DeepSpeedCPUAdam, FusedAdam
 from dsrun.ops.lamb import FusedLamb
 from dsrun.ops.lion import Lion
 
@@ -89,3 +89,22 @@ def test_with_dynamo_imported_every_wrapped_method_goes_through_torchs_wrapper(c
     assert [name for name, fn in wrapped.items() if not hasattr(fn, "__dynamo_disable")] == []
     assert all(p.grad is None for p in [*a.parameters(), *b.parameters()])
     assert len(opt.param_groups) == 2 and len(opt.state) == 4
+
+
+@pytest.mark.parametrize("cls", [DeepSpeedCPUAdam, FusedAdam, Lion, FusedLamb])
+def test_step_runs_the_closure_with_autograd_and_returns_its_loss(cls):
+    torch.manual_seed(0)
+    net, x = torch.nn.Linear(3, 1), torch.randn(4, 3)
+    before = [p.detach().clone() for p in net.parameters()]
+    opt = cls(net.parameters(), lr=0.1)
+
+    def closure():
+        opt.zero_grad()
+        loss = net(x).square().mean()
+        loss.backward()  # fails unless step() re-enables autograd around the closure
+        return loss
+
+    loss = opt.step(closure)
+    assert isinstance(loss, torch.Tensor) and loss.requires_grad
+    assert all(not torch.equal(a, p) for a, p in zip(before, net.parameters()))
+    assert opt.step() is None

@@ -94,10 +94,7 @@ class OnebitAdam(CompressedCommOptimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):
         """One 1-bit Adam step (collective after warm-up: every rank calls it)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = self.closure_loss(closure)
         compressing = not self.gradients_averaged()
         if compressing and self.steps_done() == self.freeze_step and comm.get_rank() == 0:
             log.info("OnebitAdam: step %d: variance frozen, momentum exchanged 1-bit compressed from now on",

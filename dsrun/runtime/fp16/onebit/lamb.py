@@ -112,10 +112,7 @@ class OnebitLamb(Segmented, CompressedCommOptimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):
         """One 1-bit LAMB step (collective after warm-up)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = self.closure_loss(closure)
         self.lamb_coeffs.clear()
         compressing = not self.gradients_averaged()
         if compressing and self.steps_done() == self.freeze_step:

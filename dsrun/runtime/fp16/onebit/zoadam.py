@@ -102,10 +102,7 @@ class ZeroOneAdam(CompressedCommOptimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):
         """One 0/1 Adam step (collective on compressed and synchronising steps)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = self.closure_loss(closure)
         sched = self._schedule()
         frozen = self.variance_frozen()
         if frozen and self.steps_done() == self.var_freeze_step + 1:
