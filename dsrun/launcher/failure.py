@@ -12,7 +12,7 @@ import signal
 
 from dataclasses import dataclass, field
 
-from dsrun.launcher.records import parse_record, record_json
+from dsrun.launcher.records import LineRecord
 
 FAILURE_PREFIX = "@@dsrun-failure@@ "
 
@@ -30,7 +30,7 @@ _CHAIN_LINES = (
 
 
 @dataclass(kw_only=True)
-class RankFailure:
+class RankFailure(LineRecord):
     """One rank that exited non-zero on its own (not because dsrun stopped it), or that its agent found hung.
 
     Attributes:
@@ -60,20 +60,7 @@ class RankFailure:
     time: float
     reason: str | None = None
 
-    def to_line(self) -> str:
-        """The record as one prefixed line (no newline)."""
-        return FAILURE_PREFIX + record_json(self)
-
-    @classmethod
-    def from_line(cls, line: str) -> "RankFailure | None":
-        """Parse a line written by `to_line`; None if the line is not a failure record.
-
-        Raises:
-            ValueError: the line has the prefix but is not a RankFailure (see `parse_record`).
-        """
-        if not line.startswith(FAILURE_PREFIX):
-            return None
-        return parse_record(cls, line[len(FAILURE_PREFIX):])
+    LINE_PREFIX = FAILURE_PREFIX
 
 
 # What a rank prints when it lost a peer (gloo's TCP pair, torch's store,

@@ -44,7 +44,7 @@ from pathlib import Path
 
 from dsrun.env import HEARTBEAT_FILE
 from dsrun.launcher.job import NodeJob
-from dsrun.launcher.records import parse_record, record_json
+from dsrun.launcher.records import LineRecord, parse_record
 from dsrun.runtime.observability.heartbeat import (DUMP_SIGNAL, HeartbeatState, create_heartbeat_file,
                                                    read_heartbeat, stacks_path)
 
@@ -107,7 +107,7 @@ class RankSnapshot:
 
 
 @dataclass(kw_only=True)
-class HangReport:
+class HangReport(LineRecord):
     """What an agent saw when a hang was reported: every running rank of its node.
 
     Attributes:
@@ -125,23 +125,10 @@ class HangReport:
     hung: list[int]
     ranks: list[RankSnapshot]
 
+    LINE_PREFIX = HANG_PREFIX
+
     def __post_init__(self) -> None:
         self.ranks = [parse_record(RankSnapshot, r) if isinstance(r, dict) else r for r in self.ranks]
-
-    def to_line(self) -> str:
-        """The report as one prefixed line (no newline)."""
-        return HANG_PREFIX + record_json(self)
-
-    @classmethod
-    def from_line(cls, line: str) -> "HangReport | None":
-        """Parse a line written by `to_line`; None if the line is not a hang report.
-
-        Raises:
-            ValueError: the line has the prefix but is not a HangReport (see `parse_record`).
-        """
-        if not line.startswith(HANG_PREFIX):
-            return None
-        return parse_record(cls, line[len(HANG_PREFIX):])
 
 
 def likely_causes(snapshots: list[RankSnapshot]) -> list[int]:

@@ -50,3 +50,28 @@ def parse_record(cls: type[T], data: Any, error: type[ValueError] = ValueError) 
         raise error(f"{cls.__name__}: unknown fields {unknown}, missing fields {missing} "
                     "(head and agent from different dsrun versions?)")
     return cls(**data)
+
+
+class LineRecord:
+    """A dataclass record that travels as one line: its class's `LINE_PREFIX`, then `record_json`.
+
+    The prefix lets a reader pick records out of a stream that carries
+    other output (an agent's stdout/stderr beside its ranks' lines).
+    """
+
+    LINE_PREFIX = ""  # set by each record class
+
+    def to_line(self) -> str:
+        """The record as one prefixed line (no newline)."""
+        return self.LINE_PREFIX + record_json(self)
+
+    @classmethod
+    def from_line(cls: type[T], line: str) -> T | None:
+        """Parse a line written by `to_line`; None if the line lacks the class's prefix.
+
+        Raises:
+            ValueError: the line has the prefix but is not this record (see `parse_record`).
+        """
+        if not line.startswith(cls.LINE_PREFIX):
+            return None
+        return parse_record(cls, line[len(cls.LINE_PREFIX):])
