@@ -14,13 +14,16 @@ copied to the GPU machine beside the work tree; the set is about 14 MiB).
 the same requirements and returns the seconds it took; `activate` puts SITE
 (and the repository root, so that this checkout's dsrun is the one imported
 without installing it) first on sys.path and PYTHONPATH, and SITE/bin on
-PATH (the `ninja` that torch.utils.cpp_extension runs). [Note: --target,
-not a venv or --user]: a separate folder needs neither the python3-venv
-package nor a pip allowed to write the user site (a Debian or Ubuntu
-system Python is "externally managed", PEP 668, and refuses `--user`),
-leaves the system's site-packages as they were, and keeps the system's
-torch visible; pip ignores what is already installed when given --target,
-so every requirement comes from DIR, whatever versions the machine has.
+PATH (the `ninja` that torch.utils.cpp_extension runs).
+
+[Note: --target, not a venv or --user]
+A separate folder needs neither the python3-venv package (a venv with
+--system-site-packages would) nor a pip allowed to write the user site (a
+Debian or Ubuntu system Python is "externally managed", PEP 668, and
+refuses `--user`; pip skips that check for --target), leaves the system's
+site-packages as they were, and keeps the system's torch visible. pip
+ignores what is already installed when given --target, so every
+requirement comes from DIR, whatever versions the machine has.
 """
 from __future__ import annotations
 
