@@ -57,6 +57,7 @@ import math
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -153,14 +154,27 @@ DEEPSPEED_CASES = [
 ]
 
 
-def prebuild_ops(device: str) -> str:
-    """Build every native op this machine supports, one process per op, in parallel."""
+def prebuild_ops(device: str, timeout: float) -> str:
+    """Build every native op this machine supports, one process per op, in
+    parallel; one line per op: loaded, the reason it did not build, or that
+    it was still building after `timeout` seconds (then its build is killed
+    and the rows build it again, or fall back, when they need it)."""
     from dsrun.ops.builder import OPS
     names = [n for n, spec in OPS.items() if device == "cuda" or not spec.requires_cuda]
-    code = "import sys; from dsrun.ops.builder import get_op; op = get_op(sys.argv[1]); op.load(); print(sys.argv[1], op.reason or 'loaded')"
+    code = ("import sys; from dsrun.ops.builder import get_op; op = get_op(sys.argv[1]); op.load(); "
+            "print(sys.argv[1], op.reason or 'loaded')")
     procs = [subprocess.Popen([sys.executable, "-c", code, n], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, cwd=ROOT) for n in names]
-    return "\n".join(p.communicate()[0].strip().splitlines()[-1] for p in procs)
+                              text=True, cwd=ROOT, start_new_session=True) for n in names]
+    deadline, lines = time.monotonic() + timeout, []
+    for name, proc in zip(names, procs):
+        try:
+            lines.append((proc.communicate(timeout=max(deadline - time.monotonic(), 0))[0].strip().splitlines()
+                          or [f"{name}: no output, exit {proc.returncode}"])[-1])
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the compiler processes too
+            proc.communicate()
+            lines.append(f"{name} still building after {timeout:.0f} s (killed)")
+    return "\n".join(lines)
 
 
 def run_case(case: Case, model: str, argv: list[str], device: str, timeout: float, log: Path | None) -> dict:
@@ -301,6 +315,10 @@ def main() -> int:
                    "contains one (e.g. 'plain,offload')")
     p.add_argument("--no_extra", action="store_true", help="skip bench/gpu/*_check.py")
     args = p.parse_args()
+    roles = {item.rpartition("=")[0] for item in args.models.split(",")} - {""}
+    if roles - set(SUITES[args.suite]):
+        p.error(f"--models: unknown role(s) {sorted(roles - set(SUITES[args.suite]))}; the roles are "
+                f"{sorted(SUITES[args.suite])} (e.g. large=tiny)")
     t0 = time.perf_counter()
     header = [f"command: {shlex.join([Path(sys.executable).name, *sys.argv])}"]
     if args.wheels:
@@ -317,7 +335,7 @@ def main() -> int:
                   f"{os.cpu_count()} CPUs")
     print("\n".join(header), flush=True)
     t_ops = time.perf_counter()
-    built = prebuild_ops(device)
+    built = prebuild_ops(device, args.timeout)
     header.append(f"native ops built in {time.perf_counter() - t_ops:.0f} s: " + "; ".join(built.splitlines()))
     print(header[-1], flush=True)
     if args.logs:
