@@ -2,7 +2,8 @@
 
     python bench/gpu/gpt_case.py --model 82m --run dsrun --stage 3 [--fp16]
         [--offload_optimizer cpu|nvme] [--offload_param cpu|nvme] [--zero_init]
-        [--act_ckpt] [--resume] [--steps 8] [--warmup 3] [--device cuda|cpu]
+        [--act_ckpt] [--resume] [--prefetch_bucket N] [--moe_experts E]
+        [--steps 8] [--warmup 3] [--device cuda|cpu]
     python bench/gpu/gpt_case.py --model 82m --run plain
     python bench/gpu/gpt_case.py --model 1.2b --stage 2 --offload_optimizer cpu --timeline   # ZeRO-Offload
 
@@ -33,10 +34,20 @@ Runs (world size 1; `python` alone, no launcher: the runtime then is one rank):
 
 The model's weights come from one seed, so every run starts from the same
 parameters; the batches are random tokens from another fixed seed.
+
+`--prefetch_bucket N` sets stage 3's stage3_prefetch_bucket_size to N
+elements (default 5e7, DeepSpeed's). `--moe_experts E` trains
+examples/gpt_moe.py's MoEGPT instead (blocks 1, 3, ... with E experts, each a
+copy of the block's MLP, top-1, capacity factor 1.0, ep 1: every expert on
+this device; loss + 0.01 x l_aux; optimizer groups split for the experts):
+the same active parameters per token as the GPT, plus the gates, so the GPT
+at the same stage is its baseline without MoE machinery. Its first loss is
+not the GPT's (other layers, the aux loss).
 """
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import resource
@@ -68,6 +79,8 @@ def ds_config(args) -> dict:
         zero["offload_optimizer"] = {"device": args.offload_optimizer, "pin_memory": True, "nvme_path": nvme}
     if args.offload_param:
         zero["offload_param"] = {"device": args.offload_param, "pin_memory": True, "nvme_path": nvme}
+    if args.prefetch_bucket is not None:
+        zero["stage3_prefetch_bucket_size"] = args.prefetch_bucket
     precision = {"fp16": {"enabled": True, "initial_scale_power": 16}} if args.fp16 else {"bf16": {"enabled": True}}
     return {"train_micro_batch_size_per_gpu": MODELS[args.model][4], "gradient_accumulation_steps": 1,
             "gradient_clipping": 1.0, "steps_per_print": 10**6, "zero_optimization": zero,
@@ -76,17 +89,23 @@ def ds_config(args) -> dict:
 
 
 def build_model(args, device: torch.device) -> GPT:
-    """The GPT on `device` (under zero.Init when asked), weights from seed 1234."""
+    """The GPT (MoEGPT with --moe_experts) on `device` (under zero.Init when
+    asked), weights from seed 1234."""
     n_layer, n_embd, n_head, seq_len, _ = MODELS[args.model]
     cfg = GPTConfig(vocab_size=256, seq_len=seq_len, n_layer=n_layer, n_head=n_head, n_embd=n_embd)
     torch.manual_seed(1234)
+    if args.moe_experts:
+        from gpt_moe import MoEGPT
+        make = lambda: MoEGPT(cfg, args.moe_experts, ep_size=1, k=1)  # noqa: E731
+    else:
+        make = lambda: GPT(cfg)  # noqa: E731
     if args.zero_init:
         import dsrun
         with dsrun.zero.Init(config_dict_or_path=ds_config(args)):
-            model = GPT(cfg)
+            model = make()
     else:
         with torch.device(device):
-            model = GPT(cfg)
+            model = make()
     if args.act_ckpt:
         import dsrun
         for block in model.blocks:  # recompute each block's activations in backward
@@ -149,9 +168,12 @@ class EngineStep:
 
     def __init__(self, args, device, lib):
         model = build_model(args, device)
+        groups = model.param_groups()
+        if args.moe_experts:
+            moe_utils = importlib.import_module(lib.__name__ + ".moe.utils")
+            groups = moe_utils.split_params_into_different_moe_groups_for_optimizer(groups)
         t0 = time.perf_counter()
-        self.engine, *_ = lib.initialize(model=model, model_parameters=model.param_groups(),
-                                         config=ds_config(args))
+        self.engine, *_ = lib.initialize(model=model, model_parameters=groups, config=ds_config(args))
         self.build_s = time.perf_counter() - t0
         self.build_peak_mib = peak_mib(device)
 
@@ -216,6 +238,8 @@ def main() -> int:
     p.add_argument("--zero_init", action="store_true")
     p.add_argument("--act_ckpt", action="store_true")
     p.add_argument("--resume", action="store_true", help="check a checkpoint round trip instead of timing")
+    p.add_argument("--prefetch_bucket", type=int, default=None, help="stage3_prefetch_bucket_size (elements)")
+    p.add_argument("--moe_experts", type=int, default=0, help="train MoEGPT with this many experts (ep 1)")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--timeline", action="store_true",
@@ -227,9 +251,11 @@ def main() -> int:
     if device.type == "cuda":
         device = torch.device("cuda", device.index or 0)
         torch.cuda.set_device(device)
-    result = {"model": args.model, "run": args.run}
+    result = {"model": args.model, "run": args.run, "arch": f"moe{args.moe_experts}" if args.moe_experts else "gpt"}
     if args.timeline and args.run != "dsrun":
         p.error("--timeline needs --run dsrun")
+    if args.moe_experts and args.run == "plain":
+        p.error("--moe_experts needs an engine (--run dsrun or deepspeed): the MoE layer's expert groups")
     if args.timeline and args.offload_optimizer and not cpu_adam_ready():
         return 1
     step = make_step(args, device)

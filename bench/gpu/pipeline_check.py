@@ -10,12 +10,16 @@ executor, the strategy seams and the zero-bubble split backward on the
 device, not the sends between stages. Prints a table (median ms per step,
 peak MiB, first and last loss) and exits non-zero when a run fails, a loss
 is not finite, or a schedule's first loss is more than 0.02 from the
-data-parallel engine's.
+data-parallel engine's. `--run dp|1f1b|zb-h1` runs one of them in this
+process and prints its `RESULT {json}` line (as gpt_case.py does: median and
+minimum ms per step, peak MiB, the losses), which is how gpu_check.py runs
+the pipeline rows.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -29,6 +33,8 @@ MICRO_BATCHES = 4
 
 def run_one(args) -> dict:
     """One configuration in this process; returns its record."""
+    if args.device == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import torch
 
     sys.path.insert(0, str(ROOT / "examples"))
@@ -78,7 +84,8 @@ def run_one(args) -> dict:
         if i >= args.warmup:
             times.append((time.perf_counter() - start) * 1000)
     peak = torch.cuda.max_memory_allocated() / 2**20 if args.device == "cuda" else 0.0
-    return {"run": args.run, "ms": statistics.median(times), "min_ms": min(times), "peak_mib": peak, "losses": losses}
+    return {"model": args.model, "run": args.run, "arch": "pipe", "step_ms_median": statistics.median(times),
+            "step_ms_min": min(times), "peak_mib": peak, "losses": losses}
 
 
 def main() -> int:
@@ -87,18 +94,16 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    parser.add_argument("--run", help=argparse.SUPPRESS)
+    parser.add_argument("--run", choices=["dp", "1f1b", "zb-h1"], help="run one configuration here (RESULT line)")
     args = parser.parse_args()
     if args.run:
         print("RESULT " + json.dumps(run_one(args)), flush=True)
         return 0
-    env_device = {"cpu": {"DS_ACCELERATOR": "cpu"}, "cuda": {}}[args.device]
-    import os
     rows, failed = [], False
     for run in ("dp", "1f1b", "zb-h1"):
         proc = subprocess.run([sys.executable, __file__, "--model", args.model, "--steps", str(args.steps),
                                "--warmup", str(args.warmup), "--device", args.device, "--run", run],
-                              capture_output=True, text=True, env={**os.environ, **env_device})
+                              capture_output=True, text=True)
         line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
         if proc.returncode != 0 or line is None:
             print(f"{run}: FAILED\n{proc.stderr[-3000:]}")
@@ -109,8 +114,8 @@ def main() -> int:
     print(f"| run ({args.model}, {MICRO_BATCHES} micro-batches, bf16, ZeRO-1) | median ms | min ms | peak MiB "
           "| first loss | last loss |\n|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['run']} | {r['ms']:.1f} | {r['min_ms']:.1f} | {r['peak_mib']:,.0f} | {r['losses'][0]:.4f} "
-              f"| {r['losses'][-1]:.4f} |")
+        print(f"| {r['run']} | {r['step_ms_median']:.1f} | {r['step_ms_min']:.1f} | {r['peak_mib']:,.0f} "
+              f"| {r['losses'][0]:.4f} | {r['losses'][-1]:.4f} |")
         finite = all(v == v and abs(v) < 1e4 for v in r["losses"])
         if not finite or (base is not None and abs(r["losses"][0] - base) > 0.02):
             print(f"{r['run']}: FAIL (losses {r['losses']})")
