@@ -151,6 +151,9 @@ int barrier(Group& g, char* err, int errlen) {
       const double t = now_s();
       if (t < next_check) continue;
       next_check = t + 1e-3;
+      // Rank r may have arrived, and even exited, while this rank slept or was
+      // descheduled: its arrival counts (what it published stays mapped).
+      if (other->seq.load(std::memory_order_acquire) >= target) break;
       const int bad = g.hdr()->abort_rank.load();
       if (bad >= 0 && bad != g.rank) {
         set_err(err, errlen, "shm collective aborted: rank %d failed", bad);

@@ -216,3 +216,50 @@ def test_all_to_all_matches_gloo(world):
     name = shm_comm.segment_name(uuid.uuid4().hex[:8], f"a2a{world}")
     assert run_ranks(_all_to_all_vs_gloo, world, name, timeout=180) == ["ok"] * world
     assert not os.path.exists("/dev/shm" + name)
+
+
+def _arrive_then_exit(rank: int, world: int, port: int, name: str, go, results) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    g = _group(name, slot_bytes=1 << 16)
+    g.all_reduce(torch.ones(100))
+    if rank == 1:
+        go.wait()
+        g.barrier()
+        os._exit(0)  # arrived, then gone before rank 0 looks again
+    results.put((rank, "waiting"))
+    try:
+        g.barrier()
+        results.put((rank, "ok"))
+    except shm_comm.ShmCollectiveError as e:
+        results.put((rank, str(e)))
+
+
+def test_a_rank_that_arrived_then_exited_does_not_fail_the_waiter():
+    # Rank 0 waits in a barrier and is stopped; rank 1 arrives and exits; rank 0
+    # resumes to find rank 1 dead but arrived (a SIGKILLed rank right after its
+    # last collective, seen in tests/offload/test_swap_files.py): not an error.
+    import signal
+    name = shm_comm.segment_name(uuid.uuid4().hex[:8], "arrived")
+    ctx = context()
+    results, go = ctx.Queue(), ctx.Event()
+    port = free_port()
+    procs = [RankProcess(target=_arrive_then_exit, args=(r, 2, port, name, go, results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        assert results.get(timeout=120) == (0, "waiting")
+        time.sleep(0.5)  # rank 0 is past its spins, asleep on rank 1's word
+        os.kill(procs[0].pid, signal.SIGSTOP)
+        go.set()
+        procs[1].join(timeout=60)
+        assert procs[1].exitcode == 0
+        time.sleep(0.05)
+        os.kill(procs[0].pid, signal.SIGCONT)
+        assert results.get(timeout=60) == (0, "ok")
+    finally:
+        for p in procs:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGCONT)
+                p.kill()
+            p.join(timeout=10)
