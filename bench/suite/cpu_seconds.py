@@ -72,10 +72,10 @@ def main() -> int:
         cpu, user, system, wall, rc = measure(cmd, a.linger)
         cpus.append(cpu)
         status = status or rc
-        print(f"run {i + 1}: CPU-s {cpu:.2f} (user {user:.2f}, system {system:.2f}), wall {wall:.1f} s, "
+        print(f"run {i + 1}: CPU-s {cpu:.3f} (user {user:.3f}, system {system:.3f}), wall {wall:.1f} s, "
               f"exit {rc}", file=sys.stderr)
     if a.repeats > 1:
-        print(f"CPU-s min {min(cpus):.2f} median {statistics.median(cpus):.2f} max {max(cpus):.2f}", file=sys.stderr)
+        print(f"CPU-s min {min(cpus):.3f} median {statistics.median(cpus):.3f} max {max(cpus):.3f}", file=sys.stderr)
     return status
 
 
