@@ -358,12 +358,14 @@ def main() -> int:
         judge(rows)
         if args.out:  # the table so far: a run stopped by a time limit still leaves its rows
             Path(args.out).write_text("\n".join(header) + "\n\n" + table(rows) + "\n")
-    text = "\n".join(header) + "\n\n" + table(rows) + timelines(rows)
-    if skipped:
-        text += f"\n\nskipped (past --budget_s {args.budget_s:.0f} s): " + "; ".join(skipped)
     extra_left = args.timeout if args.budget_s is None else args.budget_s - (time.perf_counter() - t0)
     checks = [] if args.no_extra or extra_left <= 0 else extra_checks(
         device, min(args.timeout, extra_left), {c.script for _, _, c in runs})
+    if not args.no_extra and extra_left <= 0:
+        skipped.append("the bench/gpu/*_check.py checks")
+    text = "\n".join(header) + "\n\n" + table(rows) + timelines(rows)
+    if skipped:
+        text += f"\n\nskipped (past --budget_s {args.budget_s:.0f} s): " + "; ".join(skipped)
     for name, rc, tail in checks:
         text += f"\n\n{name}: {'ok' if rc == 0 else f'FAIL (exit {rc})'}\n\n    " + tail.replace("\n", "\n    ")
     text += f"\n\ntotal {time.perf_counter() - t0:.0f} s"
